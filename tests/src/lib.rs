@@ -1,0 +1,1 @@
+//! Shared helpers for the integration suites: backend factories and fill-pattern checks.

@@ -1,0 +1,164 @@
+//! The one flat error type of strata.
+//!
+//! Every layer returns [`Error`]; the C ABI maps each variant to a stable numeric status
+//! (see [`Error::code`]). Out-of-memory is an ordinary variant, never a panic.
+
+use crate::types::{DevicePtr, Location};
+
+/// Result alias used throughout strata.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in strata.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Physical memory (or an allocator limit) is exhausted. A normal, recoverable outcome.
+    #[error("out of memory on {location}: requested {requested} bytes, {available} available")]
+    OutOfMemory {
+        location: Location,
+        requested: u64,
+        available: u64,
+    },
+    /// A size, address or offset is not a multiple of the allocation granularity.
+    #[error("{what} {value:#x} is not a multiple of the granularity {granularity:#x}")]
+    Misaligned {
+        what: &'static str,
+        value: u64,
+        granularity: u64,
+    },
+    /// An argument is outside what the call accepts.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Arithmetic on a caller-supplied size or address overflowed.
+    #[error("size arithmetic overflowed: {0}")]
+    Overflow(&'static str),
+    /// `map` over a range that is already (partly) mapped.
+    #[error("range {va:#x}+{size:#x} is already mapped")]
+    AlreadyMapped { va: DevicePtr, size: u64 },
+    /// An operation that needs a mapped range found none (or only part of one).
+    #[error("range {va:#x}+{size:#x} is not mapped")]
+    NotMapped { va: DevicePtr, size: u64 },
+    /// `unmap` of a range that does not cover whole mappings exactly.
+    #[error("range {va:#x}+{size:#x} does not cover whole mappings (partial unmap)")]
+    PartialUnmap { va: DevicePtr, size: u64 },
+    /// An address range that lies in no reservation, or crosses a reservation's end.
+    #[error("range {va:#x}+{size:#x} lies outside every reservation")]
+    NotReserved { va: DevicePtr, size: u64 },
+    /// A copy touched memory without the access it needs (CUDA: illegal address).
+    #[error("illegal access to {va:#x}+{size:#x}: {reason}")]
+    IllegalAccess {
+        va: DevicePtr,
+        size: u64,
+        reason: &'static str,
+    },
+    /// A handle (physical, stream, event) that is unknown or already released.
+    #[error("invalid {kind} handle {id:#x}")]
+    InvalidHandle { kind: &'static str, id: u64 },
+    /// A reservation still has mappings inside it.
+    #[error("reservation {va:#x}+{size:#x} still has mappings inside")]
+    StillMapped { va: DevicePtr, size: u64 },
+    /// A pointer that this allocator did not hand out (or already took back).
+    #[error("unknown pointer {0:#x} (never allocated here, or already freed)")]
+    UnknownPointer(DevicePtr),
+    /// A pointer freed twice.
+    #[error("double free of {0:#x}")]
+    DoubleFree(DevicePtr),
+    /// A stale id (its generation no longer matches).
+    #[error("stale {kind} id {index}/{generation}")]
+    StaleId {
+        kind: &'static str,
+        index: u32,
+        generation: u32,
+    },
+    /// The operation conflicts with the object's state (e.g. allocating under a sleeping tag).
+    #[error("invalid state: {0}")]
+    InvalidState(String),
+    /// An allocator limit would be exceeded.
+    #[error("limit exceeded: {requested} bytes requested, {used} used of {limit}")]
+    LimitExceeded { requested: u64, used: u64, limit: u64 },
+    /// The requested backend or feature is not available here.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// No CUDA driver library could be loaded, or it has no devices.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// The device ordinal does not exist.
+    #[error("no such device {0}")]
+    NoDevice(i64),
+    /// A CUDA driver call failed.
+    #[error("{call} failed: {name} ({code})")]
+    Driver {
+        call: &'static str,
+        code: i32,
+        name: String,
+    },
+    /// A fault injected by the host backend's fault plan.
+    #[error("injected fault in {0}")]
+    InjectedFault(&'static str),
+    /// An operating-system call failed.
+    #[error("{call}: {source}")]
+    Os {
+        call: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A configuration value could not be parsed.
+    #[error("bad configuration {name}={value:?}: {reason}")]
+    Config {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+    /// An asynchronous operation failed; reported at the next synchronization point.
+    #[error("asynchronous failure on stream {stream:#x}: {message}")]
+    Async { stream: u64, message: String },
+    /// An error that a destructor could not return, surfaced by the next fallible call.
+    #[error("deferred from a destructor: {0}")]
+    Deferred(Box<Error>),
+}
+
+impl Error {
+    /// Captures `errno` for an OS call.
+    pub fn os(call: &'static str) -> Self {
+        Error::Os {
+            call,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    /// True for out-of-memory and limit errors: the caller may free something and retry.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::OutOfMemory { .. } | Error::LimitExceeded { .. } => true,
+            Error::Deferred(inner) => inner.is_out_of_memory(),
+            _ => false,
+        }
+    }
+
+    /// Stable numeric status for the C ABI. Values never change once published; 0 is success.
+    pub fn code(&self) -> i32 {
+        match self {
+            Error::OutOfMemory { .. } => 1,
+            Error::LimitExceeded { .. } => 2,
+            Error::InvalidArgument(_) | Error::Overflow(_) | Error::Misaligned { .. } => 3,
+            Error::UnknownPointer(_) => 4,
+            Error::DoubleFree(_) => 5,
+            Error::InvalidHandle { .. } | Error::StaleId { .. } => 6,
+            Error::InvalidState(_) => 7,
+            Error::AlreadyMapped { .. }
+            | Error::NotMapped { .. }
+            | Error::PartialUnmap { .. }
+            | Error::NotReserved { .. }
+            | Error::StillMapped { .. }
+            | Error::IllegalAccess { .. } => 8,
+            Error::Unsupported(_) => 9,
+            Error::NoDriver(_) | Error::NoDevice(_) => 10,
+            Error::Driver { .. } => 11,
+            Error::InjectedFault(_) => 12,
+            Error::Os { .. } => 13,
+            Error::Config { .. } => 14,
+            Error::Async { .. } => 15,
+            Error::Deferred(inner) => inner.code(),
+        }
+    }
+}

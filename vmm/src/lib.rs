@@ -1,0 +1,27 @@
+//! The VMM layer of strata: one contract ([`Backend`]) over the CUDA virtual-memory API, with a
+//! CUDA backend and a faithful host emulation, plus RAII owners of reservations, physical memory,
+//! mappings, streams and events.
+//!
+//! Only this crate (and `ffi`) touches raw driver or C pointers.
+
+mod backend;
+pub mod cuda;
+mod error;
+pub mod host;
+mod raii;
+mod select;
+mod types;
+
+pub use backend::Backend;
+pub use cuda::CudaBackend;
+pub use error::{Error, Result};
+pub use host::{HostBackend, HostConfig};
+pub use raii::{
+    check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
+    Reservation, Stream,
+};
+pub use select::{from_env, global, open, Choice};
+pub use types::{
+    overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
+    EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,
+};

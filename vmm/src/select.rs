@@ -1,0 +1,60 @@
+//! Backend selection: `STRATA_BACKEND=cuda|host|auto` (default `auto`).
+
+use std::sync::{Arc, OnceLock};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::host::HostConfig;
+
+/// Which backend the environment asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    Cuda,
+    Host,
+    /// CUDA when a driver and a device are present, else the host emulation.
+    Auto,
+}
+
+impl Choice {
+    /// Reads `STRATA_BACKEND`.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("STRATA_BACKEND").ok().as_deref().map(str::trim) {
+            None | Some("") | Some("auto") => Ok(Choice::Auto),
+            Some("cuda") => Ok(Choice::Cuda),
+            Some("host") => Ok(Choice::Host),
+            Some(other) => Err(Error::Config {
+                name: "STRATA_BACKEND",
+                value: other.to_string(),
+                reason: "expected cuda, host or auto".into(),
+            }),
+        }
+    }
+}
+
+/// Builds the backend `choice` names (host devices from `STRATA_HOST_*`).
+pub fn open(choice: Choice) -> Result<Arc<dyn Backend>> {
+    match choice {
+        Choice::Cuda => crate::cuda::open(),
+        Choice::Host => crate::host::open(HostConfig::from_env()?),
+        Choice::Auto => match crate::cuda::open() {
+            Ok(cuda) => Ok(cuda),
+            Err(Error::NoDriver(_) | Error::NoDevice(_)) => open(Choice::Host),
+            Err(other) => Err(other),
+        },
+    }
+}
+
+/// Builds the backend the environment selects.
+pub fn from_env() -> Result<Arc<dyn Backend>> {
+    open(Choice::from_env()?)
+}
+
+/// The process-wide backend, opened from the environment on first use. A failure is returned
+/// again on every call (the environment is read once).
+pub fn global() -> Result<Arc<dyn Backend>> {
+    static GLOBAL: OnceLock<std::result::Result<Arc<dyn Backend>, String>> = OnceLock::new();
+    match GLOBAL.get_or_init(|| from_env().map_err(|e| e.to_string())) {
+        Ok(backend) => Ok(Arc::clone(backend)),
+        Err(message) => Err(Error::Unsupported(format!("no backend: {message}"))),
+    }
+}
