@@ -46,6 +46,8 @@ use crate::types::{
 pub trait Backend: Send + Sync + 'static {
     /// Which implementation this is.
     fn kind(&self) -> BackendKind;
+    /// The concrete backend, for backend-specific controls (fault injection, resident bytes).
+    fn as_any(&self) -> &dyn std::any::Any;
     /// Number of devices (GPUs or emulated GPUs).
     fn device_count(&self) -> u32;
     /// Name, memory and granularity of a device.
