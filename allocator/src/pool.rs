@@ -1,0 +1,409 @@
+//! `PagePool`: granularity-sized physical pages of one device, kept between watermarks.
+//!
+//! A background thread tops the free list up to the high watermark when it falls below the low
+//! one, and trims it back when the pool has been idle. `take` never waits for that thread: when
+//! the free list is short it creates the missing pages itself, with no lock held across the
+//! driver calls (kvcached#371: no lock held while waiting on the refill thread).
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use strata_vmm::{Backend, CreateFlags, Error, Location, PhysicalMemory, Result};
+
+/// Where a page's physical memory came from, so that borrowed memory can be given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PageSource {
+    /// Created on this device for the pool.
+    Fresh,
+    /// Reclaimed from the parameters of a model (MIRAGE); `owner` names the model.
+    Reclaimed { owner: u32 },
+    /// Borrowed from a peer device (Harvest); `lender` is its ordinal.
+    Borrowed { lender: u32 },
+}
+
+/// One granularity-sized page of physical memory and its source. Pages go back to the pool
+/// through [`PagePool::give`] or [`PagePool::release`]; dropping one elsewhere releases its
+/// memory but leaves the pool's counters behind.
+#[derive(Debug)]
+pub struct Page {
+    phys: Arc<PhysicalMemory>,
+    source: PageSource,
+}
+
+impl Page {
+    pub fn phys(&self) -> &Arc<PhysicalMemory> {
+        &self.phys
+    }
+
+    pub fn source(&self) -> PageSource {
+        self.source
+    }
+
+    pub fn size(&self) -> u64 {
+        self.phys.size()
+    }
+}
+
+/// Watermarks, limit and background behaviour of a pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// The refill thread tops up when fewer free pages than this remain.
+    pub low_watermark: usize,
+    /// ... up to this many free pages; above it, free pages are trimmed.
+    pub high_watermark: usize,
+    /// Most bytes of pages the pool may hold at once (free and in use).
+    pub limit: Option<u64>,
+    /// Trim free pages down to the low watermark after this long without `take`/`give`.
+    pub idle_trim_after: Option<Duration>,
+    /// Run the refill/trim thread (off: `take` creates on demand, trimming is explicit).
+    pub background: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            low_watermark: 4,
+            high_watermark: 16,
+            limit: None,
+            idle_trim_after: Some(Duration::from_secs(5)),
+            background: true,
+        }
+    }
+}
+
+/// Counters of a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    pub page_size: u64,
+    /// Free pages held.
+    pub free: usize,
+    /// Pages handed out and not yet given back.
+    pub in_use: usize,
+    /// Pages created through the driver, ever.
+    pub created_total: u64,
+    /// Pages released to the driver, ever.
+    pub released_total: u64,
+    /// Pages created by `take` itself because the free list was short.
+    pub created_on_demand: u64,
+    /// Pages not created here (reclaimed or borrowed) adopted, ever.
+    pub adopted_total: u64,
+    pub limit: Option<u64>,
+}
+
+impl PoolStats {
+    /// Bytes of physical memory the pool holds (free and in use).
+    pub fn held_bytes(&self) -> u64 {
+        (self.free + self.in_use) as u64 * self.page_size
+    }
+}
+
+struct State {
+    free: Vec<Page>,
+    in_use: usize,
+    /// Pages being created outside the lock, counted against the limit.
+    pending: usize,
+    created_total: u64,
+    released_total: u64,
+    created_on_demand: u64,
+    adopted_total: u64,
+    last_activity: Instant,
+    shutdown: bool,
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    device: u32,
+    page_size: u64,
+    config: PoolConfig,
+    state: Mutex<State>,
+    wake_worker: Condvar,
+}
+
+/// Physical pages of one device. Shared as `Arc<PagePool>`.
+pub struct PagePool {
+    inner: Arc<Inner>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl PagePool {
+    /// A pool of `device`'s granularity-sized pages.
+    pub fn new(backend: Arc<dyn Backend>, device: u32, config: PoolConfig) -> Result<Arc<PagePool>> {
+        if config.low_watermark > config.high_watermark {
+            return Err(Error::InvalidArgument(format!(
+                "low watermark {} above high watermark {}",
+                config.low_watermark, config.high_watermark
+            )));
+        }
+        if device >= backend.device_count() {
+            return Err(Error::NoDevice(device.into()));
+        }
+        let page_size = backend.granularity(Location::Device(device))?;
+        let inner = Arc::new(Inner {
+            backend,
+            device,
+            page_size,
+            config,
+            state: Mutex::new(State {
+                free: Vec::new(),
+                in_use: 0,
+                pending: 0,
+                created_total: 0,
+                released_total: 0,
+                created_on_demand: 0,
+                adopted_total: 0,
+                last_activity: Instant::now(),
+                shutdown: false,
+            }),
+            wake_worker: Condvar::new(),
+        });
+        let worker = if inner.config.background {
+            let inner = Arc::clone(&inner);
+            let handle = std::thread::Builder::new()
+                .name(format!("strata-pool-{device}"))
+                .spawn(move || inner.run_worker())
+                .map_err(|source| Error::Os {
+                    call: "spawn pool thread",
+                    source,
+                })?;
+            Some(handle)
+        } else {
+            None
+        };
+        Ok(Arc::new(PagePool {
+            inner,
+            worker: Mutex::new(worker),
+        }))
+    }
+
+    pub fn page_size(&self) -> u64 {
+        self.inner.page_size
+    }
+
+    pub fn device(&self) -> u32 {
+        self.inner.device
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    pub fn config(&self) -> &PoolConfig {
+        &self.inner.config
+    }
+
+    /// Takes `n` pages: all of them, or none with the error (out of memory, limit).
+    pub fn take(&self, n: usize) -> Result<Vec<Page>> {
+        let mut state = self.inner.state.lock();
+        state.last_activity = Instant::now();
+        if state.free.len() >= n {
+            let at = state.free.len() - n;
+            let pages = state.free.split_off(at);
+            state.in_use += n;
+            if state.free.len() < self.inner.config.low_watermark {
+                self.inner.wake_worker.notify_one();
+            }
+            return Ok(pages);
+        }
+        drop(state);
+        self.take_slow(n)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_slow(&self, n: usize) -> Result<Vec<Page>> {
+        let mut state = self.inner.state.lock();
+        // The free list may have grown since `take` looked: hand out exactly `n`.
+        let keep = state.free.len().saturating_sub(n);
+        let mut pages = state.free.split_off(keep);
+        let missing = n - pages.len();
+        if let Err(e) = self.inner.admit(&state, missing) {
+            state.free = pages;
+            return Err(e);
+        }
+        state.pending += missing;
+        state.in_use += pages.len();
+        drop(state);
+
+        let created = self.inner.create_pages(missing);
+        let mut state = self.inner.state.lock();
+        state.pending -= missing;
+        match created {
+            Ok(fresh) => {
+                state.created_total += fresh.len() as u64;
+                state.created_on_demand += fresh.len() as u64;
+                state.in_use += fresh.len();
+                pages.extend(fresh);
+                self.inner.wake_worker.notify_one();
+                Ok(pages)
+            }
+            Err(e) => {
+                state.in_use -= pages.len();
+                state.free.append(&mut pages);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives pages back to the free list (the worker trims above the high watermark).
+    pub fn give(&self, pages: Vec<Page>) {
+        if pages.is_empty() {
+            return;
+        }
+        let mut state = self.inner.state.lock();
+        state.last_activity = Instant::now();
+        state.in_use = state.in_use.saturating_sub(pages.len());
+        state.free.extend(pages);
+        if state.free.len() > self.inner.config.high_watermark {
+            self.inner.wake_worker.notify_one();
+        }
+    }
+
+    /// Releases pages straight to the driver (their memory returns to the device).
+    pub fn release(&self, pages: Vec<Page>) {
+        let n = pages.len();
+        drop(pages);
+        let mut state = self.inner.state.lock();
+        state.in_use = state.in_use.saturating_sub(n);
+        state.released_total += n as u64;
+    }
+
+    /// Takes a page that was not created by this pool (reclaimed or borrowed) into its
+    /// accounting, as in use by the caller; `give` later puts it on the free list.
+    pub fn adopt(&self, phys: Arc<PhysicalMemory>, source: PageSource) -> Result<Page> {
+        if phys.size() != self.inner.page_size {
+            return Err(Error::InvalidArgument(format!(
+                "adopted page of {} bytes in a pool of {}-byte pages",
+                phys.size(),
+                self.inner.page_size
+            )));
+        }
+        let mut state = self.inner.state.lock();
+        state.in_use += 1;
+        state.adopted_total += 1;
+        Ok(Page { phys, source })
+    }
+
+    /// Releases free pages until at most `keep` remain; returns how many were released.
+    pub fn trim(&self, keep: usize) -> usize {
+        let released = {
+            let mut state = self.inner.state.lock();
+            if state.free.len() <= keep {
+                return 0;
+            }
+            let released = state.free.split_off(keep);
+            state.released_total += released.len() as u64;
+            released
+        };
+        let n = released.len();
+        drop(released); // driver calls outside the lock
+        n
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let state = self.inner.state.lock();
+        PoolStats {
+            page_size: self.inner.page_size,
+            free: state.free.len(),
+            in_use: state.in_use,
+            created_total: state.created_total,
+            released_total: state.released_total,
+            created_on_demand: state.created_on_demand,
+            adopted_total: state.adopted_total,
+            limit: self.inner.config.limit,
+        }
+    }
+}
+
+impl Drop for PagePool {
+    fn drop(&mut self) {
+        self.inner.state.lock().shutdown = true;
+        self.inner.wake_worker.notify_all();
+        if let Some(handle) = self.worker.lock().take() {
+            // A panicked worker has nothing left to clean up; the free pages drop with `inner`.
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Inner {
+    /// Checks that `extra` more pages fit under the limit.
+    fn admit(&self, state: &State, extra: usize) -> Result<()> {
+        let Some(limit) = self.config.limit else {
+            return Ok(());
+        };
+        let held = (state.free.len() + state.in_use + state.pending) as u64 * self.page_size;
+        let requested = extra as u64 * self.page_size;
+        if held.saturating_add(requested) > limit {
+            return Err(Error::LimitExceeded {
+                requested,
+                used: held,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    fn create_pages(&self, n: usize) -> Result<Vec<Page>> {
+        let location = Location::Device(self.device);
+        let mut pages = Vec::with_capacity(n);
+        for _ in 0..n {
+            // On failure the pages created so far drop here and are released.
+            let phys = PhysicalMemory::create(&self.backend, location, self.page_size, CreateFlags::empty())?;
+            pages.push(Page {
+                phys: Arc::new(phys),
+                source: PageSource::Fresh,
+            });
+        }
+        Ok(pages)
+    }
+
+    fn run_worker(&self) {
+        let tick = Duration::from_millis(50);
+        let mut state = self.state.lock();
+        loop {
+            if state.shutdown {
+                return;
+            }
+            let free = state.free.len();
+            if free < self.config.low_watermark {
+                let want = self.config.high_watermark - free;
+                let want = (0..=want).rev().find(|&k| self.admit(&state, k).is_ok()).unwrap_or(0);
+                if want > 0 {
+                    state.pending += want;
+                    drop(state);
+                    let created = self.create_pages(want);
+                    state = self.state.lock();
+                    state.pending -= want;
+                    match created {
+                        Ok(pages) => {
+                            state.created_total += pages.len() as u64;
+                            state.free.extend(pages);
+                            continue;
+                        }
+                        // Out of memory: wait for the next signal instead of spinning.
+                        Err(_) => {}
+                    }
+                }
+            } else if free > self.config.high_watermark
+                || self.config.idle_trim_after.is_some_and(|idle| {
+                    free > self.config.low_watermark && state.last_activity.elapsed() >= idle
+                })
+            {
+                let keep = if free > self.config.high_watermark {
+                    self.config.high_watermark
+                } else {
+                    self.config.low_watermark
+                };
+                let released = state.free.split_off(keep);
+                state.released_total += released.len() as u64;
+                drop(state);
+                drop(released);
+                state = self.state.lock();
+                continue;
+            }
+            self.wake_worker.wait_for(&mut state, tick);
+        }
+    }
+}
