@@ -109,6 +109,8 @@ struct State {
     created_on_demand: u64,
     adopted_total: u64,
     last_activity: Instant,
+    /// The last refill ran out of memory: wait for pages to come back before trying again.
+    refill_blocked: bool,
     shutdown: bool,
 }
 
@@ -154,6 +156,7 @@ impl PagePool {
                 created_on_demand: 0,
                 adopted_total: 0,
                 last_activity: Instant::now(),
+                refill_blocked: false,
                 shutdown: false,
             }),
             wake_worker: Condvar::new(),
@@ -254,6 +257,7 @@ impl PagePool {
         let mut state = self.inner.state.lock();
         state.last_activity = Instant::now();
         state.in_use = state.in_use.saturating_sub(pages.len());
+        state.refill_blocked = false;
         state.free.extend(pages);
         if state.free.len() > self.inner.config.high_watermark {
             self.inner.wake_worker.notify_one();
@@ -267,6 +271,8 @@ impl PagePool {
         let mut state = self.inner.state.lock();
         state.in_use = state.in_use.saturating_sub(n);
         state.released_total += n as u64;
+        state.refill_blocked = false;
+        self.inner.wake_worker.notify_one();
     }
 
     /// Takes a page that was not created by this pool (reclaimed or borrowed) into its
@@ -294,6 +300,7 @@ impl PagePool {
             }
             let released = state.free.split_off(keep);
             state.released_total += released.len() as u64;
+            state.refill_blocked = false;
             released
         };
         let n = released.len();
@@ -367,7 +374,7 @@ impl Inner {
                 return;
             }
             let free = state.free.len();
-            if free < self.config.low_watermark {
+            if free < self.config.low_watermark && !state.refill_blocked {
                 let want = self.config.high_watermark - free;
                 let want = (0..=want).rev().find(|&k| self.admit(&state, k).is_ok()).unwrap_or(0);
                 if want > 0 {
@@ -382,8 +389,8 @@ impl Inner {
                             state.free.extend(pages);
                             continue;
                         }
-                        // Out of memory: wait for the next signal instead of spinning.
-                        Err(_) => {}
+                        // Out of memory: no retries until pages come back (give/release).
+                        Err(_) => state.refill_blocked = true,
                     }
                 }
             } else if free > self.config.high_watermark

@@ -1,0 +1,177 @@
+//! PagePool on the host backend: all-or-nothing takes, limits, refill between watermarks,
+//! trimming that really returns memory, and page sources.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_allocator::{PagePool, PageSource, PoolConfig};
+use strata_vmm::{Backend, CreateFlags, Error, HostConfig, Location, PhysicalMemory};
+
+const PAGE: u64 = 2 << 20;
+
+fn backend(pages: u64) -> Arc<dyn Backend> {
+    strata_vmm::host::open(HostConfig {
+        devices: vec![pages * PAGE],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .unwrap()
+}
+
+fn manual(limit: Option<u64>) -> PoolConfig {
+    PoolConfig {
+        low_watermark: 0,
+        high_watermark: 64,
+        limit,
+        idle_trim_after: None,
+        background: false,
+    }
+}
+
+fn free_pages(backend: &Arc<dyn Backend>) -> u64 {
+    backend.mem_info(0).unwrap().free / PAGE
+}
+
+/// Polls `cond` for up to 10 s (liveness, not timing).
+fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[test]
+fn take_give_reuses_pages_without_creating() {
+    let b = backend(16);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let pages = pool.take(4).unwrap();
+    assert_eq!(pages.len(), 4);
+    assert!(pages.iter().all(|p| p.size() == PAGE && p.source() == PageSource::Fresh));
+    assert_eq!(free_pages(&b), 12);
+    pool.give(pages);
+    let again = pool.take(4).unwrap();
+    let s = pool.stats();
+    assert_eq!((s.created_total, s.in_use, s.free), (4, 4, 0));
+    pool.give(again);
+}
+
+#[test]
+fn out_of_memory_takes_nothing() {
+    let b = backend(8);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let held = pool.take(3).unwrap();
+    let err = pool.take(6).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    let s = pool.stats();
+    assert_eq!((s.in_use, s.free), (3, 0));
+    assert_eq!(free_pages(&b), 5, "a failed take must release what it created");
+    assert_eq!(pool.take(5).unwrap().len(), 5);
+    pool.give(held);
+}
+
+#[test]
+fn limit_is_enforced_and_recoverable() {
+    let b = backend(32);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(Some(4 * PAGE))).unwrap();
+    let a = pool.take(3).unwrap();
+    match pool.take(2) {
+        Err(Error::LimitExceeded { limit, .. }) => assert_eq!(limit, 4 * PAGE),
+        other => panic!("expected LimitExceeded, got {other:?}"),
+    }
+    assert_eq!(pool.stats().in_use, 3);
+    pool.release(a);
+    assert_eq!(pool.take(4).unwrap().len(), 4);
+}
+
+#[test]
+fn trim_returns_memory_to_the_device() {
+    let b = backend(16);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    pool.give(pool.take(10).unwrap());
+    assert_eq!(free_pages(&b), 6);
+    assert_eq!(pool.trim(2), 8);
+    assert_eq!(free_pages(&b), 14);
+    assert_eq!(pool.stats().free, 2);
+}
+
+#[test]
+fn background_refills_to_watermarks_and_trims_when_idle() {
+    let b = backend(64);
+    let config = PoolConfig {
+        low_watermark: 4,
+        high_watermark: 8,
+        limit: None,
+        idle_trim_after: Some(Duration::from_millis(100)),
+        background: true,
+    };
+    let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
+    assert!(eventually(|| pool.stats().free == 8), "refill to high watermark: {:?}", pool.stats());
+    let taken = pool.take(6).unwrap();
+    assert!(eventually(|| pool.stats().free == 8), "refill after take: {:?}", pool.stats());
+    pool.give(taken);
+    // 14 free: above high, trimmed to high; then idle, trimmed to low.
+    assert!(eventually(|| pool.stats().free == 4), "idle trim to low watermark: {:?}", pool.stats());
+    assert!(eventually(|| free_pages(&b) == 60));
+}
+
+#[test]
+fn take_never_waits_for_the_refill_thread() {
+    // The device has fewer pages than the high watermark: the worker keeps failing to refill
+    // while callers take and give from several threads. Nothing may hang or over-commit.
+    let b = backend(12);
+    let config = PoolConfig {
+        low_watermark: 10,
+        high_watermark: 40,
+        limit: None,
+        idle_trim_after: None,
+        background: true,
+    };
+    let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let pool = Arc::clone(&pool);
+            s.spawn(move || {
+                for _ in 0..200 {
+                    if let Ok(pages) = pool.take(3) {
+                        pool.give(pages);
+                    }
+                }
+            });
+        }
+    });
+    let s = pool.stats();
+    assert_eq!(s.in_use, 0);
+    assert!(s.free <= 12);
+}
+
+#[test]
+fn adopted_pages_keep_their_source() {
+    let b = backend(8);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let phys = Arc::new(PhysicalMemory::create(&b, Location::Device(0), PAGE, CreateFlags::empty()).unwrap());
+    let page = pool.adopt(phys, PageSource::Reclaimed { owner: 7 }).unwrap();
+    assert_eq!(page.source(), PageSource::Reclaimed { owner: 7 });
+    pool.give(vec![page]);
+    let back = pool.take(1).unwrap();
+    assert_eq!(back[0].source(), PageSource::Reclaimed { owner: 7 });
+    let wrong = Arc::new(PhysicalMemory::create(&b, Location::Device(0), 2 * PAGE, CreateFlags::empty()).unwrap());
+    assert!(matches!(pool.adopt(wrong, PageSource::Fresh), Err(Error::InvalidArgument(_))));
+    pool.give(back);
+}
+
+#[test]
+fn bad_configuration_is_an_error() {
+    let b = backend(8);
+    let bad = PoolConfig {
+        low_watermark: 9,
+        high_watermark: 2,
+        ..PoolConfig::default()
+    };
+    assert!(matches!(PagePool::new(Arc::clone(&b), 0, bad), Err(Error::InvalidArgument(_))));
+    assert!(matches!(PagePool::new(b, 3, PoolConfig::default()), Err(Error::NoDevice(3))));
+}

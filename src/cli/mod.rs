@@ -1,0 +1,7 @@
+pub mod demo;
+pub mod info;
+
+/// Human-readable binary size (`1.5 GiB`).
+pub fn size(bytes: u64) -> String {
+    bytesize::ByteSize::b(bytes).display().iec().to_string()
+}
