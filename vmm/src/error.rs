@@ -19,6 +19,9 @@ pub enum Error {
         requested: u64,
         available: u64,
     },
+    /// No virtual address range of the requested size is left (CUDA: reserve out of memory).
+    #[error("out of virtual address space: {requested} bytes requested")]
+    OutOfAddressSpace { requested: u64 },
     /// A size, address or offset is not a multiple of the allocation granularity.
     #[error("{what} {value:#x} is not a multiple of the granularity {granularity:#x}")]
     Misaligned {
@@ -129,7 +132,9 @@ impl Error {
     /// True for out-of-memory and limit errors: the caller may free something and retry.
     pub fn is_out_of_memory(&self) -> bool {
         match self {
-            Error::OutOfMemory { .. } | Error::LimitExceeded { .. } => true,
+            Error::OutOfMemory { .. }
+            | Error::OutOfAddressSpace { .. }
+            | Error::LimitExceeded { .. } => true,
             Error::Deferred(inner) => inner.is_out_of_memory(),
             _ => false,
         }
@@ -138,7 +143,7 @@ impl Error {
     /// Stable numeric status for the C ABI. Values never change once published; 0 is success.
     pub fn code(&self) -> i32 {
         match self {
-            Error::OutOfMemory { .. } => 1,
+            Error::OutOfMemory { .. } | Error::OutOfAddressSpace { .. } => 1,
             Error::LimitExceeded { .. } => 2,
             Error::InvalidArgument(_) | Error::Overflow(_) | Error::Misaligned { .. } => 3,
             Error::UnknownPointer(_) => 4,

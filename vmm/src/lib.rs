@@ -11,6 +11,7 @@ pub mod host;
 mod raii;
 mod select;
 mod types;
+mod vatable;
 
 pub use backend::Backend;
 pub use cuda::CudaBackend;
