@@ -10,16 +10,30 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use strata::vmm::{self, Access, Backend, CreateFlags, Location, Mapping, PhysicalMemory, Reservation};
+use strata::vmm::{
+    self, Access, Backend, CreateFlags, Location, Mapping, PhysicalMemory, Reservation,
+};
 
 const RUN: u64 = 32;
 
-fn setup() -> (Arc<dyn Backend>, u64, Arc<Reservation>, Vec<Arc<PhysicalMemory>>) {
+fn setup() -> (
+    Arc<dyn Backend>,
+    u64,
+    Arc<Reservation>,
+    Vec<Arc<PhysicalMemory>>,
+) {
     let backend = vmm::from_env().expect("backend");
-    let page = backend.granularity(Location::Device(0)).expect("granularity");
+    let page = backend
+        .granularity(Location::Device(0))
+        .expect("granularity");
     let reservation = Arc::new(Reservation::new(&backend, RUN * page, 0).expect("reserve"));
     let pages = (0..RUN)
-        .map(|_| Arc::new(PhysicalMemory::create(&backend, Location::Device(0), page, CreateFlags::empty()).expect("create")))
+        .map(|_| {
+            Arc::new(
+                PhysicalMemory::create(&backend, Location::Device(0), page, CreateFlags::empty())
+                    .expect("create"),
+            )
+        })
         .collect();
     (backend, page, reservation, pages)
 }
@@ -52,7 +66,8 @@ fn bench(c: &mut Criterion) {
             for _ in 0..iters {
                 for (i, p) in pages.iter().enumerate() {
                     let va = base + i as u64 * page;
-                    let m = Mapping::new(&reservation, va, Arc::clone(p), 0, page, &rw).expect("map");
+                    let m =
+                        Mapping::new(&reservation, va, Arc::clone(p), 0, page, &rw).expect("map");
                     m.unmap().expect("unmap");
                 }
             }
@@ -64,7 +79,9 @@ fn bench(c: &mut Criterion) {
             let start = Instant::now();
             for _ in 0..iters {
                 for (i, p) in pages.iter().enumerate() {
-                    backend.map(base + i as u64 * page, page, p.handle(), 0).expect("map");
+                    backend
+                        .map(base + i as u64 * page, page, p.handle(), 0)
+                        .expect("map");
                 }
                 backend.set_access(base, RUN * page, &rw).expect("access");
                 for i in 0..RUN {

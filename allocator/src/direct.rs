@@ -67,10 +67,22 @@ impl MemoryResource for DirectResource {
             available: 0,
         })?;
         // Physical memory first: capacity is what runs out, VA almost never does.
-        let phys = Arc::new(PhysicalMemory::create(&self.backend, location, rounded, CreateFlags::empty())?);
+        let phys = Arc::new(PhysicalMemory::create(
+            &self.backend,
+            location,
+            rounded,
+            CreateFlags::empty(),
+        )?);
         let reservation = Arc::new(Reservation::new(&self.backend, rounded, 0)?);
         let va = reservation.ptr();
-        let mapping = Mapping::new(&reservation, va, phys, 0, rounded, &[(location, Access::ReadWrite)])?;
+        let mapping = Mapping::new(
+            &reservation,
+            va,
+            phys,
+            0,
+            rounded,
+            &[(location, Access::ReadWrite)],
+        )?;
         let mut state = self.state.lock();
         if state.freed.remove(&va) {
             state.freed_order.retain(|&p| p != va);

@@ -5,9 +5,18 @@
 #![deny(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod caching;
+pub mod direct;
+pub mod kv;
 pub mod pool;
 pub mod resource;
 
+pub use caching::{
+    AllocatorCounts, AllocatorStats, CachingAllocator, CachingConfig, LiveAllocation, TagId,
+    TagStats, UNTAGGED,
+};
+pub use direct::DirectResource;
+pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};
 pub use pool::{Page, PagePool, PageSource, PoolConfig, PoolStats};
 pub use resource::MemoryResource;
 pub use strata_vmm::{Error, Result};

@@ -131,7 +131,11 @@ pub struct PagePool {
 
 impl PagePool {
     /// A pool of `device`'s granularity-sized pages.
-    pub fn new(backend: Arc<dyn Backend>, device: u32, config: PoolConfig) -> Result<Arc<PagePool>> {
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        device: u32,
+        config: PoolConfig,
+    ) -> Result<Arc<PagePool>> {
         if config.low_watermark > config.high_watermark {
             return Err(Error::InvalidArgument(format!(
                 "low watermark {} above high watermark {}",
@@ -357,7 +361,12 @@ impl Inner {
         let mut pages = Vec::with_capacity(n);
         for _ in 0..n {
             // On failure the pages created so far drop here and are released.
-            let phys = PhysicalMemory::create(&self.backend, location, self.page_size, CreateFlags::empty())?;
+            let phys = PhysicalMemory::create(
+                &self.backend,
+                location,
+                self.page_size,
+                CreateFlags::empty(),
+            )?;
             pages.push(Page {
                 phys: Arc::new(phys),
                 source: PageSource::Fresh,
@@ -376,7 +385,10 @@ impl Inner {
             let free = state.free.len();
             if free < self.config.low_watermark && !state.refill_blocked {
                 let want = self.config.high_watermark - free;
-                let want = (0..=want).rev().find(|&k| self.admit(&state, k).is_ok()).unwrap_or(0);
+                let want = (0..=want)
+                    .rev()
+                    .find(|&k| self.admit(&state, k).is_ok())
+                    .unwrap_or(0);
                 if want > 0 {
                     state.pending += want;
                     drop(state);

@@ -51,7 +51,9 @@ fn take_give_reuses_pages_without_creating() {
     let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
     let pages = pool.take(4).unwrap();
     assert_eq!(pages.len(), 4);
-    assert!(pages.iter().all(|p| p.size() == PAGE && p.source() == PageSource::Fresh));
+    assert!(pages
+        .iter()
+        .all(|p| p.size() == PAGE && p.source() == PageSource::Fresh));
     assert_eq!(free_pages(&b), 12);
     pool.give(pages);
     let again = pool.take(4).unwrap();
@@ -69,7 +71,11 @@ fn out_of_memory_takes_nothing() {
     assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
     let s = pool.stats();
     assert_eq!((s.in_use, s.free), (3, 0));
-    assert_eq!(free_pages(&b), 5, "a failed take must release what it created");
+    assert_eq!(
+        free_pages(&b),
+        5,
+        "a failed take must release what it created"
+    );
     assert_eq!(pool.take(5).unwrap().len(), 5);
     pool.give(held);
 }
@@ -110,12 +116,24 @@ fn background_refills_to_watermarks_and_trims_when_idle() {
         background: true,
     };
     let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
-    assert!(eventually(|| pool.stats().free == 8), "refill to high watermark: {:?}", pool.stats());
+    assert!(
+        eventually(|| pool.stats().free == 8),
+        "refill to high watermark: {:?}",
+        pool.stats()
+    );
     let taken = pool.take(6).unwrap();
-    assert!(eventually(|| pool.stats().free == 8), "refill after take: {:?}", pool.stats());
+    assert!(
+        eventually(|| pool.stats().free == 8),
+        "refill after take: {:?}",
+        pool.stats()
+    );
     pool.give(taken);
     // 14 free: above high, trimmed to high; then idle, trimmed to low.
-    assert!(eventually(|| pool.stats().free == 4), "idle trim to low watermark: {:?}", pool.stats());
+    assert!(
+        eventually(|| pool.stats().free == 4),
+        "idle trim to low watermark: {:?}",
+        pool.stats()
+    );
     assert!(eventually(|| free_pages(&b) == 60));
 }
 
@@ -153,14 +171,23 @@ fn take_never_waits_for_the_refill_thread() {
 fn adopted_pages_keep_their_source() {
     let b = backend(8);
     let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
-    let phys = Arc::new(PhysicalMemory::create(&b, Location::Device(0), PAGE, CreateFlags::empty()).unwrap());
-    let page = pool.adopt(phys, PageSource::Reclaimed { owner: 7 }).unwrap();
+    let phys = Arc::new(
+        PhysicalMemory::create(&b, Location::Device(0), PAGE, CreateFlags::empty()).unwrap(),
+    );
+    let page = pool
+        .adopt(phys, PageSource::Reclaimed { owner: 7 })
+        .unwrap();
     assert_eq!(page.source(), PageSource::Reclaimed { owner: 7 });
     pool.give(vec![page]);
     let back = pool.take(1).unwrap();
     assert_eq!(back[0].source(), PageSource::Reclaimed { owner: 7 });
-    let wrong = Arc::new(PhysicalMemory::create(&b, Location::Device(0), 2 * PAGE, CreateFlags::empty()).unwrap());
-    assert!(matches!(pool.adopt(wrong, PageSource::Fresh), Err(Error::InvalidArgument(_))));
+    let wrong = Arc::new(
+        PhysicalMemory::create(&b, Location::Device(0), 2 * PAGE, CreateFlags::empty()).unwrap(),
+    );
+    assert!(matches!(
+        pool.adopt(wrong, PageSource::Fresh),
+        Err(Error::InvalidArgument(_))
+    ));
     pool.give(back);
 }
 
@@ -172,6 +199,12 @@ fn bad_configuration_is_an_error() {
         high_watermark: 2,
         ..PoolConfig::default()
     };
-    assert!(matches!(PagePool::new(Arc::clone(&b), 0, bad), Err(Error::InvalidArgument(_))));
-    assert!(matches!(PagePool::new(b, 3, PoolConfig::default()), Err(Error::NoDevice(3))));
+    assert!(matches!(
+        PagePool::new(Arc::clone(&b), 0, bad),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        PagePool::new(b, 3, PoolConfig::default()),
+        Err(Error::NoDevice(3))
+    ));
 }

@@ -26,7 +26,11 @@ pub fn first_mismatch(buf: &[u8], seed: u64, offset: u64) -> Option<usize> {
     while done < buf.len() {
         let n = expected.len().min(buf.len() - done);
         fill(&mut expected[..n], seed, offset + done as u64);
-        if let Some(i) = buf[done..done + n].iter().zip(&expected[..n]).position(|(a, b)| a != b) {
+        if let Some(i) = buf[done..done + n]
+            .iter()
+            .zip(&expected[..n])
+            .position(|(a, b)| a != b)
+        {
             return Some(done + i);
         }
         done += n;
@@ -36,12 +40,15 @@ pub fn first_mismatch(buf: &[u8], seed: u64, offset: u64) -> Option<usize> {
 
 /// A 64-bit FNV-1a checksum of `buf`.
 pub fn checksum(buf: &[u8]) -> u64 {
-    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3))
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x1000_0000_01b3)
+    })
 }
 
 fn word_at(seed: u64, index: u64) -> u64 {
     // SplitMix64 of (seed, index): cheap, and distinct seeds give unrelated streams.
-    let mut z = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ index.wrapping_add(0x6a09_e667_f3bc_c909);
+    let mut z =
+        seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ index.wrapping_add(0x6a09_e667_f3bc_c909);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

@@ -58,7 +58,10 @@ pub fn one_gib(mr: &dyn MemoryResource) {
 pub fn absurd(mr: &dyn MemoryResource) {
     for size in [u64::MAX, u64::MAX - 255, 1 << 62, 1 << 50] {
         let err = mr.allocate(size, S).expect_err("absurd size allocated");
-        assert!(err.is_out_of_memory(), "size {size:#x}: expected out of memory, got {err}");
+        assert!(
+            err.is_out_of_memory(),
+            "size {size:#x}: expected out of memory, got {err}"
+        );
     }
     tiny(mr);
 }
@@ -73,13 +76,17 @@ pub fn bad_free(mr: &dyn MemoryResource) {
         Err(Error::DoubleFree(q)) => assert_eq!(q, p),
         other => panic!("double free gave {other:?}"),
     }
-    for foreign in [0x10u64, 0xdead_beef_000, keep + 256] {
+    for foreign in [0x10u64, 0x0dea_dbee_f000, keep + 256] {
         match mr.deallocate(foreign, S) {
             Err(Error::UnknownPointer(q)) => assert_eq!(q, foreign),
             other => panic!("foreign pointer {foreign:#x} gave {other:?}"),
         }
     }
-    assert_eq!(mismatch(mr.backend().as_ref(), keep, 4096, 3), None, "bad frees corrupted a live block");
+    assert_eq!(
+        mismatch(mr.backend().as_ref(), keep, 4096, 3),
+        None,
+        "bad frees corrupted a live block"
+    );
     mr.deallocate(keep, S).unwrap();
 }
 
@@ -99,13 +106,20 @@ pub fn random_walk(mr: &dyn MemoryResource, seed: u64, steps: usize) {
         } else {
             let (p, size, tag) = live.swap_remove(rng.random_range(0..live.len()));
             let probe = size.min(64 << 10);
-            assert_eq!(mismatch(mr.backend().as_ref(), p, probe, tag), None, "block {p:#x} corrupted");
+            assert_eq!(
+                mismatch(mr.backend().as_ref(), p, probe, tag),
+                None,
+                "block {p:#x} corrupted"
+            );
             mr.deallocate(p, S).unwrap();
         }
     }
     assert_disjoint(&live.iter().map(|&(p, s, _)| (p, s)).collect::<Vec<_>>());
     for (p, size, tag) in live {
-        assert_eq!(mismatch(mr.backend().as_ref(), p, size.min(64 << 10), tag), None);
+        assert_eq!(
+            mismatch(mr.backend().as_ref(), p, size.min(64 << 10), tag),
+            None
+        );
         mr.deallocate(p, S).unwrap();
     }
 }
@@ -149,7 +163,10 @@ pub fn assert_disjoint(blocks: &[(u64, u64)]) {
     sorted.sort_unstable();
     for pair in sorted.windows(2) {
         let ((a, a_len), (b, b_len)) = (pair[0], pair[1]);
-        assert!(!overlaps(a, a_len, b, b_len), "blocks {a:#x}+{a_len} and {b:#x}+{b_len} overlap");
+        assert!(
+            !overlaps(a, a_len, b, b_len),
+            "blocks {a:#x}+{a_len} and {b:#x}+{b_len} overlap"
+        );
     }
 }
 

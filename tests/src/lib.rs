@@ -12,7 +12,8 @@ use strata_vmm::{Backend, HostConfig};
 /// With `STRATA_BACKEND=cuda` the suites run on the real driver instead.
 pub fn backend(devices: &[u64]) -> Arc<dyn Backend> {
     if std::env::var("STRATA_BACKEND").as_deref() == Ok("cuda") {
-        return strata_vmm::open(strata_vmm::Choice::Cuda).expect("STRATA_BACKEND=cuda but no CUDA device");
+        return strata_vmm::open(strata_vmm::Choice::Cuda)
+            .expect("STRATA_BACKEND=cuda but no CUDA device");
     }
     host(HostConfig {
         devices: devices.to_vec(),

@@ -78,7 +78,11 @@ pub enum Error {
     InvalidState(String),
     /// An allocator limit would be exceeded.
     #[error("limit exceeded: {requested} bytes requested, {used} used of {limit}")]
-    LimitExceeded { requested: u64, used: u64, limit: u64 },
+    LimitExceeded {
+        requested: u64,
+        used: u64,
+        limit: u64,
+    },
     /// The requested backend or feature is not available here.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -12,7 +12,9 @@ use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::types::{Access, CreateFlags, DevicePtr, EventHandle, Location, PhysHandle, StreamHandle};
+use crate::types::{
+    Access, CreateFlags, DevicePtr, EventHandle, Location, PhysHandle, StreamHandle,
+};
 
 static EXITING: AtomicBool = AtomicBool::new(false);
 static ATEXIT: Once = Once::new();
@@ -96,7 +98,10 @@ impl Reservation {
 
     /// True when `va..va+size` lies inside this reservation.
     pub fn contains(&self, va: DevicePtr, size: u64) -> bool {
-        va >= self.ptr && va.checked_add(size).is_some_and(|end| end <= self.ptr + self.size)
+        va >= self.ptr
+            && va
+                .checked_add(size)
+                .is_some_and(|end| end <= self.ptr + self.size)
     }
 }
 
@@ -139,7 +144,11 @@ impl PhysicalMemory {
     }
 
     /// Takes ownership of a handle obtained from `import_fd`.
-    pub fn from_imported(backend: &Arc<dyn Backend>, handle: PhysHandle, location: Location) -> Result<Self> {
+    pub fn from_imported(
+        backend: &Arc<dyn Backend>,
+        handle: PhysHandle,
+        location: Location,
+    ) -> Result<Self> {
         let size = backend.handle_size(handle)?;
         Ok(PhysicalMemory {
             backend: Arc::clone(backend),
@@ -170,7 +179,11 @@ impl Drop for PhysicalMemory {
 
 impl std::fmt::Debug for PhysicalMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PhysicalMemory({:?} {} {:#x})", self.handle, self.location, self.size)
+        write!(
+            f,
+            "PhysicalMemory({:?} {} {:#x})",
+            self.handle, self.location, self.size
+        )
     }
 }
 
@@ -232,8 +245,12 @@ impl Mapping {
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never used or dropped again after these reads; each field is moved
         // out exactly once, so no double drop happens.
-        let (reservation, phys) =
-            unsafe { (std::ptr::read(&this.reservation), std::ptr::read(&this.phys)) };
+        let (reservation, phys) = unsafe {
+            (
+                std::ptr::read(&this.reservation),
+                std::ptr::read(&this.phys),
+            )
+        };
         reservation.backend().unmap(this.va, this.size)?;
         Ok(phys)
     }
@@ -247,7 +264,11 @@ impl Drop for Mapping {
 
 impl std::fmt::Debug for Mapping {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Mapping({:#x}+{:#x} -> {:?})", self.va, self.size, self.phys)
+        write!(
+            f,
+            "Mapping({:#x}+{:#x} -> {:?})",
+            self.va, self.size, self.phys
+        )
     }
 }
 

@@ -18,7 +18,11 @@ pub enum Choice {
 impl Choice {
     /// Reads `STRATA_BACKEND`.
     pub fn from_env() -> Result<Self> {
-        match std::env::var("STRATA_BACKEND").ok().as_deref().map(str::trim) {
+        match std::env::var("STRATA_BACKEND")
+            .ok()
+            .as_deref()
+            .map(str::trim)
+        {
             None | Some("") | Some("auto") => Ok(Choice::Auto),
             Some("cuda") => Ok(Choice::Cuda),
             Some("host") => Ok(Choice::Host),

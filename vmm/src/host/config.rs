@@ -58,11 +58,15 @@ impl HostConfig {
     pub fn from_env() -> Result<Self> {
         let var = |name: &'static str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let devices = match var("STRATA_HOST_DEVICES") {
-            Some(v) => parse_devices(&v).map_err(|reason| config("STRATA_HOST_DEVICES", &v, reason))?,
-            None => parse_devices(DEFAULT_DEVICES).map_err(|r| config("STRATA_HOST_DEVICES", DEFAULT_DEVICES, r))?,
+            Some(v) => {
+                parse_devices(&v).map_err(|reason| config("STRATA_HOST_DEVICES", &v, reason))?
+            }
+            None => parse_devices(DEFAULT_DEVICES)
+                .map_err(|r| config("STRATA_HOST_DEVICES", DEFAULT_DEVICES, r))?,
         };
         let granularity = match var("STRATA_HOST_GRANULARITY") {
-            Some(v) => parse_granularity(&v).map_err(|reason| config("STRATA_HOST_GRANULARITY", &v, reason))?,
+            Some(v) => parse_granularity(&v)
+                .map_err(|reason| config("STRATA_HOST_GRANULARITY", &v, reason))?,
             None => DEFAULT_GRANULARITY,
         };
         let strict = match var("STRATA_HOST_STRICT").as_deref() {
@@ -71,7 +75,9 @@ impl HostConfig {
             Some(v) => return Err(config("STRATA_HOST_STRICT", v, "expected 0 or 1".into())),
         };
         let link = match var("STRATA_HOST_LINK") {
-            Some(v) => Some(parse_link(&v).map_err(|reason| config("STRATA_HOST_LINK", &v, reason))?),
+            Some(v) => {
+                Some(parse_link(&v).map_err(|reason| config("STRATA_HOST_LINK", &v, reason))?)
+            }
             None => None,
         };
         Ok(HostConfig {
@@ -104,8 +110,13 @@ pub fn parse_devices(text: &str) -> std::result::Result<Vec<u64>, String> {
     let mut devices = Vec::new();
     for part in text.split(',') {
         let part = part.trim();
-        if let Some((count, size)) = part.split_once(['x', 'X']).filter(|(c, _)| c.chars().all(|ch| ch.is_ascii_digit()) && !c.is_empty()) {
-            let count: usize = count.parse().map_err(|e| format!("bad count {count:?}: {e}"))?;
+        if let Some((count, size)) = part
+            .split_once(['x', 'X'])
+            .filter(|(c, _)| c.chars().all(|ch| ch.is_ascii_digit()) && !c.is_empty())
+        {
+            let count: usize = count
+                .parse()
+                .map_err(|e| format!("bad count {count:?}: {e}"))?;
             let size = parse_size(size)?;
             devices.extend(std::iter::repeat_n(size, count));
         } else {
@@ -126,7 +137,9 @@ fn parse_granularity(text: &str) -> std::result::Result<u64, String> {
     // SAFETY: sysconf has no memory-safety preconditions.
     let os_page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
     if !g.is_power_of_two() || g < os_page {
-        return Err(format!("granularity must be a power of two of at least {os_page} bytes"));
+        return Err(format!(
+            "granularity must be a power of two of at least {os_page} bytes"
+        ));
     }
     Ok(g)
 }
@@ -161,7 +174,10 @@ fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
     } else {
         return Err(format!("{text:?} needs a unit (ns, us, ms, s)"));
     };
-    let value: f64 = number.trim().parse().map_err(|e| format!("{text:?}: {e}"))?;
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|e| format!("{text:?}: {e}"))?;
     if !(value.is_finite() && value >= 0.0) {
         return Err(format!("{text:?} is not a duration"));
     }
@@ -175,7 +191,10 @@ mod tests {
     #[test]
     fn devices_parse_in_both_forms() {
         assert_eq!(parse_devices("2x8GiB").unwrap(), vec![8 << 30, 8 << 30]);
-        assert_eq!(parse_devices("8GiB, 512MiB").unwrap(), vec![8 << 30, 512 << 20]);
+        assert_eq!(
+            parse_devices("8GiB, 512MiB").unwrap(),
+            vec![8 << 30, 512 << 20]
+        );
         assert!(parse_devices("0x8GiB").is_err());
         assert!(parse_devices("2xlots").is_err());
         assert!(parse_devices("0").is_err());

@@ -1,0 +1,328 @@
+//! The invariant checker: run after every step of the property tests (talc's `scan_for_errors`).
+
+use rustc_hash::FxHashMap;
+
+use super::{BlockState, CachingAllocator, State, LARGE, NO_SEGMENT};
+
+impl CachingAllocator {
+    /// Checks every structural invariant and returns the first violation:
+    ///
+    /// - the arena's free VA ranges, small segments, large blocks and cached runs tile the
+    ///   arena exactly (no overlap; live + cached + free = arena);
+    /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
+    ///   tag has nothing mapped while an awake one has everything mapped;
+    /// - the pointer table, the bins and the pending list agree with the block table;
+    /// - allocated, live and mapped-page figures (total and per tag) agree with the tables,
+    ///   and pages held = reserved bytes / page size.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = self.state.lock();
+        self.check_state(&st)
+    }
+
+    fn check_state(&self, st: &State) -> Result<(), String> {
+        st.va.check()?;
+        st.cache.check()?;
+        let page = self.page;
+
+        // 1. Tiling of the arena, in pages.
+        let mut regions: Vec<(u64, u64, String)> = st
+            .va
+            .ranges()
+            .map(|(s, l)| (s, l, "free VA".to_string()))
+            .collect();
+        for (id, seg) in st.iter_segments() {
+            regions.push((seg.start, seg.pages, format!("segment {id}")));
+        }
+        for (id, b) in st.blocks.iter().enumerate() {
+            if b.class == LARGE && b.state != BlockState::Dead {
+                if b.ptr < self.arena.ptr()
+                    || (b.ptr - self.arena.ptr()) % page != 0
+                    || b.size % page != 0
+                {
+                    return Err(format!(
+                        "large block {id} at {:#x} is not page-aligned in the arena",
+                        b.ptr
+                    ));
+                }
+                regions.push((
+                    self.page_of(b.ptr),
+                    b.size / page,
+                    format!("large block {id}"),
+                ));
+            }
+        }
+        for (s, r) in st.cache.iter() {
+            regions.push((s, r.pages, format!("cached run at page {s}")));
+        }
+        regions.sort_by_key(|r| r.0);
+        let mut at = 0u64;
+        for (s, l, what) in &regions {
+            if *s != at {
+                return Err(if *s < at {
+                    format!("{what} ({s}+{l}) overlaps the previous region ending at page {at}")
+                } else {
+                    format!("pages {at}..{s} belong to nothing (next: {what})")
+                });
+            }
+            at = s + l;
+        }
+        if at != self.arena_pages {
+            return Err(format!(
+                "regions end at page {at}, arena has {}",
+                self.arena_pages
+            ));
+        }
+
+        // 2. Mappings.
+        let mut mapped_total = 0u64;
+        let mut mapped_by_tag: FxHashMap<u32, u64> = FxHashMap::default();
+        let mut check_run = |start: u64,
+                             pages: u64,
+                             run: &[super::MappedPage],
+                             tag: u32,
+                             what: &str|
+         -> Result<(), String> {
+            let asleep = st.tags[tag as usize].asleep;
+            if run.is_empty() && !asleep && pages > 0 {
+                return Err(format!("{what}: awake tag but nothing mapped"));
+            }
+            if !run.is_empty() && asleep {
+                return Err(format!("{what}: sleeping tag but pages mapped"));
+            }
+            if !run.is_empty() && run.len() as u64 != pages {
+                return Err(format!("{what}: {} pages mapped of {pages}", run.len()));
+            }
+            for (i, mp) in run.iter().enumerate() {
+                let va = self.va_of(start + i as u64);
+                if mp.mapping.va() != va || mp.mapping.size() != page || mp.page.size() != page {
+                    return Err(format!(
+                        "{what}: page {i} mapped at {:#x}+{:#x}, expected {va:#x}+{page:#x}",
+                        mp.mapping.va(),
+                        mp.mapping.size()
+                    ));
+                }
+                if !self.arena.contains(mp.mapping.va(), mp.mapping.size()) {
+                    return Err(format!("{what}: mapping outside the arena"));
+                }
+                if !std::sync::Arc::ptr_eq(mp.mapping.phys(), mp.page.phys()) {
+                    return Err(format!("{what}: page {i} maps another page's memory"));
+                }
+            }
+            mapped_total += run.len() as u64;
+            *mapped_by_tag.entry(tag).or_default() += run.len() as u64;
+            Ok(())
+        };
+        for (id, seg) in st.iter_segments() {
+            check_run(
+                seg.start,
+                seg.pages,
+                &seg.mapped,
+                seg.tag,
+                &format!("segment {id}"),
+            )?;
+        }
+        for (id, b) in st.blocks.iter().enumerate() {
+            if b.class == LARGE && b.state != BlockState::Dead {
+                check_run(
+                    self.page_of(b.ptr),
+                    b.size / page,
+                    &b.pages,
+                    b.tag,
+                    &format!("large block {id}"),
+                )?;
+            } else if !b.pages.is_empty() {
+                return Err(format!("block {id} holds pages but is not a large block"));
+            }
+        }
+        for (s, r) in st.cache.iter() {
+            if st.tags[r.tag as usize].asleep {
+                return Err(format!("cached run at page {s} belongs to a sleeping tag"));
+            }
+            check_run(
+                s,
+                r.pages,
+                &r.payload,
+                r.tag,
+                &format!("cached run at page {s}"),
+            )?;
+        }
+        if mapped_total != st.totals.mapped_pages {
+            return Err(format!(
+                "{mapped_total} pages mapped, stats say {}",
+                st.totals.mapped_pages
+            ));
+        }
+        for (i, t) in st.tags.iter().enumerate() {
+            let m = mapped_by_tag.get(&(i as u32)).copied().unwrap_or(0);
+            if m != t.totals.mapped_pages {
+                return Err(format!(
+                    "tag {}: {m} pages mapped, stats say {}",
+                    t.tag, t.totals.mapped_pages
+                ));
+            }
+        }
+        if st.totals.peak_mapped_pages < st.totals.mapped_pages {
+            return Err("peak reserved below reserved".into());
+        }
+
+        // 3. Block tables.
+        for (&ptr, &id) in &st.by_ptr {
+            let b = st
+                .blocks
+                .get(id as usize)
+                .ok_or_else(|| format!("pointer {ptr:#x} maps to missing block {id}"))?;
+            if b.ptr != ptr || b.state == BlockState::Dead {
+                return Err(format!(
+                    "pointer {ptr:#x} maps to block {id} at {:#x} ({:?})",
+                    b.ptr, b.state
+                ));
+            }
+        }
+        let mut in_bins: FxHashMap<u32, u32> = FxHashMap::default();
+        for (ti, t) in st.tags.iter().enumerate() {
+            if t.bins.len() != self.classes.len() {
+                return Err(format!("tag {} has {} bins", t.tag, t.bins.len()));
+            }
+            for (class, bin) in t.bins.iter().enumerate() {
+                for (stream, id) in bin.iter() {
+                    let b = st
+                        .blocks
+                        .get(id as usize)
+                        .ok_or_else(|| format!("bin holds missing block {id}"))?;
+                    if b.state != BlockState::Free
+                        || b.tag as usize != ti
+                        || b.class as usize != class
+                        || b.stream != stream
+                    {
+                        return Err(format!("bin (tag {}, class {class}, stream {stream:?}) holds block {id} in state {:?}", t.tag, b.state));
+                    }
+                    *in_bins.entry(id).or_default() += 1;
+                }
+            }
+        }
+        let pending: rustc_hash::FxHashSet<u32> = st.pending.iter().map(|p| p.block).collect();
+        if pending.len() != st.pending.len() {
+            return Err("a block is pending twice".into());
+        }
+        let mut seg_live: FxHashMap<u32, u32> = FxHashMap::default();
+        let mut allocated = 0u64;
+        let mut blocks_bytes = 0u64;
+        let mut live = 0u64;
+        let mut by_tag: FxHashMap<u32, (u64, u64, u64)> = FxHashMap::default();
+        let mut alive = 0usize;
+        for (id, b) in st.blocks.iter().enumerate() {
+            let id = id as u32;
+            if b.state == BlockState::Dead {
+                continue;
+            }
+            alive += 1;
+            if st.by_ptr.get(&b.ptr) != Some(&id) {
+                return Err(format!(
+                    "block {id} at {:#x} missing from the pointer table",
+                    b.ptr
+                ));
+            }
+            if b.ptr % super::MIN_ALIGN != 0 {
+                return Err(format!("block {id} at {:#x} misaligned", b.ptr));
+            }
+            let bins = in_bins.get(&id).copied().unwrap_or(0);
+            match b.state {
+                BlockState::Free if bins != 1 => {
+                    return Err(format!("free block {id} is in {bins} bins"))
+                }
+                BlockState::Free if b.class == LARGE => {
+                    return Err(format!("large block {id} is free in the table"))
+                }
+                BlockState::Live | BlockState::Pending if bins != 0 => {
+                    return Err(format!("block {id} ({:?}) is in a bin", b.state))
+                }
+                _ => {}
+            }
+            if (b.state == BlockState::Pending) != pending.contains(&id) {
+                return Err(format!(
+                    "block {id} ({:?}) and the pending list disagree",
+                    b.state
+                ));
+            }
+            if b.class != LARGE {
+                let seg = st
+                    .segments
+                    .get(b.segment as usize)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| format!("small block {id} has no segment"))?;
+                let (lo, hi) = (self.va_of(seg.start), self.va_of(seg.start + seg.pages));
+                if b.segment == NO_SEGMENT
+                    || b.ptr < lo
+                    || b.ptr + b.size > hi
+                    || b.size != self.classes.size(b.class as usize)
+                {
+                    return Err(format!("small block {id} does not fit its segment"));
+                }
+                if b.tag != seg.tag || b.class != seg.class {
+                    return Err(format!(
+                        "small block {id} disagrees with its segment's tag/class"
+                    ));
+                }
+                if b.state != BlockState::Free {
+                    *seg_live.entry(b.segment).or_default() += 1;
+                }
+            }
+            if b.state == BlockState::Live {
+                allocated += b.requested;
+                blocks_bytes += b.size;
+                live += 1;
+                let e = by_tag.entry(b.tag).or_default();
+                e.0 += b.requested;
+                e.1 += b.size;
+                e.2 += 1;
+                if b.requested == 0 || b.requested > b.size {
+                    return Err(format!(
+                        "block {id}: {} bytes requested in {}",
+                        b.requested, b.size
+                    ));
+                }
+            }
+        }
+        if alive != st.by_ptr.len() {
+            return Err(format!("{alive} blocks, {} pointers", st.by_ptr.len()));
+        }
+        for (id, seg) in st.iter_segments() {
+            let n = seg_live.get(&id).copied().unwrap_or(0);
+            if n != seg.live {
+                return Err(format!(
+                    "segment {id} counts {} live blocks, has {n}",
+                    seg.live
+                ));
+            }
+            for &b in &seg.blocks {
+                if st.blocks[b as usize].segment != id {
+                    return Err(format!("segment {id} lists block {b} of another segment"));
+                }
+            }
+        }
+        let t = &st.totals;
+        if (allocated, blocks_bytes, live) != (t.allocated, t.allocated_blocks, t.live) {
+            return Err(format!(
+                "tables hold {allocated}/{blocks_bytes} bytes in {live} allocations, stats say {}/{} in {}",
+                t.allocated, t.allocated_blocks, t.live
+            ));
+        }
+        for (i, tag) in st.tags.iter().enumerate() {
+            let (a, bb, n) = by_tag.get(&(i as u32)).copied().unwrap_or_default();
+            let tt = &tag.totals;
+            if (a, bb, n) != (tt.allocated, tt.allocated_blocks, tt.live) {
+                return Err(format!(
+                    "tag {}: tables hold {a}/{bb} in {n}, stats say {}/{} in {}",
+                    tag.tag, tt.allocated, tt.allocated_blocks, tt.live
+                ));
+            }
+            if !tag.asleep && !tag.sleep.copies.is_empty() {
+                return Err(format!("awake tag {} keeps host copies", tag.tag));
+            }
+        }
+        if t.peak_allocated < t.allocated || t.peak_allocated_blocks < t.allocated_blocks {
+            return Err("peak allocated below allocated".into());
+        }
+        Ok(())
+    }
+}

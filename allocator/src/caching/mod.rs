@@ -1,0 +1,820 @@
+//! `CachingAllocator`: arbitrary sizes on pages of a [`PagePool`], stream-ordered and cached.
+//!
+//! - **Small sizes** (below [`CachingConfig::small_threshold`], 1 MiB by default) are rounded to
+//!   a size class (multiples of 256 B, four geometric sub-steps per power of two) and carved from
+//!   small segments of one or a few pages. Freed blocks go back to their class's free list. Bins
+//!   are per tag, so blocks of two tags never share a page.
+//! - **Large sizes** are rounded to whole pages and mapped, page by page, behind a range of one
+//!   VA arena reserved once; access is set over the whole run in one call. Physical pages need
+//!   not be contiguous. Freed large blocks stay mapped in a cache and are reused by splitting
+//!   (best fit), so reuse never wastes pages. When no cached run is big enough, cached pages are
+//!   unmapped and mapped again, with pool pages if needed, behind a new VA range: a request that
+//!   fits in the free pages (cached + pool) never fails for want of a contiguous range.
+//! - **Streams.** A block freed on stream S is reusable at once on S. Another stream T takes it
+//!   only after an event recorded on S is waited on by T (`stream_wait_event`, no host block).
+//!   A block used on other streams ([`CachingAllocator::record_stream`]), or freed on a stream
+//!   other than the one it was allocated on, is held pending until events on those streams
+//!   complete. Streams that may touch pages are synchronized before the pages are unmapped.
+//! - **Tags** and **sleep/wake**: see [`CachingAllocator::sleep`].
+//!
+//! The fast path (a cached small allocate or free) is a bin pop or push under one lock: no
+//! driver call, no logging, no heap allocation once warm. Growth, trimming and everything
+//! involving the backend live in `#[cold]` functions.
+//!
+//! Zero sizes: `allocate(0, _)` returns `Ok(0)` and changes nothing; `deallocate(0, _)` is a
+//! no-op.
+
+mod arena;
+mod bins;
+mod cache;
+mod grow;
+mod invariants;
+mod sleep;
+mod stats;
+mod streams;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use strata_vmm::{
+    process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Mapping, Reservation, Result,
+    StreamHandle,
+};
+
+use crate::pool::{Page, PagePool};
+use crate::resource::MemoryResource;
+
+pub use arena::VaArena;
+pub use bins::{class_index, class_size, ClassBin, SizeClasses, MAX_SEGMENT_PAGES, MIN_ALIGN};
+pub use cache::{CachedRun, RangeCache, Run};
+pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
+
+/// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
+pub type TagId = u32;
+
+/// The tag of untagged allocations.
+pub const UNTAGGED: TagId = 0;
+
+/// Marks a large block (no size class).
+const LARGE: u16 = u16::MAX;
+/// Segment id of large blocks.
+const NO_SEGMENT: u32 = u32::MAX;
+/// Idle events kept for reuse.
+const IDLE_EVENTS: usize = 64;
+/// Live allocations listed per tag in a report.
+const REPORT_PER_TAG: usize = 32;
+
+/// Configuration of a [`CachingAllocator`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachingConfig {
+    /// Bytes of VA reserved once for the arena (rounded up to the page size). `None`: four
+    /// times the device memory, at least 1 TiB.
+    pub arena_size: Option<u64>,
+    /// Requests below this many bytes are small (size classes in shared pages).
+    pub small_threshold: u64,
+    /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
+    pub limit: Option<u64>,
+    /// How many freed pointers (and released segments) are remembered to tell a double free
+    /// from an unknown pointer.
+    pub freed_history: usize,
+    /// Print live allocations to stderr when the allocator is dropped with some still live
+    /// (never while the process is exiting).
+    pub report_leaks: bool,
+}
+
+impl Default for CachingConfig {
+    fn default() -> Self {
+        CachingConfig {
+            arena_size: None,
+            small_threshold: 1 << 20,
+            limit: None,
+            freed_history: 4096,
+            report_leaks: true,
+        }
+    }
+}
+
+/// One live allocation, as [`CachingAllocator::live_allocations`] lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveAllocation {
+    pub ptr: DevicePtr,
+    /// Requested bytes.
+    pub size: u64,
+    /// Bytes of the block that holds it (size class or whole pages).
+    pub block_size: u64,
+    pub tag: TagId,
+    /// The stream it was allocated on.
+    pub stream: StreamHandle,
+    /// Whether it is a large (whole-page) block.
+    pub large: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockState {
+    /// Handed out.
+    Live,
+    /// In its bin (small blocks only; freed large blocks leave the table for the cache).
+    Free,
+    /// Freed, waiting for events on the streams that used it.
+    Pending,
+    /// Unused table slot.
+    Dead,
+}
+
+/// One mapped page of the arena. Field order matters: the mapping unmaps before the page goes.
+struct MappedPage {
+    mapping: Mapping,
+    page: Page,
+}
+
+struct Block {
+    ptr: DevicePtr,
+    /// Class size or whole pages.
+    size: u64,
+    requested: u64,
+    /// Index into `State::tags`.
+    tag: u32,
+    segment: u32,
+    class: u16,
+    state: BlockState,
+    /// Live: the stream it was allocated on. Free/Pending: the stream it was freed on.
+    stream: StreamHandle,
+    /// Other streams that used it (`record_stream`).
+    used_on: Vec<StreamHandle>,
+    /// Large blocks: their mapped pages (empty while the tag sleeps).
+    pages: Vec<MappedPage>,
+}
+
+/// Pages carved into blocks of one class and tag.
+struct Segment {
+    /// First page of the segment in the arena.
+    start: u64,
+    pages: u64,
+    class: u16,
+    tag: u32,
+    blocks: Vec<u32>,
+    /// Blocks not in a bin (live or pending).
+    live: u32,
+    /// The segment's pages (empty while the tag sleeps).
+    mapped: Vec<MappedPage>,
+}
+
+struct TagState {
+    tag: TagId,
+    bins: Vec<ClassBin>,
+    asleep: bool,
+    sleep: sleep::SleepData,
+    totals: stats::TagTotals,
+}
+
+struct PendingFree {
+    block: u32,
+    events: Vec<Event>,
+}
+
+/// Recently freed pointers and released segments (start → (length, stride)), bounded, so a
+/// double free is told from an unknown pointer. Entries are dropped when their VA is reused.
+#[derive(Default)]
+struct FreedLog {
+    entries: BTreeMap<u64, (u64, u64)>,
+    order: VecDeque<u64>,
+    capacity: usize,
+}
+
+impl FreedLog {
+    fn record(&mut self, start: u64, len: u64, stride: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.entries.insert(start, (len, stride.max(1)));
+        self.order.push_back(start);
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.entries.remove(&old);
+            }
+        }
+    }
+
+    fn contains(&self, ptr: u64) -> bool {
+        self.entries
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&s, &(len, stride))| ptr - s < len && (ptr - s) % stride == 0)
+    }
+
+    fn invalidate(&mut self, start: u64, len: u64) {
+        if self.entries.is_empty() {
+            return;
+        }
+        let end = start.saturating_add(len);
+        let mut doomed: Vec<u64> = self.entries.range(start..end).map(|(&s, _)| s).collect();
+        if let Some((&s, &(l, _))) = self.entries.range(..start).next_back() {
+            if s.saturating_add(l) > start {
+                doomed.push(s);
+            }
+        }
+        for s in doomed {
+            self.entries.remove(&s);
+        }
+    }
+}
+
+/// Everything behind the allocator's one lock.
+struct State {
+    blocks: Vec<Block>,
+    free_ids: Vec<u32>,
+    by_ptr: FxHashMap<DevicePtr, u32>,
+    tags: Vec<TagState>,
+    tag_ix: FxHashMap<TagId, u32>,
+    segments: Vec<Option<Segment>>,
+    free_segments: Vec<u32>,
+    cache: RangeCache<Vec<MappedPage>>,
+    va: VaArena,
+    pending: Vec<PendingFree>,
+    idle_events: Vec<Event>,
+    freed: FreedLog,
+    totals: stats::Totals,
+    limit: Option<u64>,
+}
+
+impl State {
+    /// Index of a tag already seen (tag 0 always is).
+    #[inline]
+    fn tag_slot(&self, tag: TagId) -> Option<usize> {
+        if tag == UNTAGGED {
+            Some(0)
+        } else {
+            self.tag_ix.get(&tag).map(|&i| i as usize)
+        }
+    }
+
+    fn ensure_tag(&mut self, tag: TagId, classes: usize) -> usize {
+        if let Some(i) = self.tag_slot(tag) {
+            return i;
+        }
+        let i = self.tags.len();
+        self.tags.push(TagState::new(tag, classes));
+        self.tag_ix.insert(tag, i as u32);
+        i
+    }
+
+    /// The fast path: pops a block of `class` freed on `stream`. Counts the allocation, not
+    /// the cache hit.
+    #[inline]
+    fn pop_small(
+        &mut self,
+        tag: TagId,
+        class: usize,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Option<DevicePtr> {
+        let ti = self.tag_slot(tag)?;
+        let t = &mut self.tags[ti];
+        if t.asleep {
+            return None;
+        }
+        let id = t.bins[class].pop(stream)?;
+        let b = &mut self.blocks[id as usize];
+        b.state = BlockState::Live;
+        b.requested = size;
+        b.stream = stream;
+        t.totals.on_alloc(size, b.size);
+        self.totals.on_alloc(size, b.size);
+        self.totals.counts.small_allocs += 1;
+        if let Some(Some(seg)) = self.segments.get_mut(b.segment as usize) {
+            seg.live += 1;
+        }
+        Some(b.ptr)
+    }
+
+    fn new_block(&mut self, block: Block) -> u32 {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = block;
+                id
+            }
+            None => {
+                self.blocks.push(block);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    fn unknown_pointer(&self, ptr: DevicePtr) -> Error {
+        if self.freed.contains(ptr) {
+            Error::DoubleFree(ptr)
+        } else {
+            Error::UnknownPointer(ptr)
+        }
+    }
+
+    fn live_block(&self, ptr: DevicePtr) -> Result<&Block> {
+        match self.by_ptr.get(&ptr) {
+            Some(&id) if self.blocks[id as usize].state == BlockState::Live => {
+                Ok(&self.blocks[id as usize])
+            }
+            _ => Err(Error::UnknownPointer(ptr)),
+        }
+    }
+
+    /// Accounts the free of a live block (it leaves the allocated figures now).
+    fn account_free(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        self.tags[b.tag as usize]
+            .totals
+            .on_free(b.requested, b.size);
+        self.totals.on_free(b.requested, b.size);
+    }
+
+    /// Mapped segments with no live or pending block.
+    fn empty_segments(&self, mapped: bool) -> Vec<u32> {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i, s)))
+            .filter(|(_, s)| s.live == 0 && s.mapped.is_empty() != mapped)
+            .map(|(i, _)| i as u32)
+            .collect()
+    }
+
+    fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
+    }
+}
+
+impl TagState {
+    fn new(tag: TagId, classes: usize) -> Self {
+        TagState {
+            tag,
+            bins: vec![ClassBin::default(); classes],
+            asleep: false,
+            sleep: sleep::SleepData::default(),
+            totals: stats::TagTotals::default(),
+        }
+    }
+}
+
+/// Arbitrary-size, stream-ordered, caching allocator over a [`PagePool`]. See the module docs.
+pub struct CachingAllocator {
+    pool: Arc<PagePool>,
+    backend: Arc<dyn Backend>,
+    device: u32,
+    page: u64,
+    arena_pages: u64,
+    /// Physical memory of the device: no request beyond it (plus pooled pages) can succeed.
+    device_total: u64,
+    classes: SizeClasses,
+    report_leaks: bool,
+    arena: Arc<Reservation>,
+    state: Mutex<State>,
+}
+
+impl CachingAllocator {
+    /// An allocator over `pool`'s device; reserves the arena's VA now (no physical memory).
+    pub fn new(pool: Arc<PagePool>, config: CachingConfig) -> Result<Self> {
+        let backend = Arc::clone(pool.backend());
+        let device = pool.device();
+        let page = pool.page_size();
+        if page == 0 || page % MIN_ALIGN != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "page size {page} is not a multiple of {MIN_ALIGN}"
+            )));
+        }
+        let device_total = backend.device_info(device)?.total_memory;
+        let arena_size = match config.arena_size {
+            Some(size) => size,
+            None => device_total.saturating_mul(4).max(1 << 40),
+        };
+        let arena_size = round_up(arena_size, page).ok_or(Error::Overflow("arena size"))?;
+        if arena_size == 0 {
+            return Err(Error::InvalidArgument("arena size 0".into()));
+        }
+        let classes = SizeClasses::new(config.small_threshold, page);
+        if let Some(last) = classes.len().checked_sub(1) {
+            if classes.size(last) > bins::MAX_SEGMENT_PAGES * page {
+                return Err(Error::InvalidArgument(format!(
+                    "small threshold {} above {} pages",
+                    config.small_threshold,
+                    bins::MAX_SEGMENT_PAGES
+                )));
+            }
+        }
+        let arena = Arc::new(Reservation::new(&backend, arena_size, 0)?);
+        let arena_pages = arena_size / page;
+        let state = State {
+            blocks: Vec::new(),
+            free_ids: Vec::new(),
+            by_ptr: FxHashMap::default(),
+            tags: vec![TagState::new(UNTAGGED, classes.len())],
+            tag_ix: FxHashMap::default(),
+            segments: Vec::new(),
+            free_segments: Vec::new(),
+            cache: RangeCache::default(),
+            va: VaArena::new(arena_pages),
+            pending: Vec::new(),
+            idle_events: Vec::new(),
+            freed: FreedLog {
+                capacity: config.freed_history,
+                ..FreedLog::default()
+            },
+            totals: stats::Totals::default(),
+            limit: config.limit,
+        };
+        Ok(CachingAllocator {
+            pool,
+            backend,
+            device,
+            page,
+            arena_pages,
+            device_total,
+            classes,
+            report_leaks: config.report_leaks,
+            arena,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The pool pages come from.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.pool
+    }
+
+    /// Page (granularity) size.
+    pub fn page_size(&self) -> u64 {
+        self.page
+    }
+
+    /// Start and size of the arena's VA.
+    pub fn arena(&self) -> (DevicePtr, u64) {
+        (self.arena.ptr(), self.arena.size())
+    }
+
+    /// Requests below this many bytes are small.
+    pub fn small_threshold(&self) -> u64 {
+        self.classes.threshold()
+    }
+
+    /// Allocates `size` bytes, untagged, for use on `stream`.
+    #[inline]
+    pub fn allocate(&self, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        self.allocate_tagged(size, stream, UNTAGGED)
+    }
+
+    /// Allocates `size` bytes under `tag` for use on `stream`. The pointer is aligned to at
+    /// least 256 bytes (a page for large sizes). Allocating under a sleeping tag is
+    /// [`Error::InvalidState`]; exhaustion is [`Error::OutOfMemory`] or
+    /// [`Error::LimitExceeded`], after which the allocator is still fully usable.
+    #[inline]
+    pub fn allocate_tagged(
+        &self,
+        size: u64,
+        stream: StreamHandle,
+        tag: TagId,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        if size < self.classes.threshold() {
+            let class = class_index(size);
+            let mut st = self.state.lock();
+            if let Some(ptr) = st.pop_small(tag, class, size, stream) {
+                st.totals.counts.cache_hits += 1;
+                return Ok(ptr);
+            }
+            return self.allocate_small_slow(&mut st, size, class, stream, tag);
+        }
+        self.allocate_large(size, stream, tag)
+    }
+
+    /// Frees `ptr` on `stream`: reusable at once by allocations on `stream`, elsewhere after an
+    /// event. Unknown (or interior) pointers are [`Error::UnknownPointer`], a second free
+    /// [`Error::DoubleFree`]; neither changes anything. `0` is a no-op.
+    #[inline]
+    pub fn deallocate(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let Some(&id) = st.by_ptr.get(&ptr) else {
+            return Err(st.unknown_pointer(ptr));
+        };
+        let b = &mut st.blocks[id as usize];
+        if b.state != BlockState::Live {
+            return Err(Error::DoubleFree(ptr));
+        }
+        let t = &mut st.tags[b.tag as usize];
+        if b.class == LARGE || b.stream != stream || !b.used_on.is_empty() || t.asleep {
+            return self.free_slow(st, id, stream);
+        }
+        b.state = BlockState::Free;
+        t.totals.on_free(b.requested, b.size);
+        st.totals.on_free(b.requested, b.size);
+        t.bins[b.class as usize].push(stream, id);
+        if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
+            seg.live -= 1;
+        }
+        Ok(())
+    }
+
+    /// Marks `ptr` as used on `stream` too: when freed, it is held until the work queued on
+    /// `stream` before the free completes.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let mut st = self.state.lock();
+        let Some(&id) = st.by_ptr.get(&ptr) else {
+            return Err(Error::UnknownPointer(ptr));
+        };
+        let b = &mut st.blocks[id as usize];
+        if b.state != BlockState::Live {
+            return Err(Error::UnknownPointer(ptr));
+        }
+        if b.stream != stream && !b.used_on.contains(&stream) {
+            b.used_on.push(stream);
+        }
+        Ok(())
+    }
+
+    /// The tag of a live allocation.
+    pub fn tag_of(&self, ptr: DevicePtr) -> Result<TagId> {
+        let st = self.state.lock();
+        let b = st.live_block(ptr)?;
+        Ok(st.tags[b.tag as usize].tag)
+    }
+
+    /// The requested size of a live allocation.
+    pub fn size_of(&self, ptr: DevicePtr) -> Result<u64> {
+        Ok(self.state.lock().live_block(ptr)?.requested)
+    }
+
+    /// Unmaps every cached page (freed large runs, small segments with no live block) and
+    /// releases it to the driver. Returns the bytes released. Pending frees whose events have
+    /// completed are cached first; live allocations are untouched.
+    pub fn empty_cache(&self) -> Result<u64> {
+        let mut st = self.state.lock();
+        self.empty_cache_locked(&mut st)
+    }
+
+    /// Sets (or lifts) the cap on reserved bytes. Lowering it below what is reserved empties
+    /// the cache; live allocations stay, and further growth fails until under the cap.
+    pub fn set_limit(&self, limit: Option<u64>) -> Result<()> {
+        let mut st = self.state.lock();
+        st.limit = limit;
+        let reserved = st.totals.mapped_pages * self.page;
+        if limit.is_some_and(|l| reserved > l) {
+            self.empty_cache_locked(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// The cap on reserved bytes.
+    pub fn limit(&self) -> Option<u64> {
+        self.state.lock().limit
+    }
+
+    /// A snapshot of the accounting.
+    pub fn stats(&self) -> AllocatorStats {
+        let st = self.state.lock();
+        let page = self.page;
+        let mut tags: Vec<TagStats> = st
+            .tags
+            .iter()
+            .map(|t| TagStats {
+                tag: t.tag,
+                allocated_bytes: t.totals.allocated,
+                allocated_block_bytes: t.totals.allocated_blocks,
+                reserved_bytes: t.totals.mapped_pages * page,
+                peak_allocated_bytes: t.totals.peak_allocated,
+                live_allocations: t.totals.live,
+                allocs: t.totals.allocs,
+                frees: t.totals.frees,
+                asleep: t.asleep,
+                host_copy_bytes: t.sleep.copy_bytes(),
+            })
+            .collect();
+        tags.sort_by_key(|t| t.tag);
+        AllocatorStats {
+            device: self.device,
+            page_size: page,
+            arena_bytes: self.arena.size(),
+            free_va_bytes: st.va.free_units() * page,
+            allocated_bytes: st.totals.allocated,
+            allocated_block_bytes: st.totals.allocated_blocks,
+            reserved_bytes: st.totals.mapped_pages * page,
+            mapped_pages: st.totals.mapped_pages,
+            cached_large_bytes: st.cache.pages() * page,
+            peak_allocated_bytes: st.totals.peak_allocated,
+            peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
+            peak_reserved_bytes: st.totals.peak_mapped_pages * page,
+            live_allocations: st.totals.live,
+            pending_blocks: st.pending.len() as u64,
+            limit: st.limit,
+            counts: st.totals.counts,
+            tags,
+        }
+    }
+
+    /// Resets the peaks to the current figures.
+    pub fn reset_peak_stats(&self) {
+        let mut st = self.state.lock();
+        st.totals.peak_allocated = st.totals.allocated;
+        st.totals.peak_allocated_blocks = st.totals.allocated_blocks;
+        st.totals.peak_mapped_pages = st.totals.mapped_pages;
+        for t in &mut st.tags {
+            t.totals.peak_allocated = t.totals.allocated;
+        }
+    }
+
+    /// Every live allocation, by address.
+    pub fn live_allocations(&self) -> Vec<LiveAllocation> {
+        let st = self.state.lock();
+        Self::live_of(&st)
+    }
+
+    fn live_of(st: &State) -> Vec<LiveAllocation> {
+        let mut v: Vec<LiveAllocation> = st
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Live)
+            .map(|b| LiveAllocation {
+                ptr: b.ptr,
+                size: b.requested,
+                block_size: b.size,
+                tag: st.tags[b.tag as usize].tag,
+                stream: b.stream,
+                large: b.class == LARGE,
+            })
+            .collect();
+        v.sort_by_key(|a| a.ptr);
+        v
+    }
+
+    /// A human-readable report: totals, counts, and live allocations by tag.
+    pub fn report(&self) -> String {
+        let stats = self.stats();
+        let live = self.live_allocations();
+        let mut out = String::new();
+        stats::write_summary(&mut out, &stats);
+        for t in &stats.tags {
+            let _ = writeln!(
+                out,
+                "  tag {}: {} live, {} allocated ({} blocks), {} reserved, peak {}{}",
+                t.tag,
+                t.live_allocations,
+                human_size(t.allocated_bytes),
+                human_size(t.allocated_block_bytes),
+                human_size(t.reserved_bytes),
+                human_size(t.peak_allocated_bytes),
+                if t.asleep {
+                    format!(
+                        ", ASLEEP ({} in host copies)",
+                        human_size(t.host_copy_bytes)
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            write_allocations(&mut out, live.iter().filter(|a| a.tag == t.tag));
+        }
+        out
+    }
+}
+
+fn internal(reason: String) -> Error {
+    Error::InvalidState(format!("caching allocator internal error: {reason}"))
+}
+
+fn write_allocations<'a>(out: &mut String, allocs: impl Iterator<Item = &'a LiveAllocation>) {
+    let mut shown = 0usize;
+    let mut hidden = 0usize;
+    for a in allocs {
+        if shown == REPORT_PER_TAG {
+            hidden += 1;
+            continue;
+        }
+        shown += 1;
+        let _ = writeln!(
+            out,
+            "    {:#014x}  {:>11}  (block {}, {}, stream {:#x})",
+            a.ptr,
+            human_size(a.size),
+            human_size(a.block_size),
+            if a.large { "large" } else { "small" },
+            a.stream.0
+        );
+    }
+    if hidden > 0 {
+        let _ = writeln!(out, "    ... and {hidden} more");
+    }
+}
+
+impl MemoryResource for CachingAllocator {
+    fn allocate(&self, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        self.allocate_tagged(size, stream, UNTAGGED)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        CachingAllocator::deallocate(self, ptr, stream)
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn device(&self) -> u32 {
+        self.device
+    }
+}
+
+impl Drop for CachingAllocator {
+    fn drop(&mut self) {
+        let exiting = process_is_exiting();
+        let st = self.state.get_mut();
+        if self.report_leaks && st.totals.live > 0 && !exiting {
+            let live = Self::live_of(st);
+            let bytes: u64 = live.iter().map(|a| a.size).sum();
+            let mut msg = format!(
+                "strata: CachingAllocator on device {} dropped with {} live allocations ({}):\n",
+                self.device,
+                live.len(),
+                human_size(bytes)
+            );
+            write_allocations(&mut msg, live.iter());
+            eprint!("{msg}");
+        }
+        if exiting {
+            // No driver calls once exit began: the owners below leak instead.
+            return;
+        }
+        let mut streams: Vec<StreamHandle> = st
+            .blocks
+            .iter()
+            .filter(|b| b.state != BlockState::Dead)
+            .map(|b| b.stream)
+            .collect();
+        streams.extend(st.blocks.iter().flat_map(|b| b.used_on.iter().copied()));
+        streams.extend(st.cache.iter().map(|(_, r)| r.stream));
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            let _ = self.backend.stream_synchronize(s);
+        }
+        st.pending.clear();
+        let mut mapped: Vec<MappedPage> = Vec::new();
+        for seg in st.segments.iter_mut().flatten() {
+            mapped.append(&mut seg.mapped);
+        }
+        for b in &mut st.blocks {
+            mapped.append(&mut b.pages);
+        }
+        for s in st.cache.starts_smallest_first() {
+            if let Some(mut r) = st.cache.remove(s) {
+                mapped.append(&mut r.payload);
+            }
+        }
+        let mut pages = Vec::with_capacity(mapped.len());
+        for MappedPage { mapping, page } in mapped {
+            if let Err(e) = mapping.unmap() {
+                strata_vmm::record_deferred(e);
+            }
+            pages.push(page);
+        }
+        self.pool.give(pages);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_log_tells_double_frees_and_forgets_reused_ranges() {
+        let mut log = FreedLog {
+            capacity: 3,
+            ..FreedLog::default()
+        };
+        log.record(0x1000, 1, 1); // a large pointer
+        log.record(0x10_0000, 0x1000, 0x100); // a released segment of 256-byte blocks
+        assert!(log.contains(0x1000));
+        assert!(!log.contains(0x1001));
+        assert!(log.contains(0x10_0000) && log.contains(0x10_0f00));
+        assert!(!log.contains(0x10_0080)); // not a block start
+        assert!(!log.contains(0x10_1000)); // past the segment
+        log.invalidate(0x10_0800, 0x100); // part of the segment is reused
+        assert!(!log.contains(0x10_0000));
+        assert!(log.contains(0x1000));
+        log.record(0x2000, 1, 1);
+        log.record(0x3000, 1, 1);
+        log.record(0x4000, 1, 1); // the oldest entries fall out
+        assert!(!log.contains(0x1000));
+        assert!(log.contains(0x4000));
+        let mut off = FreedLog::default();
+        off.record(0x1000, 1, 1);
+        assert!(!off.contains(0x1000));
+    }
+}

@@ -1,0 +1,275 @@
+//! Counters and the snapshot types of the caching allocator, and human-readable sizes.
+
+use std::fmt::Write as _;
+
+use super::TagId;
+
+/// Event counts since the allocator was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorCounts {
+    /// Successful allocations (non-zero sizes).
+    pub allocs: u64,
+    /// Successful deallocations.
+    pub frees: u64,
+    /// Allocations served by the small bins / by whole pages.
+    pub small_allocs: u64,
+    pub large_allocs: u64,
+    /// Allocations served from freed blocks (small bins, cached large runs).
+    pub cache_hits: u64,
+    /// Allocations that needed a new segment or a new mapped run.
+    pub cache_misses: u64,
+    /// Small segments mapped and unmapped.
+    pub segments_created: u64,
+    pub segments_released: u64,
+    /// Large runs mapped behind a new VA range.
+    pub mappings_created: u64,
+    /// Backend `map` / `unmap` / `set_access` calls.
+    pub map_calls: u64,
+    pub unmap_calls: u64,
+    pub set_access_calls: u64,
+    /// Cached pages unmapped to be mapped again elsewhere (no driver allocation).
+    pub pages_recycled: u64,
+    /// Out-of-memory and limit errors returned.
+    pub ooms: u64,
+    /// Cross-stream reuses ordered with `stream_wait_event`.
+    pub stream_waits: u64,
+    /// Streams synchronized before unmapping.
+    pub stream_syncs: u64,
+    /// Frees held pending on events (`record_stream`, or freed on another stream).
+    pub pending_frees: u64,
+    pub sleeps: u64,
+    pub wakes: u64,
+}
+
+/// Per-tag figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TagStats {
+    pub tag: TagId,
+    /// Requested bytes of live allocations.
+    pub allocated_bytes: u64,
+    /// Block-rounded bytes of live allocations.
+    pub allocated_block_bytes: u64,
+    /// Bytes of pages mapped for the tag (live, cached and small segments).
+    pub reserved_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub live_allocations: u64,
+    pub allocs: u64,
+    pub frees: u64,
+    /// Whether the tag sleeps (pages released, VA kept).
+    pub asleep: bool,
+    /// Bytes held in host copies while asleep.
+    pub host_copy_bytes: u64,
+}
+
+/// A snapshot of the allocator's accounting.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    pub device: u32,
+    pub page_size: u64,
+    pub arena_bytes: u64,
+    /// Arena VA not mapped (free ranges), in bytes.
+    pub free_va_bytes: u64,
+    /// Requested bytes of live allocations.
+    pub allocated_bytes: u64,
+    /// Block-rounded bytes of live allocations (class size or whole pages).
+    pub allocated_block_bytes: u64,
+    /// Bytes of pages this allocator holds mapped: live blocks, small segments and cache.
+    pub reserved_bytes: u64,
+    /// Pages held mapped (`reserved_bytes / page_size`).
+    pub mapped_pages: u64,
+    /// Bytes of freed large runs kept mapped for reuse.
+    pub cached_large_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub peak_allocated_block_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub live_allocations: u64,
+    /// Freed blocks waiting for events before reuse.
+    pub pending_blocks: u64,
+    pub limit: Option<u64>,
+    pub counts: AllocatorCounts,
+    /// Every tag seen, by tag.
+    pub tags: Vec<TagStats>,
+}
+
+impl AllocatorStats {
+    /// Figures of one tag, if it was ever used.
+    pub fn tag(&self, tag: TagId) -> Option<&TagStats> {
+        self.tags.iter().find(|t| t.tag == tag)
+    }
+}
+
+/// Running totals kept under the allocator's lock.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Totals {
+    pub allocated: u64,
+    pub allocated_blocks: u64,
+    pub live: u64,
+    pub mapped_pages: u64,
+    pub peak_allocated: u64,
+    pub peak_allocated_blocks: u64,
+    pub peak_mapped_pages: u64,
+    pub counts: AllocatorCounts,
+}
+
+impl Totals {
+    #[inline]
+    pub fn on_alloc(&mut self, requested: u64, block: u64) {
+        self.allocated += requested;
+        self.allocated_blocks += block;
+        self.live += 1;
+        self.counts.allocs += 1;
+        if self.allocated > self.peak_allocated {
+            self.peak_allocated = self.allocated;
+        }
+        if self.allocated_blocks > self.peak_allocated_blocks {
+            self.peak_allocated_blocks = self.allocated_blocks;
+        }
+    }
+
+    #[inline]
+    pub fn on_free(&mut self, requested: u64, block: u64) {
+        self.allocated -= requested;
+        self.allocated_blocks -= block;
+        self.live -= 1;
+        self.counts.frees += 1;
+    }
+
+    pub fn add_pages(&mut self, pages: u64) {
+        self.mapped_pages += pages;
+        if self.mapped_pages > self.peak_mapped_pages {
+            self.peak_mapped_pages = self.mapped_pages;
+        }
+    }
+
+    pub fn sub_pages(&mut self, pages: u64) {
+        self.mapped_pages -= pages;
+    }
+}
+
+/// Per-tag running totals.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct TagTotals {
+    pub allocated: u64,
+    pub allocated_blocks: u64,
+    pub live: u64,
+    pub mapped_pages: u64,
+    pub peak_allocated: u64,
+    pub allocs: u64,
+    pub frees: u64,
+}
+
+impl TagTotals {
+    #[inline]
+    pub fn on_alloc(&mut self, requested: u64, block: u64) {
+        self.allocated += requested;
+        self.allocated_blocks += block;
+        self.live += 1;
+        self.allocs += 1;
+        if self.allocated > self.peak_allocated {
+            self.peak_allocated = self.allocated;
+        }
+    }
+
+    #[inline]
+    pub fn on_free(&mut self, requested: u64, block: u64) {
+        self.allocated -= requested;
+        self.allocated_blocks -= block;
+        self.live -= 1;
+        self.frees += 1;
+    }
+}
+
+/// `1536` → `"1.50 KiB"`; bytes below 1 KiB print exactly.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+/// The summary lines of a report.
+pub(super) fn write_summary(out: &mut String, s: &AllocatorStats) {
+    let limit = s.limit.map_or_else(|| "none".to_string(), human_size);
+    let _ = writeln!(
+        out,
+        "CachingAllocator on device {} (page {}, arena {}, {} of VA unmapped)",
+        s.device,
+        human_size(s.page_size),
+        human_size(s.arena_bytes),
+        human_size(s.free_va_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "  allocated {} (blocks {}) in {} allocations; peak {}",
+        human_size(s.allocated_bytes),
+        human_size(s.allocated_block_bytes),
+        s.live_allocations,
+        human_size(s.peak_allocated_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "  reserved {} ({} pages, {} cached large); peak {}; limit {}",
+        human_size(s.reserved_bytes),
+        s.mapped_pages,
+        human_size(s.cached_large_bytes),
+        human_size(s.peak_reserved_bytes),
+        limit
+    );
+    let c = &s.counts;
+    let _ = writeln!(
+        out,
+        "  {} allocs, {} frees, {} hits, {} misses, {} ooms; {} segments (+{} -{}), {} runs mapped; \
+         {} map, {} unmap, {} set_access calls; {} pages recycled; {} stream waits, {} syncs, {} pending",
+        c.allocs,
+        c.frees,
+        c.cache_hits,
+        c.cache_misses,
+        c.ooms,
+        c.segments_created - c.segments_released,
+        c.segments_created,
+        c.segments_released,
+        c.mappings_created,
+        c.map_calls,
+        c.unmap_calls,
+        c.set_access_calls,
+        c.pages_recycled,
+        c.stream_waits,
+        c.stream_syncs,
+        s.pending_blocks
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human_size(0), "0 B");
+        assert_eq!(human_size(1023), "1023 B");
+        assert_eq!(human_size(1536), "1.50 KiB");
+        assert_eq!(human_size(2 << 20), "2.00 MiB");
+        assert_eq!(human_size(1 << 40), "1.00 TiB");
+        assert_eq!(human_size(u64::MAX), "16.00 EiB");
+    }
+
+    #[test]
+    fn totals_track_peaks() {
+        let mut t = Totals::default();
+        t.on_alloc(100, 256);
+        t.on_alloc(300, 512);
+        t.on_free(100, 256);
+        assert_eq!((t.allocated, t.allocated_blocks, t.live), (300, 512, 1));
+        assert_eq!((t.peak_allocated, t.peak_allocated_blocks), (400, 768));
+        t.add_pages(3);
+        t.sub_pages(2);
+        assert_eq!((t.mapped_pages, t.peak_mapped_pages), (1, 3));
+    }
+}

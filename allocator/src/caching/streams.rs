@@ -1,0 +1,196 @@
+//! Stream ordering: frees held pending on events, cross-stream reuse through
+//! `stream_wait_event`, and stream synchronization before unmapping.
+
+use strata_vmm::{Error, Event, Result, StreamHandle};
+
+use super::{
+    internal, BlockState, CachedRun, CachingAllocator, PendingFree, State, IDLE_EVENTS, LARGE,
+};
+
+impl CachingAllocator {
+    /// Frees that are not a plain bin push: large blocks, blocks used on other streams, and
+    /// blocks of a sleeping tag.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn free_slow(&self, st: &mut State, id: u32, stream: StreamHandle) -> Result<()> {
+        let b = &st.blocks[id as usize];
+        let asleep = st.tags[b.tag as usize].asleep;
+        let mut wait: Vec<StreamHandle> = b.used_on.clone();
+        wait.push(b.stream);
+        // A sleeping block has no pages (sleep synchronized its streams): nothing to wait for.
+        wait.retain(|&s| s != stream && !asleep);
+        wait.sort_unstable();
+        wait.dedup();
+        let mut events = Vec::with_capacity(wait.len());
+        for &s in &wait {
+            match self.event_on(st, s) {
+                Ok(Some(ev)) => events.push(ev),
+                Ok(None) => {}
+                Err(e) => {
+                    st.idle_events.append(&mut events);
+                    return Err(e);
+                }
+            }
+        }
+        st.account_free(id);
+        let ti = st.blocks[id as usize].tag as usize;
+        if st.tags[ti].asleep {
+            st.tags[ti].sleep.forget(id);
+        }
+        let b = &mut st.blocks[id as usize];
+        b.stream = stream;
+        b.used_on.clear();
+        if events.is_empty() {
+            return self.recycle(st, id);
+        }
+        b.state = BlockState::Pending;
+        st.pending.push(PendingFree { block: id, events });
+        st.totals.counts.pending_frees += 1;
+        Ok(())
+    }
+
+    /// A freed (accounted) block becomes reusable: small ones go to their bin, large ones to
+    /// the cache (or, while their tag sleeps, their VA goes back to the arena).
+    pub(super) fn recycle(&self, st: &mut State, id: u32) -> Result<()> {
+        let b = &mut st.blocks[id as usize];
+        let (ptr, stream, ti) = (b.ptr, b.stream, b.tag);
+        if b.class != LARGE {
+            b.state = BlockState::Free;
+            let class = b.class as usize;
+            if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
+                seg.live -= 1;
+            }
+            st.tags[ti as usize].bins[class].push(stream, id);
+            return Ok(());
+        }
+        let pages = b.size / self.page;
+        let mapped = std::mem::take(&mut b.pages);
+        b.state = BlockState::Dead;
+        st.by_ptr.remove(&ptr);
+        st.free_ids.push(id);
+        st.freed.record(ptr, 1, 1);
+        let start = self.page_of(ptr);
+        if mapped.is_empty() {
+            st.va.free(start, pages).map_err(internal)?;
+        } else {
+            st.cache.insert(
+                start,
+                CachedRun {
+                    pages,
+                    tag: ti,
+                    stream,
+                    payload: mapped,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Moves pending frees whose events all completed to their bins or the cache.
+    pub(super) fn poll_pending(&self, st: &mut State) -> Result<()> {
+        let mut i = 0;
+        while i < st.pending.len() {
+            let mut done = true;
+            for ev in &st.pending[i].events {
+                if !ev.query()? {
+                    done = false;
+                    break;
+                }
+            }
+            if done {
+                let p = st.pending.swap_remove(i);
+                self.retire_events(st, p.events);
+                self.recycle(st, p.block)?;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until the pending frees of tag index `ti` (all tags: `None`) complete, and
+    /// recycles them.
+    pub(super) fn drain_pending(&self, st: &mut State, ti: Option<u32>) -> Result<()> {
+        let mut i = 0;
+        while i < st.pending.len() {
+            let tag = st.blocks[st.pending[i].block as usize].tag;
+            if ti.is_some_and(|t| t != tag) {
+                i += 1;
+                continue;
+            }
+            for ev in &st.pending[i].events {
+                ev.synchronize()?;
+            }
+            let p = st.pending.swap_remove(i);
+            self.retire_events(st, p.events);
+            self.recycle(st, p.block)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn retire_events(&self, st: &mut State, events: Vec<Event>) {
+        for ev in events {
+            if st.idle_events.len() < IDLE_EVENTS {
+                st.idle_events.push(ev);
+            }
+        }
+    }
+
+    /// An event recorded on `stream` now; `None` when the stream no longer exists (destroying
+    /// a stream waits for its work, so nothing is left to order after).
+    pub(super) fn event_on(&self, st: &mut State, stream: StreamHandle) -> Result<Option<Event>> {
+        let ev = match st.idle_events.pop() {
+            Some(ev) => ev,
+            None => Event::new(&self.backend)?,
+        };
+        match ev.record(stream) {
+            Ok(()) => Ok(Some(ev)),
+            Err(Error::InvalidHandle { kind: "stream", .. }) => {
+                st.idle_events.push(ev);
+                Ok(None)
+            }
+            Err(e) => {
+                st.idle_events.push(ev);
+                Err(e)
+            }
+        }
+    }
+
+    /// Orders future work on `to` after the work queued on `from` so far, without blocking.
+    pub(super) fn order_after(
+        &self,
+        st: &mut State,
+        from: StreamHandle,
+        to: StreamHandle,
+    ) -> Result<()> {
+        if from == to {
+            return Ok(());
+        }
+        let Some(ev) = self.event_on(st, from)? else {
+            return Ok(());
+        };
+        let r = self.backend.stream_wait_event(to, ev.handle());
+        st.idle_events.push(ev);
+        r?;
+        st.totals.counts.stream_waits += 1;
+        Ok(())
+    }
+
+    /// Blocks until every stream in `streams` is idle (before unmapping what they may touch).
+    pub(super) fn sync_streams(
+        &self,
+        st: &mut State,
+        mut streams: Vec<StreamHandle>,
+    ) -> Result<()> {
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            st.totals.counts.stream_syncs += 1;
+            match self.backend.stream_synchronize(s) {
+                Ok(()) | Err(Error::InvalidHandle { kind: "stream", .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}

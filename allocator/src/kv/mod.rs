@@ -1,0 +1,728 @@
+//! [`KvSpace`]: vAttention-style KV-cache virtual tensors.
+//!
+//! # Layout
+//!
+//! Every layer has a K tensor and a V tensor; each tensor is its own [`Reservation`] of
+//! `max_slots × slot_stride` bytes, where `slot_stride = round_up(max_tokens × bytes_per_token,
+//! page_size)`. Tensor `t = 2 × layer + kind` (K = 0, V = 1). Slot `s` of a tensor starts at
+//! `tensor_ptr + s × slot_stride` and token `i` of that slot at `+ i × bytes_per_token`, so the
+//! consecutive tokens of one slot of one layer are contiguous and share pages (a token may straddle
+//! a page boundary when `bytes_per_token` does not divide the page size; both pages are then mapped).
+//! Reservations never move: kernels and CUDA graphs may bake in every address for the life of the
+//! space. One reservation per tensor (rather than one carved into `2 × layers` tensors) keeps each
+//! tensor's VA request small and makes "every mapping lies inside its tensor" a property that
+//! [`Mapping::new`] itself checks.
+//!
+//! # Backing
+//!
+//! Page `p` of slot `s` in a tensor is backed by a real pool page exactly when `p < mapped(s)`,
+//! with the same `mapped(s)` for all `2 × layers` tensors. Everything else is unmapped, or, with
+//! [`KvConfig::zero_page`], mapped read-only to one shared zero-filled page, so that padded reads
+//! and CUDA graphs never fault. A grow takes every page it needs from the pool in one call, maps
+//! them and sets access once per tensor over the new contiguous run.
+//!
+//! # Deferred reclamation
+//!
+//! [`KvSpace::free`] keeps a slot's pages mapped and parks the slot on a deferred list;
+//! [`KvSpace::admit`] prefers such a slot, whose mapped capacity is then reused with no driver call
+//! (its previous bytes are not cleared). Pages of deferred slots go back to the pool when a grow
+//! finds the pool out of memory, or on [`KvSpace::reclaim_deferred`].
+//!
+//! # Synchronization
+//!
+//! Unmapping does not wait for in-flight work: before [`KvSpace::shrink`], [`KvSpace::reclaim_deferred`],
+//! a [`KvSpace::grow`] that may reclaim deferred slots, or dropping the space, the engine
+//! synchronizes the streams that may still touch the affected slots. Library code never
+//! dereferences device memory.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use strata_vmm::{
+    process_is_exiting, record_deferred, round_up, Access, Backend, CreateFlags, DevicePtr, Error,
+    Location, Mapping, PhysicalMemory, Reservation, Result, Stream,
+};
+
+use crate::pool::{Page, PagePool};
+
+mod check;
+mod tensor;
+
+use tensor::{Backing, Counters, Env, Tensor};
+
+/// Which of a layer's two tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+impl Kind {
+    fn index(self) -> usize {
+        match self {
+            Kind::K => 0,
+            Kind::V => 1,
+        }
+    }
+}
+
+/// Shape of a [`KvSpace`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvConfig {
+    /// Number of layers (each has a K and a V tensor).
+    pub layers: u32,
+    /// Most requests (slots) that can be live at once.
+    pub max_slots: u32,
+    /// Most tokens (context length) of one slot.
+    pub max_tokens: u32,
+    /// Bytes of one token in one tensor (one layer, K or V).
+    pub bytes_per_token: u64,
+    /// Back every unmapped page with one shared, read-only zero page.
+    pub zero_page: bool,
+}
+
+/// A slot (request) handle. The generation makes a stale id an error, never another request's
+/// memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotId {
+    index: u32,
+    generation: u32,
+}
+
+impl SlotId {
+    /// Position of the slot in every tensor (`slot_ptr = tensor_ptr + index × slot_stride`).
+    pub fn index(self) -> u32 {
+        self.index
+    }
+
+    /// Generation of the slot when this id was handed out.
+    pub fn generation(self) -> u32 {
+        self.generation
+    }
+}
+
+/// Counters of a [`KvSpace`]. "Pages" are pool pages (one per tensor per slot page).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvStats {
+    /// Slots admitted and not freed.
+    pub slots_active: u32,
+    /// Freed slots that still hold mapped pages (deferred reclamation).
+    pub slots_deferred: u32,
+    /// Pool pages mapped now (active and deferred slots together).
+    pub pages_mapped: u64,
+    /// Pool pages unmapped since creation.
+    pub pages_unmapped_total: u64,
+    /// Pool pages mapped since creation.
+    pub pages_mapped_total: u64,
+    /// Backend `map` calls since creation (pool pages and zero-page mappings).
+    pub map_calls: u64,
+    /// Backend `unmap` calls since creation (pool pages and zero-page mappings).
+    pub unmap_calls: u64,
+    /// Backend `set_access` calls since creation.
+    pub set_access_calls: u64,
+    /// Tokens of all active slots together.
+    pub tokens: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Active,
+    Deferred,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    generation: u32,
+    state: SlotState,
+    tokens: u32,
+    /// Pages backed by pool pages in each tensor (the same in all of them).
+    mapped: usize,
+    /// Admitted from the deferred list: may hold more pages than its tokens need, until a shrink.
+    reused: bool,
+}
+
+/// KV-cache virtual tensors for `max_slots` requests of up to `max_tokens` tokens, `layers`
+/// layers, K and V, backed on demand by pages of a [`PagePool`]. See the module documentation
+/// for layout, zero page and deferred reclamation.
+///
+/// Owned by one engine thread: every mutation takes `&mut self`; the space is `Send`.
+pub struct KvSpace {
+    pool: Arc<PagePool>,
+    backend: Arc<dyn Backend>,
+    location: Location,
+    config: KvConfig,
+    page: u64,
+    slot_stride: u64,
+    pages_per_slot: usize,
+    tensors: Vec<Tensor>,
+    zero: Option<Arc<PhysicalMemory>>,
+    slots: Vec<Slot>,
+    /// Free slot indices; popped from the end (lowest index first at creation).
+    free: Vec<u32>,
+    /// Deferred slot indices: admitted from the back (most recently freed), reclaimed from the
+    /// front (longest parked).
+    deferred: VecDeque<u32>,
+    counters: Counters,
+    /// The pool's `in_use` when the space was created (see [`KvSpace::check_invariants`]).
+    pool_in_use_base: u64,
+}
+
+impl std::fmt::Debug for KvSpace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvSpace")
+            .field("config", &self.config)
+            .field("page", &self.page)
+            .field("slot_stride", &self.slot_stride)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+impl KvSpace {
+    /// Reserves the `2 × layers` tensors (and, with [`KvConfig::zero_page`], creates the zero
+    /// page, fills it with zeros and maps it read-only behind every page of every tensor: one map
+    /// call per page and one `set_access` per tensor). No pool page is taken until a grow.
+    pub fn new(pool: Arc<PagePool>, config: KvConfig) -> Result<KvSpace> {
+        if config.layers == 0
+            || config.max_slots == 0
+            || config.max_tokens == 0
+            || config.bytes_per_token == 0
+        {
+            return Err(invalid(format!(
+                "kv config needs non-zero layers, slots, tokens and bytes per token: {config:?}"
+            )));
+        }
+        let page = pool.page_size();
+        let backend = Arc::clone(pool.backend());
+        let location = Location::Device(pool.device());
+        let slot_bytes = u64::from(config.max_tokens)
+            .checked_mul(config.bytes_per_token)
+            .ok_or(Error::Overflow("kv slot bytes"))?;
+        let slot_stride = round_up(slot_bytes, page).ok_or(Error::Overflow("kv slot stride"))?;
+        let tensor_bytes = slot_stride
+            .checked_mul(u64::from(config.max_slots))
+            .ok_or(Error::Overflow("kv tensor bytes"))?;
+        let pages_per_slot = usize::try_from(slot_stride / page)
+            .map_err(|_| Error::Overflow("kv pages per slot"))?;
+        let tensor_pages = pages_per_slot
+            .checked_mul(config.max_slots as usize)
+            .ok_or(Error::Overflow("kv pages per tensor"))?;
+        let n_tensors = (config.layers as usize)
+            .checked_mul(2)
+            .ok_or(Error::Overflow("kv tensors"))?;
+        let pool_in_use_base = pool.stats().in_use as u64;
+
+        let mut space = KvSpace {
+            pool,
+            backend,
+            location,
+            config,
+            page,
+            slot_stride,
+            pages_per_slot,
+            tensors: Vec::with_capacity(n_tensors),
+            zero: None,
+            slots: vec![
+                Slot {
+                    generation: 0,
+                    state: SlotState::Free,
+                    tokens: 0,
+                    mapped: 0,
+                    reused: false,
+                };
+                config.max_slots as usize
+            ],
+            free: (0..config.max_slots).rev().collect(),
+            deferred: VecDeque::new(),
+            counters: Counters::default(),
+            pool_in_use_base,
+        };
+        for _ in 0..n_tensors {
+            let reservation = Arc::new(Reservation::new(&space.backend, tensor_bytes, page)?);
+            let mut pages = Vec::new();
+            pages.resize_with(tensor_pages, || Backing::Unmapped);
+            space.tensors.push(Tensor { reservation, pages });
+        }
+        if config.zero_page {
+            space.zero = Some(space.make_zero_page()?);
+            let env = Env {
+                backend: &space.backend,
+                location,
+                page,
+                zero: space.zero.as_ref(),
+            };
+            let (mut returned, mut lost) = (Vec::new(), Vec::new());
+            for tensor in &mut space.tensors {
+                tensor.unback(
+                    0,
+                    tensor_pages,
+                    &mut returned,
+                    &mut lost,
+                    &env,
+                    &mut space.counters,
+                )?;
+            }
+        }
+        Ok(space)
+    }
+
+    /// One page of device memory, zero-filled through a temporary read-write mapping.
+    fn make_zero_page(&mut self) -> Result<Arc<PhysicalMemory>> {
+        let device = match self.location {
+            Location::Device(d) => d,
+            Location::Host => 0,
+        };
+        let phys = Arc::new(PhysicalMemory::create(
+            &self.backend,
+            self.location,
+            self.page,
+            CreateFlags::empty(),
+        )?);
+        let scratch = Arc::new(Reservation::new(&self.backend, self.page, self.page)?);
+        let mapping = Mapping::new(
+            &scratch,
+            scratch.ptr(),
+            Arc::clone(&phys),
+            0,
+            self.page,
+            &[(self.location, Access::ReadWrite)],
+        )?;
+        self.counters.map_calls += 1;
+        self.counters.set_access_calls += 1;
+        let stream = Stream::new(&self.backend, device)?;
+        self.backend
+            .memset_async(stream.handle(), mapping.va(), 0, self.page)?;
+        stream.synchronize()?;
+        drop(stream);
+        self.counters.unmap_calls += 1;
+        mapping.unmap()?;
+        Ok(phys)
+    }
+
+    /// The configuration the space was built with.
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    /// The pool the pages come from.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.pool
+    }
+
+    /// Page size (the pool's, the backend's granularity).
+    pub fn page_size(&self) -> u64 {
+        self.page
+    }
+
+    /// Bytes between the starts of two consecutive slots in a tensor.
+    pub fn slot_stride(&self) -> u64 {
+        self.slot_stride
+    }
+
+    /// Pages per slot per tensor at full context.
+    pub fn pages_per_slot(&self) -> usize {
+        self.pages_per_slot
+    }
+
+    /// Number of tensors (`2 × layers`).
+    pub fn tensor_count(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Start of the K or V tensor of `layer` (fixed for the life of the space).
+    ///
+    /// # Panics
+    ///
+    /// When `layer >= config.layers`.
+    pub fn tensor_ptr(&self, layer: u32, kind: Kind) -> DevicePtr {
+        assert!(layer < self.config.layers, "kv layer {layer} out of range");
+        self.tensors[layer as usize * 2 + kind.index()]
+            .reservation
+            .ptr()
+    }
+
+    /// Start of `slot` in the K or V tensor of `layer`.
+    pub fn slot_ptr(&self, slot: SlotId, layer: u32, kind: Kind) -> Result<DevicePtr> {
+        let index = self.active(slot)?;
+        if layer >= self.config.layers {
+            return Err(invalid(format!(
+                "kv layer {layer} out of range (layers: {})",
+                self.config.layers
+            )));
+        }
+        Ok(self.tensor_ptr(layer, kind) + index as u64 * self.slot_stride)
+    }
+
+    /// Tokens of an active slot.
+    pub fn tokens(&self, slot: SlotId) -> Result<u32> {
+        Ok(self.slots[self.active(slot)?].tokens)
+    }
+
+    /// Pages backed by pool pages per tensor for an active slot (may exceed what its tokens need
+    /// when the slot reused a deferred slot's capacity).
+    pub fn mapped_pages(&self, slot: SlotId) -> Result<usize> {
+        Ok(self.slots[self.active(slot)?].mapped)
+    }
+
+    /// Pages per tensor that `tokens` tokens occupy.
+    pub fn pages_for(&self, tokens: u32) -> usize {
+        let bytes = u64::from(tokens.min(self.config.max_tokens)) * self.config.bytes_per_token;
+        // Cannot overflow: bounded by the slot stride that `new` computed with checks.
+        bytes.div_ceil(self.page) as usize
+    }
+
+    /// Index of `slot` if it is active with the same generation, else [`Error::StaleId`].
+    fn active(&self, slot: SlotId) -> Result<usize> {
+        match self.slots.get(slot.index as usize) {
+            Some(s) if s.state == SlotState::Active && s.generation == slot.generation => {
+                Ok(slot.index as usize)
+            }
+            _ => Err(Error::StaleId {
+                kind: "kv slot",
+                index: slot.index,
+                generation: slot.generation,
+            }),
+        }
+    }
+
+    /// Admits a request: the most recently freed deferred slot (its mapped pages are reused
+    /// without any driver call; tokens restart at 0), else a free slot. No free slot is
+    /// [`Error::InvalidState`].
+    pub fn admit(&mut self) -> Result<SlotId> {
+        let (index, reused) = if let Some(i) = self.deferred.pop_back() {
+            (i, true)
+        } else if let Some(i) = self.free.pop() {
+            (i, false)
+        } else {
+            return Err(Error::InvalidState(format!(
+                "no free kv slot (all {} active)",
+                self.config.max_slots
+            )));
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.state = SlotState::Active;
+        slot.tokens = 0;
+        slot.reused = reused;
+        Ok(SlotId {
+            index,
+            generation: slot.generation,
+        })
+    }
+
+    /// Grows `slot` to `tokens` tokens in total (not by `tokens`). Maps just the pages needed
+    /// to cover them in every tensor: all of them are taken from the pool in one call; if the pool
+    /// is out of memory, deferred slots are reclaimed and the take is retried once. Each tensor
+    /// gets one `set_access` over its new contiguous run.
+    ///
+    /// On any error the slot keeps its previous length and backing (deferred slots may have been
+    /// reclaimed). `tokens` beyond `max_tokens` or below the current length is
+    /// [`Error::InvalidArgument`].
+    pub fn grow(&mut self, slot: SlotId, tokens: u32) -> Result<()> {
+        let index = self.active(slot)?;
+        if tokens > self.config.max_tokens {
+            return Err(invalid(format!(
+                "kv grow to {tokens} tokens beyond max_tokens {}",
+                self.config.max_tokens
+            )));
+        }
+        let current = self.slots[index];
+        if tokens < current.tokens {
+            return Err(invalid(format!(
+                "kv grow to {tokens} tokens below the current {} (use shrink)",
+                current.tokens
+            )));
+        }
+        let need = self.pages_for(tokens);
+        if need > current.mapped {
+            self.back_slot(index, current.mapped, need)?;
+            self.slots[index].mapped = need;
+        }
+        self.slots[index].tokens = tokens;
+        Ok(())
+    }
+
+    /// Backs pages `from..to` of slot `index` in every tensor, all or nothing.
+    #[cold]
+    #[inline(never)]
+    fn back_slot(&mut self, index: usize, from: usize, to: usize) -> Result<()> {
+        let per_tensor = to - from;
+        let total = per_tensor
+            .checked_mul(self.tensors.len())
+            .ok_or(Error::Overflow("kv grow pages"))?;
+        let mut spare = self.take_pages(total)?;
+        let base = index * self.pages_per_slot;
+        let env = Env {
+            backend: &self.backend,
+            location: self.location,
+            page: self.page,
+            zero: self.zero.as_ref(),
+        };
+        let mut failure = None;
+        for (t, tensor) in self.tensors.iter_mut().enumerate() {
+            if let Err(e) =
+                tensor.back_real(base + from, base + to, &mut spare, &env, &mut self.counters)
+            {
+                failure = Some((t, e));
+                break;
+            }
+        }
+        let Some((failed, error)) = failure else {
+            if !spare.is_empty() {
+                self.pool.give(spare);
+            }
+            return Ok(());
+        };
+        // Roll back every tensor touched so far, the failed one included.
+        let mut lost = Vec::new();
+        for tensor in &mut self.tensors[..=failed] {
+            if let Err(e) = tensor.unback(
+                base + from,
+                base + to,
+                &mut spare,
+                &mut lost,
+                &env,
+                &mut self.counters,
+            ) {
+                record_deferred(e);
+            }
+        }
+        self.pool.give(spare);
+        if !lost.is_empty() {
+            self.pool.release(lost);
+        }
+        Err(error)
+    }
+
+    /// Takes `n` pages, reclaiming deferred slots and retrying once when the pool is out of memory.
+    fn take_pages(&mut self, n: usize) -> Result<Vec<Page>> {
+        match self.pool.take(n) {
+            Err(e) if e.is_out_of_memory() && !self.deferred.is_empty() => {
+                self.reclaim_pages(n);
+                self.pool.take(n)
+            }
+            other => other,
+        }
+    }
+
+    /// Reclaims whole deferred slots, longest parked first, until at least `target` pages went
+    /// back to the pool or none is left. Returns the pages given back.
+    fn reclaim_pages(&mut self, target: usize) -> usize {
+        let mut given = 0;
+        while given < target {
+            let Some(index) = self.deferred.pop_front() else {
+                break;
+            };
+            given += self.reclaim_slot(index as usize);
+        }
+        given
+    }
+
+    /// Unbacks a deferred slot entirely and makes it free. Errors are recorded (surfaced by the
+    /// next fallible vmm call) since the caller cannot act on them.
+    fn reclaim_slot(&mut self, index: usize) -> usize {
+        let mapped = self.slots[index].mapped;
+        let given = match self.unback_slot(index, 0, mapped) {
+            Ok(n) => n,
+            Err((n, e)) => {
+                record_deferred(e);
+                n
+            }
+        };
+        let slot = &mut self.slots[index];
+        slot.mapped = 0;
+        slot.state = SlotState::Free;
+        self.free.push(index as u32);
+        given
+    }
+
+    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool.
+    /// Returns the number of pages given back (with the first error, if any).
+    fn unback_slot(
+        &mut self,
+        index: usize,
+        from: usize,
+        to: usize,
+    ) -> std::result::Result<usize, (usize, Error)> {
+        if to <= from {
+            return Ok(0);
+        }
+        let base = index * self.pages_per_slot;
+        let env = Env {
+            backend: &self.backend,
+            location: self.location,
+            page: self.page,
+            zero: self.zero.as_ref(),
+        };
+        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut first_err = None;
+        for tensor in &mut self.tensors {
+            if let Err(e) = tensor.unback(
+                base + from,
+                base + to,
+                &mut returned,
+                &mut lost,
+                &env,
+                &mut self.counters,
+            ) {
+                first_err.get_or_insert(e);
+            }
+        }
+        let given = returned.len();
+        if !returned.is_empty() {
+            self.pool.give(returned);
+        }
+        if !lost.is_empty() {
+            self.pool.release(lost);
+        }
+        match first_err {
+            None => Ok(given),
+            Some(e) => Err((given, e)),
+        }
+    }
+
+    /// Shrinks `slot` to `tokens` tokens in total: pages no longer needed (reused surplus
+    /// included) are unmapped, given back to the pool and, with a zero page, backed by it again.
+    /// `tokens` above the current length is [`Error::InvalidArgument`].
+    pub fn shrink(&mut self, slot: SlotId, tokens: u32) -> Result<()> {
+        let index = self.active(slot)?;
+        let current = self.slots[index];
+        if tokens > current.tokens {
+            return Err(invalid(format!(
+                "kv shrink to {tokens} tokens above the current {} (use grow)",
+                current.tokens
+            )));
+        }
+        let need = self.pages_for(tokens);
+        let result = self.unback_slot(index, need, current.mapped);
+        let slot = &mut self.slots[index];
+        slot.tokens = tokens;
+        slot.mapped = slot.mapped.min(need);
+        slot.reused = false;
+        result.map(drop).map_err(|(_, e)| e)
+    }
+
+    /// Frees `slot`: its id becomes stale at once; its pages stay mapped on the deferred list
+    /// for the next [`KvSpace::admit`] (a slot with no pages becomes free directly).
+    pub fn free(&mut self, slot: SlotId) -> Result<()> {
+        let index = self.active(slot)?;
+        let s = &mut self.slots[index];
+        s.generation = s.generation.wrapping_add(1);
+        s.tokens = 0;
+        s.reused = false;
+        if s.mapped > 0 {
+            s.state = SlotState::Deferred;
+            self.deferred.push_back(index as u32);
+        } else {
+            s.state = SlotState::Free;
+            self.free.push(index as u32);
+        }
+        Ok(())
+    }
+
+    /// Unmaps the pages of every deferred slot and gives them back to the pool; returns how many.
+    /// Errors are recorded and surfaced by the next fallible vmm call.
+    pub fn reclaim_deferred(&mut self) -> usize {
+        self.reclaim_pages(usize::MAX)
+    }
+
+    /// Counters and current totals.
+    pub fn stats(&self) -> KvStats {
+        let mut stats = KvStats {
+            pages_mapped: self.counters.pages_mapped,
+            pages_unmapped_total: self.counters.pages_unmapped_total,
+            pages_mapped_total: self.counters.pages_mapped_total,
+            map_calls: self.counters.map_calls,
+            unmap_calls: self.counters.unmap_calls,
+            set_access_calls: self.counters.set_access_calls,
+            ..KvStats::default()
+        };
+        for slot in &self.slots {
+            match slot.state {
+                SlotState::Active => {
+                    stats.slots_active += 1;
+                    stats.tokens += u64::from(slot.tokens);
+                }
+                SlotState::Deferred => stats.slots_deferred += 1,
+                SlotState::Free => {}
+            }
+        }
+        stats
+    }
+}
+
+impl Drop for KvSpace {
+    /// Unmaps every pool page and gives it back to the pool; zero-page mappings, the zero page
+    /// and the reservations then go, in that order, through their owners. Once the process is
+    /// exiting nothing calls the backend (the owners leak instead).
+    fn drop(&mut self) {
+        if process_is_exiting() {
+            return;
+        }
+        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut first_err = None;
+        for tensor in &mut self.tensors {
+            for backing in &mut tensor.pages {
+                if let Backing::Real(..) = backing {
+                    if let Backing::Real(mapping, page) =
+                        std::mem::replace(backing, Backing::Unmapped)
+                    {
+                        match mapping.unmap() {
+                            Ok(_) => returned.push(page),
+                            Err(e) => {
+                                lost.push(page);
+                                first_err.get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if !returned.is_empty() {
+            self.pool.give(returned);
+        }
+        if !lost.is_empty() {
+            self.pool.release(lost);
+        }
+        if let Some(e) = first_err {
+            record_deferred(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_space_is_send() {
+        fn assert_send<T: Send>() {}
+        assert_send::<KvSpace>();
+    }
+
+    #[test]
+    fn slot_ids_compare_by_generation() {
+        let a = SlotId {
+            index: 3,
+            generation: 1,
+        };
+        let b = SlotId {
+            index: 3,
+            generation: 2,
+        };
+        assert_ne!(a, b);
+        assert_eq!(a.index(), b.index());
+    }
+
+    #[test]
+    fn kind_indices_are_k_then_v() {
+        assert_eq!(Kind::K.index(), 0);
+        assert_eq!(Kind::V.index(), 1);
+    }
+}

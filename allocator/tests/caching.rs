@@ -1,0 +1,867 @@
+//! `CachingAllocator` on the host backend (strict mode: device memory is never CPU-accessible,
+//! so every byte is checked through backend copies).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use strata_allocator::{
+    CachingAllocator, CachingConfig, Error, MemoryResource, PagePool, PoolConfig,
+};
+use strata_kernels::pattern;
+use strata_vmm::host::{self, Link, LinkModel};
+use strata_vmm::{Backend, CopyDesc, HostConfig, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 2 * MIB;
+const S0: StreamHandle = StreamHandle::DEFAULT;
+
+struct Env {
+    backend: Arc<dyn Backend>,
+    pool: Arc<PagePool>,
+    alloc: CachingAllocator,
+}
+
+fn host_backend(device_bytes: u64, link: Option<LinkModel>) -> Arc<dyn Backend> {
+    host::open(HostConfig {
+        devices: vec![device_bytes],
+        granularity: PAGE,
+        strict: true,
+        link,
+    })
+    .expect("host backend")
+}
+
+fn env_with(device_bytes: u64, config: CachingConfig, link: Option<LinkModel>) -> Env {
+    let backend = host_backend(device_bytes, link);
+    let pool = PagePool::new(
+        Arc::clone(&backend),
+        0,
+        PoolConfig {
+            low_watermark: 0,
+            high_watermark: 0,
+            limit: None,
+            idle_trim_after: None,
+            background: false,
+        },
+    )
+    .expect("pool");
+    let alloc = CachingAllocator::new(Arc::clone(&pool), config).expect("allocator");
+    Env {
+        backend,
+        pool,
+        alloc,
+    }
+}
+
+fn env() -> Env {
+    env_with(1 << 30, CachingConfig::default(), None)
+}
+
+fn free_mem(backend: &Arc<dyn Backend>) -> u64 {
+    backend.mem_info(0).expect("mem_info").free
+}
+
+fn fill(backend: &Arc<dyn Backend>, ptr: u64, len: u64, seed: u64) {
+    let mut buf = vec![0u8; len as usize];
+    pattern::fill(&mut buf, seed, 0);
+    backend.write(ptr, &buf).expect("write");
+}
+
+fn check(backend: &Arc<dyn Backend>, ptr: u64, len: u64, seed: u64) {
+    let mut buf = vec![0u8; len as usize];
+    backend.read(ptr, &mut buf).expect("read");
+    assert_eq!(
+        pattern::first_mismatch(&buf, seed, 0),
+        None,
+        "pattern {seed} at {ptr:#x}+{len}"
+    );
+}
+
+fn read_all(backend: &Arc<dyn Backend>, ptr: u64, len: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; len as usize];
+    backend.read(ptr, &mut buf).expect("read");
+    buf
+}
+
+fn ok(a: &CachingAllocator) {
+    if let Err(e) = a.check_invariants() {
+        panic!("invariant violated: {e}\n{}", a.report());
+    }
+}
+
+#[test]
+fn fast_path_reuses_the_same_block_without_map_calls() {
+    let e = env();
+    let a = &e.alloc;
+    let p = a.allocate(1000, S0).unwrap();
+    assert_eq!(p % 256, 0);
+    a.deallocate(p, S0).unwrap();
+    let before = a.stats().counts;
+    let mappings = e.backend.live_counts().mappings;
+    for _ in 0..1000 {
+        let q = a.allocate(1000, S0).unwrap();
+        assert_eq!(q, p);
+        a.deallocate(q, S0).unwrap();
+    }
+    let after = a.stats().counts;
+    assert_eq!(after.map_calls, before.map_calls);
+    assert_eq!(after.set_access_calls, before.set_access_calls);
+    assert_eq!(after.cache_hits, before.cache_hits + 1000);
+    assert_eq!(e.backend.live_counts().mappings, mappings);
+    ok(a);
+}
+
+#[test]
+fn sizes_are_aligned_distinct_and_hold_their_bytes() {
+    let e = env();
+    let a = &e.alloc;
+    let sizes = [
+        1u64,
+        255,
+        256,
+        257,
+        1000,
+        4096,
+        65_537,
+        MIB - 1,
+        MIB,
+        PAGE - 1,
+        PAGE,
+        PAGE + 1,
+        9 * MIB + 7,
+    ];
+    let mut live = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        let p = a.allocate(s, S0).unwrap();
+        assert_ne!(p, 0);
+        assert_eq!(p % 256, 0, "size {s}");
+        if s >= MIB {
+            assert_eq!(p % PAGE, 0, "large size {s} page-aligned");
+        }
+        assert_eq!(a.size_of(p).unwrap(), s);
+        assert_eq!(a.tag_of(p).unwrap(), 0);
+        fill(&e.backend, p, s, i as u64);
+        live.push((p, s, i as u64));
+    }
+    for (i, &(p, s, _)) in live.iter().enumerate() {
+        for &(q, t, _) in &live[i + 1..] {
+            assert!(p + s <= q || q + t <= p, "overlap {p:#x}+{s} / {q:#x}+{t}");
+        }
+    }
+    ok(a);
+    for (p, s, seed) in live {
+        check(&e.backend, p, s, seed);
+        a.deallocate(p, S0).unwrap();
+    }
+    let st = a.stats();
+    assert_eq!((st.allocated_bytes, st.live_allocations), (0, 0));
+    ok(a);
+}
+
+#[test]
+fn zero_and_absurd_sizes() {
+    let e = env();
+    let a = &e.alloc;
+    let before = a.stats();
+    assert_eq!(a.allocate(0, S0).unwrap(), 0);
+    a.deallocate(0, S0).unwrap();
+    assert_eq!(a.stats(), before);
+    for size in [u64::MAX, u64::MAX - PAGE, 1 << 50, 2 << 30] {
+        let err = a.allocate(size, S0).unwrap_err();
+        assert!(err.is_out_of_memory(), "{size}: {err}");
+    }
+    assert_eq!(a.stats().counts.ooms, 4);
+    assert_eq!(e.pool.stats().in_use, 0);
+    let p = a.allocate(3 * MIB, S0).unwrap();
+    a.deallocate(p, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn bad_frees_are_errors_not_corruption() {
+    let e = env();
+    let a = &e.alloc;
+    let small = a.allocate(512, S0).unwrap();
+    let large = a.allocate(4 * MIB, S0).unwrap();
+    assert!(matches!(
+        a.deallocate(0xdead_0000, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    assert!(matches!(
+        a.deallocate(small + 256, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    assert!(matches!(
+        a.deallocate(large + PAGE, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    assert!(matches!(
+        a.deallocate(large + 256, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    a.deallocate(small, S0).unwrap();
+    assert!(matches!(a.deallocate(small, S0), Err(Error::DoubleFree(_))));
+    a.deallocate(large, S0).unwrap();
+    assert!(matches!(a.deallocate(large, S0), Err(Error::DoubleFree(_))));
+    assert!(matches!(
+        a.record_stream(large, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    assert!(a.size_of(small).is_err());
+    // After the cache is emptied the segment is gone, yet the free is still recognized.
+    a.empty_cache().unwrap();
+    assert!(matches!(a.deallocate(small, S0), Err(Error::DoubleFree(_))));
+    assert!(matches!(a.deallocate(large, S0), Err(Error::DoubleFree(_))));
+    ok(a);
+    // Nothing was corrupted: the same memory is handed out once again.
+    let again = a.allocate(4 * MIB, S0).unwrap();
+    fill(&e.backend, again, 4 * MIB, 1);
+    check(&e.backend, again, 4 * MIB, 1);
+    a.deallocate(again, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn large_allocation_over_fragmented_free_pages_needs_no_new_pages() {
+    // A device of 16 pages: A B C D take 4 each; the 8-page request can only be served by
+    // remapping B's and D's pages behind a new range.
+    let e = env_with(32 * MIB, CachingConfig::default(), None);
+    let a = &e.alloc;
+    let blocks: Vec<u64> = (0..4).map(|_| a.allocate(8 * MIB, S0).unwrap()).collect();
+    for (i, &p) in blocks.iter().enumerate() {
+        fill(&e.backend, p, 8 * MIB, i as u64);
+    }
+    a.deallocate(blocks[1], S0).unwrap();
+    a.deallocate(blocks[3], S0).unwrap();
+    ok(a);
+    let created = e.pool.stats().created_total;
+    let handles = e.backend.live_counts().handles;
+    let big = a.allocate(16 * MIB, S0).unwrap();
+    assert_eq!(e.pool.stats().created_total, created);
+    assert_eq!(e.backend.live_counts().handles, handles);
+    fill(&e.backend, big, 16 * MIB, 99);
+    check(&e.backend, big, 16 * MIB, 99);
+    check(&e.backend, blocks[0], 8 * MIB, 0);
+    check(&e.backend, blocks[2], 8 * MIB, 2);
+    let st = a.stats();
+    assert_eq!(st.reserved_bytes, 32 * MIB);
+    assert!(st.counts.pages_recycled >= 8);
+    ok(a);
+    // The device is full now: one more page is out of memory, and nothing leaks.
+    let err = a.allocate(PAGE, S0).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    ok(a);
+    for p in [blocks[0], blocks[2], big] {
+        a.deallocate(p, S0).unwrap();
+    }
+    ok(a);
+}
+
+#[test]
+fn out_of_memory_then_recovery() {
+    let e = env_with(64 * MIB, CachingConfig::default(), None);
+    let a = &e.alloc;
+    let mut live = Vec::new();
+    let err = loop {
+        match a.allocate(6 * MIB, S0) {
+            Ok(p) => live.push(p),
+            Err(e) => break e,
+        }
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(live.len(), 10); // 10 × 3 pages of 32
+                                // Small allocations still fit in the remaining pages, then fail cleanly too.
+    let mut small = Vec::new();
+    let err = loop {
+        match a.allocate(100_000, S0) {
+            Ok(p) => small.push(p),
+            Err(e) => break e,
+        }
+        assert!(small.len() < 100_000);
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    ok(a);
+    for p in small.drain(..) {
+        a.deallocate(p, S0).unwrap();
+    }
+    a.deallocate(live.pop().unwrap(), S0).unwrap();
+    a.deallocate(live.pop().unwrap(), S0).unwrap();
+    // 12 MiB of cached pages now serve a request of a size never seen before.
+    let p = a.allocate(10 * MIB, S0).unwrap();
+    fill(&e.backend, p, 10 * MIB, 5);
+    check(&e.backend, p, 10 * MIB, 5);
+    a.deallocate(p, S0).unwrap();
+    for p in live {
+        a.deallocate(p, S0).unwrap();
+    }
+    ok(a);
+    a.empty_cache().unwrap();
+    assert_eq!(free_mem(&e.backend), 64 * MIB);
+    assert_eq!(a.stats().reserved_bytes, 0);
+    ok(a);
+}
+
+#[test]
+fn limit_caps_reserved_bytes() {
+    let config = CachingConfig {
+        limit: Some(16 * MIB),
+        ..CachingConfig::default()
+    };
+    let e = env_with(1 << 30, config, None);
+    let a = &e.alloc;
+    let p = a.allocate(10 * MIB, S0).unwrap();
+    let err = a.allocate(8 * MIB, S0).unwrap_err();
+    assert!(
+        matches!(err, Error::LimitExceeded { limit, .. } if limit == 16 * MIB),
+        "{err}"
+    );
+    assert!(matches!(
+        a.allocate(u64::MAX, S0),
+        Err(Error::LimitExceeded { .. })
+    ));
+    let q = a.allocate(6 * MIB, S0).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 16 * MIB);
+    ok(a);
+    a.deallocate(q, S0).unwrap();
+    a.set_limit(None).unwrap();
+    let r = a.allocate(8 * MIB, S0).unwrap();
+    assert!(a.stats().reserved_bytes > 16 * MIB);
+    // Lowering the limit below what is reserved empties the cache.
+    a.deallocate(r, S0).unwrap();
+    a.set_limit(Some(12 * MIB)).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 10 * MIB);
+    assert_eq!(a.limit(), Some(12 * MIB));
+    a.deallocate(p, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn empty_cache_returns_pages_to_the_driver() {
+    let e = env();
+    let a = &e.alloc;
+    let total = free_mem(&e.backend);
+    let big = a.allocate(64 * MIB, S0).unwrap();
+    let small: Vec<u64> = (0..100)
+        .map(|i| a.allocate(1000 + i * 300, S0).unwrap())
+        .collect();
+    assert!(free_mem(&e.backend) <= total - 64 * MIB);
+    a.deallocate(big, S0).unwrap();
+    for p in small {
+        a.deallocate(p, S0).unwrap();
+    }
+    // Freed memory stays cached until asked for.
+    assert!(free_mem(&e.backend) <= total - 64 * MIB);
+    assert!(a.stats().reserved_bytes >= 64 * MIB);
+    let released = a.empty_cache().unwrap();
+    assert!(released >= 64 * MIB);
+    assert_eq!(a.stats().reserved_bytes, 0);
+    assert_eq!(free_mem(&e.backend), total);
+    assert_eq!(e.pool.stats().in_use, 0);
+    ok(a);
+}
+
+#[test]
+fn sleep_and_wake_with_host_copy_preserve_contents() {
+    let e = env();
+    let a = &e.alloc;
+    let sizes = [300u64, 4096, 70_000, 3 * MIB + 5, 16 * MIB];
+    let mut tagged = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        let p = a.allocate_tagged(s, S0, 7).unwrap();
+        fill(&e.backend, p, s, 100 + i as u64);
+        tagged.push((p, s, 100 + i as u64));
+    }
+    let other = a.allocate(5000, S0).unwrap();
+    fill(&e.backend, other, 5000, 1);
+    let freed_later = a.allocate_tagged(2 * MIB, S0, 7).unwrap();
+    let before = free_mem(&e.backend);
+    a.sleep(7, true).unwrap();
+    ok(a);
+    assert!(a.is_asleep(7));
+    let after = free_mem(&e.backend);
+    assert!(
+        after >= before + 16 * MIB + 6 * MIB,
+        "sleep released {} bytes",
+        after - before
+    );
+    let st = a.stats();
+    assert!(st.tag(7).unwrap().asleep);
+    assert_eq!(st.tag(7).unwrap().reserved_bytes, 0);
+    assert!(matches!(
+        a.allocate_tagged(100, S0, 7),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(
+        a.allocate_tagged(8 * MIB, S0, 7),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(a.sleep(7, true), Err(Error::InvalidState(_))));
+    // Pointers stay known; freeing one while asleep works.
+    assert_eq!(a.tag_of(tagged[0].0).unwrap(), 7);
+    a.deallocate(freed_later, S0).unwrap();
+    ok(a);
+    // Other tags are untouched.
+    check(&e.backend, other, 5000, 1);
+    let x = a.allocate(MIB * 3, S0).unwrap();
+    a.wake(7).unwrap();
+    ok(a);
+    assert!(!a.is_asleep(7));
+    assert!(matches!(a.wake(7), Err(Error::InvalidState(_))));
+    for &(p, s, seed) in &tagged {
+        check(&e.backend, p, s, seed);
+    }
+    assert_eq!(a.stats().tag(7).unwrap().host_copy_bytes, 0);
+    for (p, _, _) in tagged {
+        a.deallocate(p, S0).unwrap();
+    }
+    a.deallocate(x, S0).unwrap();
+    a.deallocate(other, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn wake_without_copy_gives_zeros() {
+    let e = env();
+    let a = &e.alloc;
+    let small = a.allocate_tagged(10_000, S0, 3).unwrap();
+    let large = a.allocate_tagged(5 * MIB, S0, 3).unwrap();
+    fill(&e.backend, small, 10_000, 1);
+    fill(&e.backend, large, 5 * MIB, 2);
+    a.sleep(3, false).unwrap();
+    ok(a);
+    // Dirty the freed physical pages through another tag, so that zeros are really written.
+    let junk = a.allocate(8 * MIB, S0).unwrap();
+    fill(&e.backend, junk, 8 * MIB, 3);
+    a.deallocate(junk, S0).unwrap();
+    a.wake(3).unwrap();
+    ok(a);
+    assert!(read_all(&e.backend, small, 10_000).iter().all(|&b| b == 0));
+    assert!(read_all(&e.backend, large, 5 * MIB).iter().all(|&b| b == 0));
+    a.deallocate(small, S0).unwrap();
+    a.deallocate(large, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn wake_out_of_memory_leaves_the_tag_asleep() {
+    let e = env_with(32 * MIB, CachingConfig::default(), None);
+    let a = &e.alloc;
+    let p = a.allocate_tagged(12 * MIB, S0, 1).unwrap();
+    fill(&e.backend, p, 12 * MIB, 8);
+    a.sleep(1, true).unwrap();
+    let hog = a.allocate(24 * MIB, S0).unwrap();
+    assert!(a.wake(1).unwrap_err().is_out_of_memory());
+    assert!(a.is_asleep(1));
+    ok(a);
+    a.deallocate(hog, S0).unwrap();
+    // The hog's cached pages are recycled for the wake.
+    a.wake(1).unwrap();
+    check(&e.backend, p, 12 * MIB, 8);
+    a.deallocate(p, S0).unwrap();
+    ok(a);
+}
+
+#[test]
+fn tags_never_share_pages() {
+    let e = env();
+    let a = &e.alloc;
+    let mut pages = std::collections::HashMap::new();
+    for i in 0..300u64 {
+        let tag = (i % 3) as u32;
+        let p = a.allocate_tagged(256 + (i % 5) * 1000, S0, tag).unwrap();
+        let page = p / PAGE;
+        assert_eq!(
+            *pages.entry(page).or_insert(tag),
+            tag,
+            "page {page:#x} shared"
+        );
+    }
+    let st = a.stats();
+    for tag in 0..3 {
+        assert_eq!(st.tag(tag).unwrap().live_allocations, 100);
+        assert!(st.tag(tag).unwrap().reserved_bytes >= PAGE);
+    }
+    ok(a);
+}
+
+#[test]
+fn freed_block_moves_to_another_stream_after_an_event() {
+    // Device-to-device copies take 300 ms: work queued on a stream is really in flight.
+    let slow = Link {
+        bandwidth: f64::INFINITY,
+        latency: Duration::from_millis(300),
+    };
+    let fast = Link {
+        bandwidth: f64::INFINITY,
+        latency: Duration::ZERO,
+    };
+    let link = LinkModel {
+        host_to_device: fast,
+        device_to_host: fast,
+        device_to_device: slow,
+    };
+    let e = env_with(1 << 30, CachingConfig::default(), Some(link));
+    let a = &e.alloc;
+    let s1 = e.backend.stream_create(0).unwrap();
+    let s2 = e.backend.stream_create(0).unwrap();
+    let src = a.allocate(4096, S0).unwrap();
+    fill(&e.backend, src, 4096, 42);
+    let p = a.allocate(8192, s1).unwrap();
+    // s1: a slow copy into p, then p is freed on s1 and allocated on s2.
+    // SAFETY: both ranges are device memory; no host range is involved.
+    unsafe {
+        e.backend
+            .copy_async(
+                s1,
+                &[CopyDesc {
+                    dst: p,
+                    src,
+                    len: 4096,
+                }],
+            )
+            .unwrap()
+    };
+    a.deallocate(p, s1).unwrap();
+    let waits = a.stats().counts.stream_waits;
+    let q = a.allocate(8192, s2).unwrap();
+    assert_eq!(q, p, "the block freed on s1 is reused on s2");
+    assert_eq!(a.stats().counts.stream_waits, waits + 1);
+    // s2's write is ordered after s1's copy: it lands last.
+    e.backend.memset_async(s2, q, 0xab, 4096).unwrap();
+    e.backend.stream_synchronize(s2).unwrap();
+    e.backend.stream_synchronize(s1).unwrap();
+    assert!(read_all(&e.backend, q, 4096).iter().all(|&b| b == 0xab));
+    a.deallocate(q, s2).unwrap();
+    a.deallocate(src, S0).unwrap();
+    ok(a);
+    drop(e.alloc);
+    e.backend.stream_destroy(s1).unwrap();
+    e.backend.stream_destroy(s2).unwrap();
+}
+
+#[test]
+fn record_stream_holds_the_block_until_the_other_stream_is_done() {
+    let slow = Link {
+        bandwidth: f64::INFINITY,
+        latency: Duration::from_millis(300),
+    };
+    let fast = Link {
+        bandwidth: f64::INFINITY,
+        latency: Duration::ZERO,
+    };
+    let link = LinkModel {
+        host_to_device: fast,
+        device_to_host: fast,
+        device_to_device: slow,
+    };
+    let e = env_with(1 << 30, CachingConfig::default(), Some(link));
+    let a = &e.alloc;
+    let s1 = e.backend.stream_create(0).unwrap();
+    let s2 = e.backend.stream_create(0).unwrap();
+    for large in [false, true] {
+        let size = if large { 4 * MIB } else { 4096 };
+        let p = a.allocate(size, s1).unwrap();
+        let dst = a.allocate(size, s1).unwrap();
+        // s2 reads p for 300 ms.
+        // SAFETY: both ranges are device memory; no host range is involved.
+        unsafe {
+            e.backend
+                .copy_async(
+                    s2,
+                    &[CopyDesc {
+                        dst,
+                        src: p,
+                        len: 4096,
+                    }],
+                )
+                .unwrap()
+        };
+        a.record_stream(p, s2).unwrap();
+        a.deallocate(p, s1).unwrap();
+        assert_eq!(a.stats().pending_blocks, 1);
+        assert!(matches!(a.deallocate(p, s1), Err(Error::DoubleFree(_))));
+        ok(a);
+        // While s2 is busy, p is not handed out again (not even on s1).
+        let q = a.allocate(size, s1).unwrap();
+        assert_ne!(q, p);
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().pending_blocks, 1);
+        e.backend.stream_synchronize(s2).unwrap();
+        // The next slow path polls the events; the block is back in its bin.
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().pending_blocks, 0);
+        ok(a);
+        let r = a.allocate(size, s1).unwrap();
+        if !large {
+            assert_eq!(r, p);
+        }
+        for x in [q, r, dst] {
+            a.deallocate(x, s1).unwrap();
+        }
+        ok(a);
+    }
+    // Freeing on another stream than the allocating one is ordered the same way.
+    let p = a.allocate(4096, s1).unwrap();
+    a.deallocate(p, s2).unwrap();
+    e.backend.stream_synchronize(s1).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().pending_blocks, 0);
+    ok(a);
+    drop(e.alloc);
+    e.backend.stream_destroy(s1).unwrap();
+    e.backend.stream_destroy(s2).unwrap();
+}
+
+#[test]
+fn memory_resource_trait_and_report() {
+    let e = env();
+    let r: &dyn MemoryResource = &e.alloc;
+    assert_eq!(r.allocate(0, S0).unwrap(), 0);
+    r.deallocate(0, S0).unwrap();
+    let p = r.allocate(123, S0).unwrap();
+    let q = e.alloc.allocate_tagged(5 * MIB, S0, 9).unwrap();
+    assert_eq!(r.device(), 0);
+    let report = e.alloc.report();
+    assert!(report.contains("tag 9"), "{report}");
+    assert!(report.contains("5.00 MiB"), "{report}");
+    assert!(report.contains("123 B"), "{report}");
+    assert_eq!(e.alloc.live_allocations().len(), 2);
+    r.deallocate(p, S0).unwrap();
+    e.alloc.deallocate(q, S0).unwrap();
+    ok(&e.alloc);
+}
+
+#[test]
+fn drop_returns_every_page() {
+    let e = env_with(
+        1 << 30,
+        CachingConfig {
+            report_leaks: false,
+            ..CachingConfig::default()
+        },
+        None,
+    );
+    let baseline = e.backend.live_counts();
+    let total = free_mem(&e.backend);
+    let _leaked = e.alloc.allocate(3 * MIB, S0).unwrap();
+    let _small = e.alloc.allocate_tagged(3000, S0, 4).unwrap();
+    let cached = e.alloc.allocate(7 * MIB, S0).unwrap();
+    e.alloc.deallocate(cached, S0).unwrap();
+    e.alloc.sleep(4, true).unwrap();
+    drop(e.alloc);
+    assert_eq!(e.pool.stats().in_use, 0);
+    e.pool.trim(0);
+    drop(e.pool);
+    assert_eq!(free_mem(&e.backend), total);
+    let now = e.backend.live_counts();
+    assert_eq!(now.handles, baseline.handles);
+    assert_eq!(now.mappings, 0);
+    assert!(now.reservations < baseline.reservations);
+}
+
+#[test]
+fn peak_reserved_tracks_peak_allocated_for_large_sizes() {
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+    let e = env_with(4 << 30, CachingConfig::default(), None);
+    let a = &e.alloc;
+    let mut rng = SmallRng::seed_from_u64(1);
+    let mut live: Vec<u64> = Vec::new();
+    for _ in 0..2000 {
+        if live.len() < 40 && (live.is_empty() || rng.random_bool(0.5)) {
+            let size = rng.random_range(PAGE + 1..64 * MIB);
+            live.push(a.allocate(size, S0).unwrap());
+        } else {
+            let p = live.swap_remove(rng.random_range(0..live.len()));
+            a.deallocate(p, S0).unwrap();
+        }
+    }
+    let st = a.stats();
+    let ratio = st.peak_reserved_bytes as f64 / st.peak_allocated_block_bytes as f64;
+    assert!(
+        ratio <= 1.0 + 1e-9,
+        "peak reserved / peak allocated (blocks) = {ratio}"
+    );
+    let ratio = st.peak_reserved_bytes as f64 / st.peak_allocated_bytes as f64;
+    assert!(
+        ratio <= 1.05,
+        "peak reserved / peak requested = {ratio}\n{}",
+        a.report()
+    );
+    ok(a);
+}
+
+#[test]
+fn threads_get_distinct_memory() {
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+    let e = env();
+    let a = &e.alloc;
+    let backend = &e.backend;
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            scope.spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(t);
+                let mut live: Vec<(u64, u64, u64)> = Vec::new();
+                for i in 0..300u64 {
+                    if live.len() < 20 && rng.random_bool(0.6) {
+                        let size = if rng.random_bool(0.9) {
+                            rng.random_range(1..200_000)
+                        } else {
+                            rng.random_range(MIB..6 * MIB)
+                        };
+                        let tag = (t % 2) as u32;
+                        let p = a.allocate_tagged(size, S0, tag).unwrap();
+                        let seed = t << 32 | i;
+                        fill(backend, p, size, seed);
+                        live.push((p, size, seed));
+                    } else if !live.is_empty() {
+                        let (p, size, seed) = live.swap_remove(rng.random_range(0..live.len()));
+                        check(backend, p, size, seed);
+                        a.deallocate(p, S0).unwrap();
+                    }
+                }
+                for (p, size, seed) in live {
+                    check(backend, p, size, seed);
+                    a.deallocate(p, S0).unwrap();
+                }
+            });
+        }
+    });
+    ok(a);
+    assert_eq!(a.stats().live_allocations, 0);
+}
+
+// ------------------------------------------------------------------ random walk
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, tag: u32, stream: usize },
+    Free { pick: usize, stream: usize },
+    Record { pick: usize, stream: usize },
+    Sleep { tag: u32, keep: bool },
+    Wake { tag: u32 },
+    EmptyCache,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let size = prop_oneof![
+        4 => 1u64..4096,
+        3 => 4096u64..(1 << 20),
+        3 => (1u64 << 20)..(6 << 20),
+    ];
+    prop_oneof![
+        10 => (size, 0u32..3, 0usize..2).prop_map(|(size, tag, stream)| Op::Alloc { size, tag, stream }),
+        7 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::Free { pick, stream }),
+        1 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::Record { pick, stream }),
+        1 => (1u32..3, any::<bool>()).prop_map(|(tag, keep)| Op::Sleep { tag, keep }),
+        1 => (1u32..3).prop_map(|tag| Op::Wake { tag }),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+struct Live {
+    ptr: u64,
+    size: u64,
+    tag: u32,
+    /// `None`: contents are zeros (woke without a copy).
+    seed: Option<u64>,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_walk_against_a_model(ops in proptest::collection::vec(op(), 1..50)) {
+        let e = env_with(256 * MIB, CachingConfig { report_leaks: false, ..CachingConfig::default() }, None);
+        let a = &e.alloc;
+        let extra = e.backend.stream_create(0).unwrap();
+        let streams = [S0, extra];
+        let mut live: Vec<Live> = Vec::new();
+        let mut asleep: std::collections::HashMap<u32, bool> = Default::default();
+        let mut next_seed = 1u64;
+        for op in ops {
+            match op {
+                Op::Alloc { size, tag, stream } => {
+                    match a.allocate_tagged(size, streams[stream], tag) {
+                        Ok(p) => {
+                            prop_assert!(!asleep.contains_key(&tag));
+                            prop_assert_eq!(p % 256, 0);
+                            for l in &live {
+                                prop_assert!(p + size <= l.ptr || l.ptr + l.size <= p, "overlap");
+                            }
+                            // Ordered after the stream it was allocated on.
+                            e.backend.stream_synchronize(streams[stream]).unwrap();
+                            fill(&e.backend, p, size, next_seed);
+                            live.push(Live { ptr: p, size, tag, seed: Some(next_seed) });
+                            next_seed += 1;
+                        }
+                        Err(Error::InvalidState(_)) => prop_assert!(asleep.contains_key(&tag)),
+                        Err(err) => prop_assert!(err.is_out_of_memory(), "{}", err),
+                    }
+                }
+                Op::Free { pick, stream } if !live.is_empty() => {
+                    let l = live.swap_remove(pick % live.len());
+                    if !asleep.contains_key(&l.tag) {
+                        match l.seed {
+                            Some(seed) => check(&e.backend, l.ptr, l.size, seed),
+                            None => prop_assert!(read_all(&e.backend, l.ptr, l.size).iter().all(|&b| b == 0)),
+                        }
+                    }
+                    a.deallocate(l.ptr, streams[stream]).unwrap();
+                    prop_assert!(a.deallocate(l.ptr, streams[stream]).is_err());
+                }
+                Op::Record { pick, stream } if !live.is_empty() => {
+                    a.record_stream(live[pick % live.len()].ptr, streams[stream]).unwrap();
+                }
+                Op::Free { .. } | Op::Record { .. } => {}
+                Op::Sleep { tag, keep } => {
+                    let r = a.sleep(tag, keep);
+                    match asleep.entry(tag) {
+                        std::collections::hash_map::Entry::Occupied(_) => prop_assert!(r.is_err()),
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            r.unwrap();
+                            v.insert(keep);
+                        }
+                    }
+                }
+                Op::Wake { tag } => match (a.wake(tag), asleep.get(&tag).copied()) {
+                    (Ok(()), Some(keep)) => {
+                        asleep.remove(&tag);
+                        if !keep {
+                            for l in live.iter_mut().filter(|l| l.tag == tag) {
+                                l.seed = None;
+                            }
+                        }
+                    }
+                    (Err(err), Some(_)) => prop_assert!(err.is_out_of_memory(), "{}", err),
+                    (r, None) => prop_assert!(r.is_err()),
+                },
+                Op::EmptyCache => {
+                    a.empty_cache().unwrap();
+                }
+            }
+            if let Err(msg) = a.check_invariants() {
+                prop_assert!(false, "{}\n{}", msg, a.report());
+            }
+            let st = a.stats();
+            prop_assert_eq!(st.live_allocations, live.len() as u64);
+            prop_assert_eq!(st.allocated_bytes, live.iter().map(|l| l.size).sum::<u64>());
+        }
+        for tag in asleep.keys().copied().collect::<Vec<_>>() {
+            a.wake(tag).unwrap();
+        }
+        for l in live.drain(..) {
+            a.deallocate(l.ptr, S0).unwrap();
+        }
+        e.backend.stream_synchronize(extra).unwrap();
+        a.empty_cache().unwrap();
+        a.check_invariants().unwrap();
+        prop_assert_eq!(a.stats().reserved_bytes, 0);
+        // Surplus pages of a reclaimed segment wait in the pool's free list.
+        e.pool.trim(0);
+        prop_assert_eq!(e.pool.stats().in_use, 0);
+        prop_assert_eq!(free_mem(&e.backend), 256 * MIB);
+        drop(e.alloc);
+        e.backend.stream_destroy(extra).unwrap();
+    }
+}
