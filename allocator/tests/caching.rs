@@ -90,6 +90,22 @@ fn ok(a: &CachingAllocator) {
     }
 }
 
+/// A link model in which device-to-device copies take 300 ms (work really in flight on a stream).
+fn slow_device_copies() -> LinkModel {
+    let fast = Link {
+        bandwidth: f64::INFINITY,
+        latency: Duration::ZERO,
+    };
+    LinkModel {
+        host_to_device: fast,
+        device_to_host: fast,
+        device_to_device: Link {
+            bandwidth: f64::INFINITY,
+            latency: Duration::from_millis(300),
+        },
+    }
+}
+
 #[test]
 fn fast_path_reuses_the_same_block_without_map_calls() {
     let e = env();
@@ -488,19 +504,7 @@ fn tags_never_share_pages() {
 #[test]
 fn freed_block_moves_to_another_stream_after_an_event() {
     // Device-to-device copies take 300 ms: work queued on a stream is really in flight.
-    let slow = Link {
-        bandwidth: f64::INFINITY,
-        latency: Duration::from_millis(300),
-    };
-    let fast = Link {
-        bandwidth: f64::INFINITY,
-        latency: Duration::ZERO,
-    };
-    let link = LinkModel {
-        host_to_device: fast,
-        device_to_host: fast,
-        device_to_device: slow,
-    };
+    let link = slow_device_copies();
     let e = env_with(1 << 30, CachingConfig::default(), Some(link));
     let a = &e.alloc;
     let s1 = e.backend.stream_create(0).unwrap();
@@ -542,19 +546,7 @@ fn freed_block_moves_to_another_stream_after_an_event() {
 
 #[test]
 fn record_stream_holds_the_block_until_the_other_stream_is_done() {
-    let slow = Link {
-        bandwidth: f64::INFINITY,
-        latency: Duration::from_millis(300),
-    };
-    let fast = Link {
-        bandwidth: f64::INFINITY,
-        latency: Duration::ZERO,
-    };
-    let link = LinkModel {
-        host_to_device: fast,
-        device_to_host: fast,
-        device_to_device: slow,
-    };
+    let link = slow_device_copies();
     let e = env_with(1 << 30, CachingConfig::default(), Some(link));
     let a = &e.alloc;
     let s1 = e.backend.stream_create(0).unwrap();

@@ -292,6 +292,34 @@ impl CudaBackend {
             })
     }
 
+    /// Runs `f` on the raw event of `event`'s last record, with that record's device current
+    /// and the event's gate held (so no other thread destroys it meanwhile); `unrecorded` when it
+    /// was never recorded (complete, as CUDA reports it).
+    fn with_last_record<T>(
+        &self,
+        event: EventHandle,
+        unrecorded: T,
+        f: impl FnOnce(u64) -> Result<T>,
+    ) -> Result<T> {
+        let obj = self.event_obj(event)?;
+        let alive = obj.gate.read();
+        if !*alive {
+            return Err(Error::InvalidHandle {
+                kind: "event",
+                id: event.0,
+            });
+        }
+        let (device, raw) = {
+            let st = obj.state.lock();
+            match st.last {
+                None => return Ok(unrecorded),
+                Some(d) => (d, st.per_device[d as usize]),
+            }
+        };
+        self.enter(device)?;
+        f(raw)
+    }
+
     fn event_obj(&self, event: EventHandle) -> Result<Arc<EventObj>> {
         let state = self.state.lock();
         state
@@ -938,45 +966,17 @@ impl Backend for CudaBackend {
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let (device, raw) = {
-            let st = obj.state.lock();
-            match st.last {
-                None => return Ok(true),
-                Some(d) => (d, st.per_device[d as usize]),
-            }
-        };
-        self.enter(device)?;
-        // SAFETY: the event is live (gate held; per-device events die only with the handle).
-        unsafe { result::event::query(raw_event(raw)) }
+        self.with_last_record(event, true, |raw| {
+            // SAFETY: the event is live (its gate is held for this call).
+            unsafe { result::event::query(raw_event(raw)) }
+        })
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let (device, raw) = {
-            let st = obj.state.lock();
-            match st.last {
-                None => return Ok(()),
-                Some(d) => (d, st.per_device[d as usize]),
-            }
-        };
-        self.enter(device)?;
-        // SAFETY: the event is live (gate held).
-        unsafe { result::event::synchronize(raw_event(raw)) }
+        self.with_last_record(event, (), |raw| {
+            // SAFETY: the event is live (its gate is held for this call).
+            unsafe { result::event::synchronize(raw_event(raw)) }
+        })
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
