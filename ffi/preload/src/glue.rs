@@ -1,0 +1,251 @@
+//! The allocator glue: one process-wide [`CachingAllocator`] per device over strata's backend
+//! ([`strata_vmm::global`], so `STRATA_BACKEND=host` serves from the host emulation), created
+//! on first use.
+//!
+//! Nothing here knows about CUDA ABIs: `lib.rs` turns the outcomes into `CUresult`s.
+//!
+//! Re-entrancy: while strata's own code runs on a thread (opening the backend loads the real
+//! driver through `dlsym`; the CUDA backend calls `cuMemGetInfo_v2`), [`Inside`] is held and
+//! every hook on that thread passes through to the real function, so strata never ends up
+//! serving itself.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use strata_allocator::{AllocatorStats, CachingAllocator, CachingConfig, PagePool, PoolConfig};
+use strata_vmm::{Backend, DevicePtr, Error, StreamHandle};
+
+use crate::config::{self, log};
+
+thread_local! {
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Marks this thread as running strata's own code while alive.
+pub struct Inside(());
+
+impl Inside {
+    pub fn enter() -> Inside {
+        DEPTH.with(|d| d.set(d.get() + 1));
+        Inside(())
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// True while this thread runs strata's own code (hooks must pass through).
+pub fn inside() -> bool {
+    DEPTH.with(|d| d.get() > 0)
+}
+
+/// True when hooks should serve from strata on this thread.
+pub fn active() -> bool {
+    !config::get().disable && !inside()
+}
+
+struct Shim {
+    backend: Arc<dyn Backend>,
+    devices: Vec<OnceLock<Option<Arc<CachingAllocator>>>>,
+}
+
+static INITIALIZED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the backend was opened (introspection: lookups alone must not initialize anything).
+pub fn initialized() -> bool {
+    INITIALIZED.load(Ordering::Acquire)
+}
+
+fn shim() -> Option<&'static Shim> {
+    static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        let _inside = Inside::enter();
+        INITIALIZED.store(true, Ordering::Release);
+        match strata_vmm::global() {
+            Ok(backend) => {
+                let n = backend.device_count() as usize;
+                log!("backend {} with {n} device(s)", backend.kind());
+                Some(Shim {
+                    backend,
+                    devices: (0..n).map(|_| OnceLock::new()).collect(),
+                })
+            }
+            Err(e) => {
+                eprintln!("strata-preload: no strata backend ({e}); passing allocations through");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+fn create(backend: &Arc<dyn Backend>, device: u32) -> strata_vmm::Result<Arc<CachingAllocator>> {
+    let limit = config::get().limit;
+    let pool = PagePool::new(
+        Arc::clone(backend),
+        device,
+        PoolConfig {
+            // No background thread and no idle pages: the shim holds what it serves.
+            low_watermark: 0,
+            high_watermark: 0,
+            limit,
+            idle_trim_after: None,
+            background: false,
+        },
+    )?;
+    let alloc = CachingAllocator::new(
+        pool,
+        CachingConfig {
+            limit,
+            report_leaks: false,
+            ..CachingConfig::default()
+        },
+    )?;
+    Ok(Arc::new(alloc))
+}
+
+/// The allocator of `device`, created on first use; `None` when strata cannot serve it.
+fn allocator(device: u32) -> Option<&'static Arc<CachingAllocator>> {
+    let shim = shim()?;
+    let slot = shim.devices.get(device as usize)?;
+    slot.get_or_init(|| {
+        let _inside = Inside::enter();
+        match create(&shim.backend, device) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                eprintln!(
+                    "strata-preload: no allocator for device {device} ({e}); passing through"
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// The allocators created so far.
+fn created() -> impl Iterator<Item = &'static Arc<CachingAllocator>> {
+    let devices: &'static [OnceLock<Option<Arc<CachingAllocator>>>] = if initialized() {
+        shim().map(|s| s.devices.as_slice()).unwrap_or_default()
+    } else {
+        &[]
+    };
+    devices.iter().filter_map(|d| d.get()).flatten()
+}
+
+/// What an allocation request came to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Alloc {
+    Served(DevicePtr),
+    /// strata is out of memory (or at `STRATA_PRELOAD_LIMIT`): the caller reports OOM.
+    OutOfMemory,
+    /// strata cannot serve this one: call the real function.
+    PassThrough,
+}
+
+/// Serves `size` (> 0) bytes on `device` from strata.
+pub fn allocate(size: u64, device: u32) -> Alloc {
+    let Some(alloc) = allocator(device) else {
+        return Alloc::PassThrough;
+    };
+    let _inside = Inside::enter();
+    match alloc.allocate(size, StreamHandle::DEFAULT) {
+        Ok(ptr) => Alloc::Served(ptr),
+        Err(e) if e.is_out_of_memory() => {
+            log!("out of memory for {size} bytes on device {device}: {e}");
+            Alloc::OutOfMemory
+        }
+        Err(e) => {
+            eprintln!("strata-preload: allocation of {size} bytes failed ({e}); passing through");
+            Alloc::PassThrough
+        }
+    }
+}
+
+/// The allocator whose arena holds `ptr` (whether or not `ptr` is live).
+pub fn owner(ptr: DevicePtr) -> Option<&'static Arc<CachingAllocator>> {
+    created().find(|a| {
+        let (start, size) = a.arena();
+        ptr >= start && ptr - start < size
+    })
+}
+
+/// True when `ptr` is a live strata allocation.
+pub fn owns(ptr: DevicePtr) -> bool {
+    owner(ptr).is_some_and(|a| a.size_of(ptr).is_ok())
+}
+
+/// What a free request came to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Free {
+    Freed,
+    /// In strata's arena but not a live allocation (double or interior free).
+    Invalid,
+    /// Not strata's: call the real function.
+    Foreign,
+}
+
+/// Frees `ptr` if strata owns it; `sync` runs first (waits for work that may still use it).
+pub fn free(ptr: DevicePtr, sync: impl FnOnce() -> i32) -> Free {
+    let Some(alloc) = owner(ptr) else {
+        return Free::Foreign;
+    };
+    let rc = sync();
+    if rc != 0 {
+        log!("synchronize before freeing {ptr:#x} returned {rc}");
+    }
+    let _inside = Inside::enter();
+    match alloc.deallocate(ptr, StreamHandle::DEFAULT) {
+        Ok(()) => Free::Freed,
+        Err(e @ (Error::UnknownPointer(_) | Error::DoubleFree(_))) => {
+            log!("free of {ptr:#x}: {e}");
+            Free::Invalid
+        }
+        Err(e) => {
+            eprintln!("strata-preload: free of {ptr:#x} failed: {e}");
+            Free::Invalid
+        }
+    }
+}
+
+/// `(free, total)` of `device` as strata serves it: total is the device's memory; free is the
+/// device's free memory plus what strata holds unused (its cache and pool), capped by the limit
+/// less what is live. It only falls while allocations are made and rises when they are freed.
+pub fn mem_info(device: u32) -> Option<(u64, u64)> {
+    let shim = shim()?;
+    let _inside = Inside::enter();
+    let info = shim.backend.device_info(device).ok()?;
+    let device_free = shim.backend.mem_info(device).ok()?.free;
+    let total = info.total_memory;
+    let (held_unused, live) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
+        Some(Some(a)) => {
+            let s = a.stats();
+            let pool = a.pool().stats();
+            let unused = s.reserved_bytes.saturating_sub(s.allocated_block_bytes)
+                + pool.free as u64 * pool.page_size;
+            (unused, s.allocated_block_bytes)
+        }
+        _ => (0, 0),
+    };
+    let mut free = device_free.saturating_add(held_unused);
+    if let Some(limit) = config::get().limit {
+        free = free.min(limit.saturating_sub(live));
+    }
+    Some((free.min(total), total))
+}
+
+/// A snapshot of `device`'s allocator, if created.
+pub fn stats(device: u32) -> Option<AllocatorStats> {
+    let a = created().find(|a| a.pool().device() == device)?;
+    let _inside = Inside::enter();
+    Some(a.stats())
+}
+
+/// Number of devices strata serves (opens the backend).
+pub fn device_count() -> u32 {
+    shim().map_or(0, |s| s.devices.len() as u32)
+}
