@@ -80,25 +80,35 @@ fn build() -> &'static Path {
     })
 }
 
-/// `target/<profile>/libstrata_preload.so`, built by cargo alongside this test.
+/// `target/<profile>/libstrata_preload.so`, built once per test run: cargo does not build a
+/// cdylib for its own package's integration tests, and a stale one must never be tested.
 fn shim() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    for candidate in [
-        profile_dir.join("libstrata_preload.so"),
-        profile_dir.join("deps/libstrata_preload.so"),
-    ] {
-        if candidate.exists() {
-            return candidate;
-        }
-    }
-    panic!(
-        "libstrata_preload.so not found under {} (cargo builds it with the tests)",
-        profile_dir.display()
-    );
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("current_exe");
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>/deps/<test>")
+                .to_path_buf();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build.args(["build", "--quiet", "-p", "strata-preload", "--lib"]);
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build.status().expect("run cargo build for the shim");
+            assert!(status.success(), "building libstrata_preload.so failed");
+            let path = profile_dir.join("libstrata_preload.so");
+            assert!(
+                path.exists(),
+                "libstrata_preload.so not found at {}",
+                path.display()
+            );
+            path
+        })
+        .clone()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
