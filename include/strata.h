@@ -169,7 +169,8 @@ int strata_tag_depth(void);
 /* Puts tag `tag` to sleep on every device in use: waits for the streams using its memory,
  * copies its live allocations to host memory if keep_host_copy != 0, unmaps and releases its
  * pages. Pointers keep their addresses; allocating under the tag fails until strata_wake;
- * freeing works. All or nothing across devices. Unknown tag: STRATA_INVALID_ARGUMENT. */
+ * freeing works. All or nothing across devices. Unknown tag: STRATA_INVALID_ARGUMENT.
+ * A device used for the first time while the tag sleeps starts with the tag awake. */
 int strata_sleep(const char *tag, int keep_host_copy);
 
 /* Maps fresh pages at the same addresses and restores the host copies (or zeros). A tag asleep

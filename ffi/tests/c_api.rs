@@ -148,3 +148,50 @@ fn c_sleep_wake() {
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }
+
+/// The header and the library agree: every function `include/strata.h` declares is exported,
+/// and the library exports nothing else under the `strata_` prefix (nor any other public
+/// symbol of its own). Uses `nm -D`; skips, saying why, without it.
+#[test]
+fn header_and_exports_match() {
+    let lib = library();
+    let Ok(out) = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&lib)
+        .output()
+    else {
+        eprintln!("skipping the export check: nm not found");
+        return;
+    };
+    assert!(out.status.success(), "nm failed");
+    let mut exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
+        .filter(|name| name.starts_with("strata_"))
+        .collect();
+    exported.sort();
+    let header = std::fs::read_to_string(repo().join("include/strata.h")).expect("header");
+    let mut declared: Vec<String> = header
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('*') && !l.trim_start().starts_with("/*"))
+        .filter_map(|l| {
+            let open = l.find("strata_")?;
+            let rest = &l[open..];
+            let end = rest.find('(')?;
+            let name = &rest[..end];
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+                .then(|| name.to_string())
+        })
+        .collect();
+    declared.sort();
+    declared.dedup();
+    assert!(
+        declared.len() >= 20,
+        "parsed too few prototypes: {declared:?}"
+    );
+    assert_eq!(
+        declared, exported,
+        "include/strata.h vs libstrata.so exports"
+    );
+}
