@@ -1,0 +1,91 @@
+/* Helpers shared by the C tests of the strata C API. Each test is a program: exit 0 = pass.
+ * Device memory is never dereferenced (the host backend's strict mode would fault, as a GPU
+ * would): contents move with strata_memcpy_htod / strata_memcpy_dtoh. */
+#ifndef STRATA_TEST_COMMON_H
+#define STRATA_TEST_COMMON_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "strata.h"
+
+#define CHECK(cond)                                                                        \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, \
+                    #cond, strata_last_error());                                           \
+            exit(1);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+#define CHECK_OK(call) CHECK((call) == STRATA_OK)
+
+/* The last error mentions `needle`. */
+#define CHECK_ERR(needle) CHECK(strstr(strata_last_error(), (needle)) != NULL)
+
+/* Deterministic byte pattern of `seed` (xorshift64*). */
+static inline void fill_pattern(unsigned char *buf, size_t len, uint64_t seed) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < len; i++) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        buf[i] = (unsigned char)((x * 0x2545F4914F6CDD1Dull) >> 56);
+    }
+}
+
+/* Writes the pattern of `seed` over the first `len` bytes of device memory `ptr`. */
+static inline void put_pattern(void *ptr, size_t len, uint64_t seed) {
+    unsigned char *buf = malloc(len ? len : 1);
+    CHECK(buf != NULL);
+    fill_pattern(buf, len, seed);
+    CHECK_OK(strata_memcpy_htod(ptr, buf, len));
+    free(buf);
+}
+
+/* True when the first `len` bytes of device memory `ptr` hold the pattern of `seed`. */
+static inline int has_pattern(const void *ptr, size_t len, uint64_t seed) {
+    unsigned char *want = malloc(len ? len : 1), *got = malloc(len ? len : 1);
+    CHECK(want != NULL && got != NULL);
+    fill_pattern(want, len, seed);
+    CHECK_OK(strata_memcpy_dtoh(got, ptr, len));
+    int same = memcmp(want, got, len) == 0;
+    free(want);
+    free(got);
+    return same;
+}
+
+/* True when the first `len` bytes of device memory `ptr` are zero. */
+static inline int is_zero(const void *ptr, size_t len) {
+    unsigned char *got = malloc(len ? len : 1);
+    CHECK(got != NULL);
+    CHECK_OK(strata_memcpy_dtoh(got, ptr, len));
+    for (size_t i = 0; i < len; i++) {
+        if (got[i] != 0) {
+            free(got);
+            return 0;
+        }
+    }
+    free(got);
+    return 1;
+}
+
+static inline strata_stats_t stats_of(int device) {
+    strata_stats_t s;
+    memset(&s, 0xAB, sizeof s);
+    CHECK_OK(strata_stats(device, &s));
+    return s;
+}
+
+/* Small deterministic PRNG for the walks. */
+static inline uint64_t next_rand(uint64_t *state) {
+    uint64_t x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *state = x;
+}
+
+#endif

@@ -1,0 +1,119 @@
+"""strata: GPU memory virtualization on the CUDA virtual-memory API — Python side.
+
+A thin ctypes layer over libstrata.so (no torch needed to import it):
+
+    import strata
+    strata.stats()                      # {device: {"allocated_bytes": ..., ...}}
+    with strata.tag("weights"):         # allocations of this thread carry the tag
+        ...
+    strata.sleep("weights", keep_host_copy=True)   # pages released, addresses kept
+    strata.wake("weights")                          # same addresses, contents restored
+
+PyTorch integration lives in `strata.torch` (imports torch lazily): `strata.torch.pool(tag)`
+(the MemPool route) and `strata.torch.use_globally()` (the global route).
+
+The library is found through $STRATA_LIB, next to this package, or in a source checkout's
+target/release or target/debug.
+"""
+
+import contextlib
+
+from . import _lib
+from ._lib import StrataError, library_path
+
+__all__ = [
+    "StrataError",
+    "device_count",
+    "empty_cache",
+    "library_path",
+    "sleep",
+    "stats",
+    "tag",
+    "tag_stats",
+    "version",
+    "wake",
+]
+
+
+def version():
+    """The library's version string."""
+    return _lib.lib().strata_version().decode()
+
+
+def device_count():
+    """Number of devices of the backend strata uses."""
+    n = _lib.lib().strata_device_count()
+    if n < 0:
+        raise StrataError(9, _lib.last_error())
+    return n
+
+
+def stats(device=None):
+    """Per-device figures: {device: {field: value}} (strata_stats_t), or one device's dict."""
+    devices = range(device_count()) if device is None else [device]
+    out = {}
+    for d in devices:
+        s = _lib.Stats()
+        _lib.check(_lib.lib().strata_stats(d, s))
+        out[d] = _lib.as_dict(s)
+    return out if device is None else out[device]
+
+
+def tag_stats(name, device=0):
+    """Figures of tag `name` on `device` (strata_tag_stats_t) as a dict."""
+    s = _lib.TagStats()
+    _lib.check(_lib.lib().strata_tag_stats(_lib.encode(name), device, s))
+    return _lib.as_dict(s)
+
+
+@contextlib.contextmanager
+def tag(name):
+    """Allocations the calling thread makes inside the block carry tag `name`."""
+    _lib.check(_lib.lib().strata_tag_push(_lib.encode(name)))
+    try:
+        yield
+    finally:
+        _lib.check(_lib.lib().strata_tag_pop())
+
+
+def _names(tags):
+    if isinstance(tags, str):
+        return [tags]
+    names = list(tags)
+    for n in names:
+        _lib.encode(n)
+    return names
+
+
+def sleep(tags, keep_host_copy=True):
+    """Puts each tag to sleep: copies its live allocations to host memory (if keep_host_copy),
+    releases its pages, keeps its addresses. All or nothing: on failure the tags already put to
+    sleep by this call are woken again and StrataError is raised."""
+    names = _names(tags)
+    done = []
+    try:
+        for n in names:
+            _lib.check(_lib.lib().strata_sleep(_lib.encode(n), 1 if keep_host_copy else 0))
+            done.append(n)
+    except BaseException:
+        for n in reversed(done):
+            _lib.lib().strata_wake(_lib.encode(n))
+        raise
+
+
+def wake(tags):
+    """Wakes each tag: fresh pages at the same addresses, contents restored (zeros if it slept
+    without host copies)."""
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_wake(_lib.encode(n)))
+
+
+def empty_cache():
+    """Returns cached pages of every device to the driver (what torch.cuda.empty_cache triggers
+    on the global route)."""
+    l = _lib.lib()
+    l.strata_clear_error()
+    l.strata_empty_cache()
+    message = _lib.last_error()
+    if message:
+        raise StrataError(_lib._status_from_message(message), message)

@@ -1,0 +1,230 @@
+"""ctypes binding of libstrata.so (include/strata.h). Internal: use the functions in `strata`."""
+
+import ctypes
+import os
+import pathlib
+import threading
+
+STATUS_NAMES = {
+    0: "STRATA_OK",
+    1: "STRATA_OUT_OF_MEMORY",
+    2: "STRATA_LIMIT_EXCEEDED",
+    3: "STRATA_INVALID_ARGUMENT",
+    4: "STRATA_UNKNOWN_POINTER",
+    5: "STRATA_DOUBLE_FREE",
+    6: "STRATA_INVALID_HANDLE",
+    7: "STRATA_INVALID_STATE",
+    8: "STRATA_MAPPING",
+    9: "STRATA_UNSUPPORTED",
+    10: "STRATA_NO_DEVICE",
+    11: "STRATA_DRIVER",
+    12: "STRATA_INJECTED_FAULT",
+    13: "STRATA_OS",
+    14: "STRATA_CONFIG",
+    15: "STRATA_ASYNC",
+    16: "STRATA_INTERNAL",
+}
+
+
+class StrataError(RuntimeError):
+    """A strata call failed. `status` is the numeric strata_status_t, `message` its last error."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+        self.status_name = STATUS_NAMES.get(status, "STRATA_INTERNAL")
+        self.message = message
+
+
+class Stats(ctypes.Structure):
+    """strata_stats_t."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("initialized", ctypes.c_int32),
+        ("total_bytes", ctypes.c_uint64),
+        ("page_size", ctypes.c_uint64),
+        ("allocated_bytes", ctypes.c_uint64),
+        ("allocated_block_bytes", ctypes.c_uint64),
+        ("reserved_bytes", ctypes.c_uint64),
+        ("mapped_pages", ctypes.c_uint64),
+        ("cached_large_bytes", ctypes.c_uint64),
+        ("pool_free_bytes", ctypes.c_uint64),
+        ("peak_allocated_bytes", ctypes.c_uint64),
+        ("peak_reserved_bytes", ctypes.c_uint64),
+        ("live_allocations", ctypes.c_uint64),
+        ("pending_blocks", ctypes.c_uint64),
+        ("limit_bytes", ctypes.c_uint64),
+        ("allocs", ctypes.c_uint64),
+        ("frees", ctypes.c_uint64),
+        ("cache_hits", ctypes.c_uint64),
+        ("cache_misses", ctypes.c_uint64),
+        ("ooms", ctypes.c_uint64),
+        ("sleeps", ctypes.c_uint64),
+        ("wakes", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 8),
+    ]
+
+
+class TagStats(ctypes.Structure):
+    """strata_tag_stats_t."""
+
+    _fields_ = [
+        ("tag_id", ctypes.c_uint32),
+        ("asleep", ctypes.c_int32),
+        ("allocated_bytes", ctypes.c_uint64),
+        ("reserved_bytes", ctypes.c_uint64),
+        ("peak_allocated_bytes", ctypes.c_uint64),
+        ("live_allocations", ctypes.c_uint64),
+        ("allocs", ctypes.c_uint64),
+        ("frees", ctypes.c_uint64),
+        ("host_copy_bytes", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 4),
+    ]
+
+
+def as_dict(struct):
+    """A ctypes structure's fields as a dict (without the spare padding)."""
+    return {name: getattr(struct, name) for name, _ in struct._fields_ if name != "spare"}
+
+
+_c_int = ctypes.c_int
+_c_void_p = ctypes.c_void_p
+_c_size_t = ctypes.c_size_t
+_c_char_p = ctypes.c_char_p
+
+# name: (restype, argtypes)
+PROTOTYPES = {
+    "strata_version": (_c_char_p, []),
+    "strata_last_error": (_c_char_p, []),
+    "strata_clear_error": (None, []),
+    "strata_device_count": (_c_int, []),
+    "strata_malloc": (_c_void_p, [_c_size_t, _c_int, _c_void_p]),
+    "strata_free": (None, [_c_void_p, _c_size_t, _c_int, _c_void_p]),
+    "strata_free_checked": (_c_int, [_c_void_p, _c_size_t, _c_int, _c_void_p]),
+    "strata_init": (None, [_c_int]),
+    "strata_empty_cache": (None, []),
+    "strata_set_memory_fraction": (None, [ctypes.c_double, _c_int]),
+    "strata_record_stream": (None, [_c_void_p, _c_void_p]),
+    "strata_stats": (_c_int, [_c_int, ctypes.POINTER(Stats)]),
+    "strata_tag_stats": (_c_int, [_c_char_p, _c_int, ctypes.POINTER(TagStats)]),
+    "strata_tag_push": (_c_int, [_c_char_p]),
+    "strata_tag_pop": (_c_int, []),
+    "strata_tag_depth": (_c_int, []),
+    "strata_sleep": (_c_int, [_c_char_p, _c_int]),
+    "strata_wake": (_c_int, [_c_char_p]),
+    "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
+    "strata_stream_destroy": (_c_int, [_c_void_p]),
+    "strata_stream_synchronize": (_c_int, [_c_void_p]),
+    "strata_memcpy_htod": (_c_int, [_c_void_p, _c_void_p, _c_size_t]),
+    "strata_memcpy_dtoh": (_c_int, [_c_void_p, _c_void_p, _c_size_t]),
+}
+
+_lock = threading.Lock()
+_lib = None
+_path = None
+
+
+def library_path():
+    """Where libstrata.so is: $STRATA_LIB, next to this package, or a source checkout's target/."""
+    env = os.environ.get("STRATA_LIB")
+    if env:
+        if not os.path.exists(env):
+            raise OSError(f"STRATA_LIB={env!r} does not exist")
+        return os.path.abspath(env)
+    here = pathlib.Path(__file__).resolve().parent
+    root = here.parent.parent
+    candidates = [
+        here / "libstrata.so",
+        root / "target" / "release" / "libstrata.so",
+        root / "target" / "debug" / "libstrata.so",
+    ]
+    for candidate in candidates:
+        if candidate.exists():
+            return str(candidate)
+    raise OSError(
+        "libstrata.so not found: set STRATA_LIB, or put it next to the strata package "
+        "(looked at " + ", ".join(str(c) for c in candidates) + ")"
+    )
+
+
+def lib():
+    """The loaded library with its prototypes declared (loaded once, on first use)."""
+    global _lib, _path
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                path = library_path()
+                handle = ctypes.CDLL(path)
+                for name, (restype, argtypes) in PROTOTYPES.items():
+                    fn = getattr(handle, name)
+                    fn.restype = restype
+                    fn.argtypes = argtypes
+                _path = path
+                _lib = handle
+    return _lib
+
+
+def loaded_path():
+    """The path the library was loaded from (loads it if needed)."""
+    lib()
+    return _path
+
+
+def last_error():
+    return lib().strata_last_error().decode("utf-8", "replace")
+
+
+def check(status):
+    """Raises StrataError for a non-zero status."""
+    if status != 0:
+        raise StrataError(status, last_error())
+
+
+def encode(name):
+    if not isinstance(name, str):
+        raise TypeError(f"tag names are str, not {type(name).__name__}")
+    return name.encode("utf-8")
+
+
+def function_pointer(name):
+    """The address of export `name`, as PyTorch's hook setters take it."""
+    return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+
+
+# ---- Low-level calls (tests and tools; PyTorch calls malloc/free itself) ------------------
+
+
+def malloc(size, device=0, stream=None):
+    """strata_malloc; returns the address (int) or raises StrataError (size 0 returns 0)."""
+    l = lib()
+    l.strata_clear_error()
+    ptr = l.strata_malloc(size, device, stream)
+    if not ptr:
+        message = last_error()
+        if size == 0 and not message:
+            return 0
+        raise StrataError(_status_from_message(message), message)
+    return ptr
+
+
+def _status_from_message(message):
+    for code, name in STATUS_NAMES.items():
+        if name in message:
+            return code
+    return 16
+
+
+def free(ptr, size=0, device=0, stream=None):
+    check(lib().strata_free_checked(ptr, size, device, stream))
+
+
+def memcpy_htod(ptr, data):
+    buf = ctypes.create_string_buffer(bytes(data), len(data))
+    check(lib().strata_memcpy_htod(ptr, buf, len(data)))
+
+
+def memcpy_dtoh(ptr, length):
+    buf = ctypes.create_string_buffer(length)
+    check(lib().strata_memcpy_dtoh(buf, ptr, length))
+    return buf.raw
