@@ -5,11 +5,13 @@
 #![deny(unsafe_code)]
 
 pub mod disk;
+pub mod kv;
 pub mod object;
 pub mod policy;
 pub mod store;
 pub mod transfer;
 
+pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, RequestId};
 pub use object::{Durability, Notice, ObjectId, Residency, Tier};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{DiskConfig, Revocation, StoreConfig, StoreStats, TierSpec, TierStore};

@@ -361,6 +361,11 @@ impl TierStore {
         &self.backend
     }
 
+    /// The page pool the HBM tier takes its pages from (and a lender may give them back to).
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.pool
+    }
+
     pub fn block_size(&self) -> u64 {
         self.config.block_size
     }
