@@ -1055,7 +1055,18 @@ impl TierStore {
                 pairs.push((self.staging_ptr(base + j), self.hbm_va(s)));
                 st.objs[i as usize].res.hbm = Some(s);
             }
-            let ev = self.submit(Direction::HostToDevice, &pairs, b, self.config.submission)?;
+            let ev = match self.submit(Direction::HostToDevice, &pairs, b, self.config.submission) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    // Nothing of this chunk was queued: its HBM slots hold no data.
+                    for &i in chunk {
+                        if let Some(s) = st.objs[i as usize].res.hbm.take() {
+                            st.hbm.put_back(s, None);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
             for (j, &i) in chunk.iter().enumerate() {
                 st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
                 st.staging_fence[base + j] = Some(Arc::clone(&ev));

@@ -168,6 +168,21 @@ fn injected_copy_faults_are_typed_errors_and_lose_nothing() {
     for (i, &id) in ids.iter().enumerate() {
         assert_eq!(check(&s, id, i as u64), Tier::Hbm);
     }
+    // The two-hop path: a failed host→HBM hop leaves no HBM copy without data.
+    s.spill(&ids, Tier::Disk).unwrap();
+    host.inject_fault(strata_vmm::host::FaultOp::Copy, 1);
+    assert!(matches!(
+        s.prefetch(&ids),
+        Err(Error::InjectedFault("copy"))
+    ));
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+    s.prefetch(&ids).unwrap().synchronize().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(check(&s, id, i as u64), Tier::Hbm);
+    }
 }
 
 #[test]
