@@ -18,8 +18,12 @@ struct Args {
 enum Command {
     /// Backend, devices, granularity and capacities.
     Info,
-    /// The main job: a KV-serving workload through KvSpace and the caching allocator.
+    /// The main job: an oversubscribed KV-serving workload across HBM, host memory and disk
+    /// (`--classic`: the single-tier KvSpace and caching-allocator workload).
     Demo(cli::demo::DemoArgs),
+    /// Benchmarks (`strata bench copy`).
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +31,7 @@ fn main() -> ExitCode {
     let outcome = match args.command {
         Command::Info => cli::info::run(),
         Command::Demo(demo) => cli::demo::run(demo),
+        Command::Bench(b) => cli::bench::run(b),
     };
     match outcome {
         Ok(code) => code,

@@ -1,6 +1,9 @@
 //! Copy, gather, scatter and fill kernels: CUDA C compiled at run time (NVRTC) with CPU twins of
-//! the same semantics for the host backend. This crate starts with the fill-pattern twin that the
-//! tests and the demo use to check contents end to end; the tiers issue adds gather/scatter.
+//! the same semantics for the host backend.
+//!
+//! This crate is a leaf (no dependencies): `vmm`'s host backend runs the twins when it executes a
+//! kernel launch, and the CUDA backend takes the sources from here.
 #![deny(unsafe_code)]
 
+pub mod blockcopy;
 pub mod pattern;

@@ -1,11 +1,14 @@
-//! `strata demo`: the KV-serving workload on the default backend, with a progress bar and a
-//! summary; exits non-zero if any content check failed.
+//! `strata demo`: by default the oversubscribed tiered workload (KV demand several times the
+//! device's HBM, spilling to host memory and disk and prefetching back); `--classic` runs the
+//! single-tier KvSpace + caching-allocator workload. Progress bar, summary, exit non-zero if any
+//! content check failed.
 
 use std::process::ExitCode;
 
 use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressStyle};
 use strata::demo::{self, DemoConfig};
+use strata::tiered::{self, TieredConfig};
 
 use super::size;
 
@@ -32,9 +35,169 @@ pub struct DemoArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Run the classic single-tier workload (KvSpace, caching allocator, sleep/wake).
+    #[arg(long)]
+    classic: bool,
+    /// Tiered run: write an SVG plot of tier occupancy over time to this file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Tiered run: directory of the disk tier's file.
+    #[arg(long)]
+    disk_dir: Option<std::path::PathBuf>,
+    /// Tiered run: requests (default 80).
+    #[arg(long)]
+    tiered_requests: Option<u32>,
+}
+
+/// HBM of the emulated device for the tiered run when `STRATA_HOST_DEVICES` is not set.
+const TIERED_DEVICE: u64 = 128 << 20;
+
+fn tiered_backend() -> Result<std::sync::Arc<dyn strata::Backend>, strata::Error> {
+    let cuda = std::env::var("STRATA_BACKEND").as_deref() == Ok("cuda");
+    if !cuda && std::env::var_os("STRATA_HOST_DEVICES").is_none() {
+        let mut config = strata::vmm::HostConfig::from_env()?;
+        config.devices = vec![TIERED_DEVICE];
+        if let Ok(b) = strata::vmm::host::open(config) {
+            if std::env::var("STRATA_BACKEND").as_deref() == Ok("host")
+                || strata::vmm::open(strata::vmm::Choice::Cuda).is_err()
+            {
+                return Ok(b);
+            }
+        }
+    }
+    strata::vmm::from_env()
+}
+
+fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
+    let backend = tiered_backend()?;
+    let mut config = TieredConfig {
+        device: args.device,
+        seed: args.seed,
+        ..TieredConfig::default()
+    };
+    if let Some(r) = args.tiered_requests {
+        config.requests = r;
+    }
+    if let Some(d) = &args.disk_dir {
+        config.disk_dir = d.clone();
+    }
+    if backend.kind() == strata::vmm::BackendKind::Cuda {
+        config.hbm_bytes = Some(TIERED_DEVICE);
+    }
+    println!(
+        "strata demo (tiered): {} requests on the {} backend, device {}; HBM {}, host {}, disk up to {} in {}",
+        config.requests,
+        backend.kind(),
+        config.device,
+        size(config.hbm_bytes.unwrap_or(backend.mem_info(config.device)?.total)),
+        size(config.host_bytes),
+        size(config.disk_bytes),
+        config.disk_dir.display()
+    );
+    let bar = if args.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(config.requests as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let report = tiered::run(backend, &config, |step, finished| {
+        bar.set_position(finished as u64);
+        if step % 16 == 0 {
+            bar.set_message(format!("step {step}"));
+        }
+    })?;
+    bar.finish_and_clear();
+    let st = &report.store;
+    let b = st.block_size;
+    let peak = |f: fn(&tiered::Sample) -> u64| report.samples.iter().map(f).max().unwrap_or(0) * b;
+    let t = &st.transfers;
+    let mut table = Table::new();
+    table.set_header(["", "value"]);
+    let rows: Vec<(&str, String)> = vec![
+        ("backend", report.backend.clone()),
+        (
+            "requests served / decode steps",
+            format!("{} / {}", report.requests, report.steps),
+        ),
+        (
+            "KV demand (peak, all tiers) vs HBM",
+            format!(
+                "{} vs {} ({:.1}×)",
+                size(report.peak_kv_bytes),
+                size(report.hbm_bytes),
+                report.peak_kv_bytes as f64 / report.hbm_bytes.max(1) as f64
+            ),
+        ),
+        ("block", size(b)),
+        (
+            "peak occupancy HBM / host / disk",
+            format!(
+                "{} / {} / {}",
+                size(peak(|s| s.hbm)),
+                size(peak(|s| s.host)),
+                size(peak(|s| s.disk))
+            ),
+        ),
+        (
+            "traffic host→HBM / HBM→host",
+            format!("{} / {}", size(t.bytes_h2d), size(t.bytes_d2h)),
+        ),
+        (
+            "disk read / written",
+            format!(
+                "{} / {} ({})",
+                size(st.disk_read_bytes),
+                size(st.disk_write_bytes),
+                if report.disk_direct {
+                    "O_DIRECT"
+                } else {
+                    "buffered"
+                }
+            ),
+        ),
+        (
+            "blocks moved / descriptors / kernel launches",
+            format!("{} / {} / {}", t.blocks, t.descriptors, t.kernel_launches),
+        ),
+        (
+            "evictions HBM / host",
+            format!("{} / {}", st.evictions_hbm, st.evictions_host),
+        ),
+        (
+            "prefetched blocks (lookahead hints)",
+            format!("{} ({})", st.prefetched_blocks, report.kv.hinted_prefetches),
+        ),
+        ("elapsed", format!("{:.1} s", report.elapsed.as_secs_f64())),
+    ];
+    for (k, v) in rows {
+        table.add_row([k.to_string(), v]);
+    }
+    println!("{table}");
+    if let Some(path) = &args.plot {
+        tiered::write_svg(path, &report.samples, b).map_err(|source| strata::Error::Os {
+            call: "write plot",
+            source,
+        })?;
+        println!("plot: {}", path.display());
+    }
+    println!(
+        "verified: {} blocks, {} mismatches",
+        report.verified_blocks, report.mismatches
+    );
+    Ok(if report.mismatches == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
+    if !args.classic {
+        return run_tiered(&args);
+    }
     let config = DemoConfig {
         device: args.device,
         requests: args.requests,

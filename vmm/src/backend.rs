@@ -115,6 +115,55 @@ pub trait Backend: Send + Sync + 'static {
     fn memset_async(&self, stream: StreamHandle, dst: DevicePtr, value: u8, len: u64)
         -> Result<()>;
 
+    /// Allocates `size` bytes (at most [`MAX_HOST_CHUNK`](crate::MAX_HOST_CHUNK)) of host
+    /// memory that copies to and from every device use at full speed: CUDA pins it
+    /// (`cuMemHostAlloc`, portable); the host backend maps page-aligned anonymous memory. The
+    /// memory lies outside every reservation (a "host" range in copies), page-aligned, zeroed.
+    /// Prefer the owning [`HostBuffer`](crate::HostBuffer). Both strata backends implement it;
+    /// the default (for test fakes) is [`Error::Unsupported`](crate::Error::Unsupported).
+    fn host_alloc(&self, size: u64) -> Result<DevicePtr> {
+        Err(crate::Error::Unsupported(format!(
+            "host_alloc of {size} bytes on the {} backend",
+            self.kind()
+        )))
+    }
+
+    /// Frees memory from [`Backend::host_alloc`].
+    ///
+    /// # Safety
+    ///
+    /// 1. `ptr` and `size` are exactly what one `host_alloc` of this backend returned and took,
+    ///    and it was not freed before.
+    /// 2. No copy that touches the range is still in flight and nobody uses it afterwards.
+    unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let _ = size;
+        Err(crate::Error::UnknownPointer(ptr))
+    }
+
+    /// Queues one launch of the block-copy kernel (`strata_kernels::blockcopy`): for each
+    /// `(src, dst)` pair, `len` bytes from `src` to `dst`. Every range obeys precondition 8;
+    /// destinations must be pairwise disjoint and disjoint from every source
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise). The host backend
+    /// runs the kernel's CPU twin on the stream's worker (one submission, one link latency);
+    /// a backend that cannot launch it returns [`Error::Unsupported`](crate::Error::Unsupported)
+    /// and callers fall back to [`Backend::copy_async`].
+    ///
+    /// # Safety
+    ///
+    /// As for [`Backend::copy_async`].
+    unsafe fn copy_blocks_async(
+        &self,
+        stream: StreamHandle,
+        len: u64,
+        pairs: &[(DevicePtr, DevicePtr)],
+    ) -> Result<()> {
+        let _ = (stream, len, pairs);
+        Err(crate::Error::Unsupported(format!(
+            "the block-copy kernel is not launched on the {} backend",
+            self.kind()
+        )))
+    }
+
     /// Live driver objects created through this backend (leak checks).
     fn live_counts(&self) -> LiveCounts;
 

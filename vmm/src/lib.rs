@@ -8,6 +8,7 @@ mod backend;
 pub mod cuda;
 mod error;
 pub mod host;
+mod hostbuf;
 mod raii;
 mod select;
 mod types;
@@ -17,6 +18,7 @@ pub use backend::Backend;
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
 pub use host::{HostBackend, HostConfig};
+pub use hostbuf::{copy_async_in, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{
     check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
     Reservation, Stream,

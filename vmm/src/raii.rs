@@ -336,6 +336,12 @@ impl Event {
     }
 }
 
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event({:#x})", self.handle.0)
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         undo(|| self.backend.event_destroy(self.handle));

@@ -1086,6 +1086,38 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn host_alloc(&self, size: u64) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "host_alloc size must not be zero".into(),
+            ));
+        }
+        if size > crate::MAX_HOST_CHUNK {
+            return Err(Error::InvalidArgument(format!(
+                "host_alloc of {size} bytes above the {} byte chunk limit",
+                crate::MAX_HOST_CHUNK
+            )));
+        }
+        self.enter(0)?;
+        let n = result::to_usize(size, "host allocation size")?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; the primary context is current (`enter`).
+        result::call("cuMemHostAlloc", || unsafe {
+            sys::cuMemHostAlloc(&mut p, n, sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(p as DevicePtr)
+    }
+
+    unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let _ = size;
+        self.enter(0)?;
+        // SAFETY: the caller guarantees `ptr` came from `host_alloc` (cuMemHostAlloc) and is no
+        // longer used by copies or anyone else.
+        result::call("cuMemFreeHost", || unsafe {
+            sys::cuMemFreeHost(ptr as usize as *mut std::ffi::c_void)
+        })
+    }
+
     fn live_counts(&self) -> LiveCounts {
         let state = self.state.lock();
         LiveCounts {

@@ -59,6 +59,8 @@ struct Inner {
     next_stream: AtomicU64,
     next_event: AtomicU64,
     faults: FaultPlan,
+    /// Live `host_alloc` allocations: address → size.
+    host_allocs: Mutex<HashMap<u64, u64>>,
 }
 
 /// Emulated devices on memfd-backed physical memory (see the module documentation).
@@ -127,6 +129,7 @@ impl HostBackend {
                 next_stream: AtomicU64::new(1),
                 next_event: AtomicU64::new(1),
                 faults: FaultPlan::default(),
+                host_allocs: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -362,6 +365,81 @@ impl Inner {
                 std::thread::sleep(delay);
             }
             copy_segments(&src, &dst);
+        });
+        self.unpin(&pins);
+        result
+    }
+
+    /// Runs one block-copy launch now: resolves every range under one lock, checks the launch
+    /// rule on the memory itself (aliases through different VAs included), pays the link
+    /// latency once, then runs the kernel's CPU twin per pair.
+    fn run_blocks(
+        &self,
+        accessor: Accessor,
+        len: u64,
+        pairs: &[(DevicePtr, DevicePtr)],
+    ) -> Result<()> {
+        if len == 0 || pairs.is_empty() {
+            return Ok(());
+        }
+        let mut pins = Vec::new();
+        let mut resolved = Vec::with_capacity(pairs.len());
+        let mut any_src_dev = false;
+        let mut any_dst_dev = false;
+        let outcome = (|| {
+            let mut st = self.state.lock();
+            for &(src, dst) in pairs {
+                let (s, sd) = self.resolve(&mut st, src, len, accessor, Access::Read, &mut pins)?;
+                let (d, dd) =
+                    self.resolve(&mut st, dst, len, accessor, Access::ReadWrite, &mut pins)?;
+                any_src_dev |= sd;
+                any_dst_dev |= dd;
+                resolved.push((s, d));
+            }
+            Ok::<_, Error>(())
+        })();
+        let result = outcome.and_then(|()| {
+            let srcs: Vec<(u64, u64)> = resolved
+                .iter()
+                .flat_map(|(s, _)| s.iter().map(|&(a, n)| (a as u64, n)))
+                .collect();
+            let dsts: Vec<(u64, u64)> = resolved
+                .iter()
+                .flat_map(|(_, d)| d.iter().map(|&(a, n)| (a as u64, n)))
+                .collect();
+            if let Err((a, b)) = strata_kernels::blockcopy::check_disjoint(&srcs, &dsts) {
+                return Err(Error::InvalidArgument(format!(
+                    "block-copy ranges overlap: {:#x}+{:#x} and {:#x}+{:#x}",
+                    a.0, a.1, b.0, b.1
+                )));
+            }
+            let total = len.saturating_mul(pairs.len() as u64);
+            let delay = self.link_delay(total, any_src_dev, any_dst_dev);
+            if !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
+            for (s, d) in &resolved {
+                // SAFETY: every segment lies in a shadow view of a pinned handle or in host
+                // memory the caller keeps valid (the `copy_async` contract); `check_disjoint`
+                // proved no destination overlaps a source or another destination, so these
+                // slices alias nothing that is written; they live only for this call.
+                let src: Vec<&[u8]> = s
+                    .iter()
+                    .map(|&(a, n)| unsafe {
+                        std::slice::from_raw_parts(a as *const u8, n as usize)
+                    })
+                    .collect();
+                // SAFETY: as above; destinations are pairwise disjoint.
+                let mut dst: Vec<&mut [u8]> = d
+                    .iter()
+                    .map(|&(a, n)| unsafe {
+                        std::slice::from_raw_parts_mut(a as *mut u8, n as usize)
+                    })
+                    .collect();
+                let copied = strata_kernels::blockcopy::copy_block(&src, &mut dst);
+                debug_assert_eq!(copied as u64, len);
+            }
+            Ok(())
         });
         self.unpin(&pins);
         result
@@ -825,6 +903,66 @@ impl Backend for HostBackend {
                 worker.submit(Box::new(move || {
                     inner.run_memset(accessor, dst, value, len)
                 }))
+            }
+        }
+    }
+
+    fn host_alloc(&self, size: u64) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "host_alloc size must not be zero".into(),
+            ));
+        }
+        if size > crate::MAX_HOST_CHUNK {
+            return Err(Error::InvalidArgument(format!(
+                "host_alloc of {size} bytes above the {} byte chunk limit",
+                crate::MAX_HOST_CHUNK
+            )));
+        }
+        let ptr = os::anon(size)?;
+        self.inner.host_allocs.lock().insert(ptr, size);
+        Ok(ptr)
+    }
+
+    unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let mut allocs = self.inner.host_allocs.lock();
+        match allocs.get(&ptr) {
+            Some(&s) if s == size => {}
+            _ => return Err(Error::UnknownPointer(ptr)),
+        }
+        allocs.remove(&ptr);
+        drop(allocs);
+        // SAFETY: the table proved `ptr/size` is one live `anon` mapping; the caller guarantees
+        // nothing uses it any more.
+        unsafe { os::unmap_anon(ptr, size) }
+    }
+
+    unsafe fn copy_blocks_async(
+        &self,
+        stream: StreamHandle,
+        len: u64,
+        pairs: &[(DevicePtr, DevicePtr)],
+    ) -> Result<()> {
+        self.inner.faults.check(FaultOp::Copy)?;
+        usize::try_from(len).map_err(|_| Error::Overflow("block length"))?;
+        let copies: Vec<CopyDesc> = pairs
+            .iter()
+            .map(|&(src, dst)| CopyDesc { dst, src, len })
+            .collect();
+        for c in &copies {
+            c.src
+                .checked_add(c.len)
+                .zip(c.dst.checked_add(c.len))
+                .ok_or(Error::Overflow("copy address + length"))?;
+        }
+        let (accessor, worker) = self.accessor(stream)?;
+        self.inner.validate_copies(accessor, &copies)?;
+        match worker {
+            None => self.inner.run_blocks(accessor, len, pairs),
+            Some(worker) => {
+                let inner = Arc::clone(&self.inner);
+                let pairs = pairs.to_vec();
+                worker.submit(Box::new(move || inner.run_blocks(accessor, len, &pairs)))
             }
         }
     }

@@ -284,3 +284,37 @@ pub(crate) unsafe fn protect(va: DevicePtr, size: u64, access: Access) -> Result
     }
     Ok(())
 }
+
+/// Maps `len` bytes of zeroed, page-aligned, private anonymous memory read-write.
+pub(crate) fn anon(len: u64) -> Result<DevicePtr> {
+    let n = to_usize(len, "host allocation length")?;
+    // SAFETY: a fresh private mapping at a kernel-chosen address replaces nothing.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            n,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::os("mmap(host allocation)"));
+    }
+    Ok(p as DevicePtr)
+}
+
+/// Unmaps memory from [`anon`].
+///
+/// # Safety
+///
+/// `ptr..ptr+len` is exactly one mapping returned by [`anon`], and nothing uses it afterwards.
+pub(crate) unsafe fn unmap_anon(ptr: DevicePtr, len: u64) -> Result<()> {
+    let n = to_usize(len, "host allocation length")?;
+    // SAFETY: the caller guarantees the range is one of our anonymous mappings, no longer used.
+    if unsafe { libc::munmap(ptr as usize as *mut libc::c_void, n) } != 0 {
+        return Err(Error::os("munmap(host allocation)"));
+    }
+    Ok(())
+}

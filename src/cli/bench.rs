@@ -1,0 +1,86 @@
+//! `strata bench copy`: naive vs coalesced vs block-copy kernel for scattered blocks.
+
+use std::process::ExitCode;
+
+use comfy_table::Table;
+use strata::tiers::Submission;
+
+use super::size;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// Scattered blocks of 8 KiB, 32 KiB, 256 KiB and 2 MiB between host memory and HBM.
+    Copy(CopyArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CopyArgs {
+    /// Bytes moved per round.
+    #[arg(long, default_value = "32MiB", value_parser = parse_size)]
+    bytes: u64,
+    /// Adjacent blocks per run (runs are placed at shuffled positions).
+    #[arg(long, default_value_t = 16)]
+    run: u64,
+    /// Rounds per configuration (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    reps: usize,
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    strata::vmm::host::parse_size(s)
+}
+
+pub fn run(cmd: BenchCommand) -> Result<ExitCode, strata::Error> {
+    let BenchCommand::Copy(args) = cmd;
+    let backend = strata::vmm::from_env()?;
+    let sizes = [8 << 10, 32 << 10, 256 << 10, 2 << 20];
+    println!(
+        "strata bench copy: {} per round, runs of {} adjacent blocks at shuffled places, median of {} rounds, {} backend",
+        size(args.bytes),
+        args.run,
+        args.reps,
+        backend.kind()
+    );
+    let results = strata::bench::copy(
+        &backend,
+        args.device,
+        &sizes,
+        args.bytes,
+        args.run,
+        args.reps,
+    )?;
+    let mut table = Table::new();
+    table.set_header([
+        "block",
+        "blocks",
+        "direction",
+        "method",
+        "descriptors",
+        "time",
+        "GB/s",
+        "vs naive",
+    ]);
+    let mut naive = std::collections::HashMap::new();
+    for r in &results {
+        if r.method == Submission::Naive {
+            naive.insert((r.block, format!("{:?}", r.direction)), r.time);
+        }
+    }
+    for r in &results {
+        let base = naive[&(r.block, format!("{:?}", r.direction))];
+        table.add_row([
+            size(r.block),
+            r.blocks.to_string(),
+            format!("{:?}", r.direction),
+            format!("{:?}", r.method),
+            r.descriptors.to_string(),
+            format!("{:.3} ms", r.time.as_secs_f64() * 1e3),
+            format!("{:.2}", r.gbps()),
+            format!("{:.2}×", base.as_secs_f64() / r.time.as_secs_f64()),
+        ]);
+    }
+    println!("{table}");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,348 @@
+//! The tiered demo workload (`strata demo`, the default): KV demand several times the HBM of the
+//! device, served through the [`KvBlockManager`](strata_tiers::KvBlockManager) on a
+//! [`TierStore`](strata_tiers::TierStore) with host memory and disk below HBM.
+//!
+//! Requests are prefilled, then decode in round-robin batches; the scheduler's next batches are
+//! hinted (lookahead: eviction picks blocks whose request runs furthest away, and blocks that fit
+//! the compute window are prefetched, TierKV Eq. 1), each batch is made resident (an event) and
+//! every block that came back from host memory or disk is checked byte for byte against the
+//! pattern it was written with. Idle requests spill to host memory, some paused ones to disk.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use strata_allocator::{PagePool, PoolConfig};
+use strata_kernels::pattern;
+use strata_tiers::policy::Links;
+use strata_tiers::{
+    DiskConfig, KvBlockManager, KvBlocksConfig, KvBlocksStats, PolicyKind, RequestId, StoreConfig,
+    StoreStats, Tier, TierSpec, TierStore,
+};
+use strata_vmm::{Backend, Error, Result};
+
+/// Shape of a tiered run.
+#[derive(Clone, Debug)]
+pub struct TieredConfig {
+    pub device: u32,
+    pub seed: u64,
+    pub requests: u32,
+    /// Requests decoding in one step.
+    pub batch: u32,
+    /// Lookahead window K (steps hinted ahead).
+    pub lookahead: u32,
+    pub prompt: (u32, u32),
+    pub output: (u32, u32),
+    pub tokens_per_block: u32,
+    pub bytes_per_token: u64,
+    /// HBM given to the store (None: the device's whole memory).
+    pub hbm_bytes: Option<u64>,
+    pub host_bytes: u64,
+    pub disk_bytes: u64,
+    pub disk_dir: PathBuf,
+    /// Requests idle this many steps spill to host memory.
+    pub idle_steps: u64,
+}
+
+impl Default for TieredConfig {
+    fn default() -> Self {
+        TieredConfig {
+            device: 0,
+            seed: 42,
+            requests: 80,
+            batch: 8,
+            lookahead: 1,
+            prompt: (256, 1024),
+            output: (8, 32),
+            tokens_per_block: 16,
+            bytes_per_token: 8192,
+            hbm_bytes: None,
+            host_bytes: 128 << 20,
+            disk_bytes: 1 << 30,
+            disk_dir: std::env::temp_dir(),
+            idle_steps: 4,
+        }
+    }
+}
+
+/// One occupancy sample (blocks per tier) at a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sample {
+    pub step: u64,
+    pub hbm: u64,
+    pub host: u64,
+    pub disk: u64,
+}
+
+/// What a tiered run did and found.
+#[derive(Clone, Debug)]
+pub struct TieredReport {
+    pub backend: String,
+    pub hbm_bytes: u64,
+    /// Peak KV bytes live (all tiers together).
+    pub peak_kv_bytes: u64,
+    pub steps: u64,
+    pub requests: u32,
+    pub verified_blocks: u64,
+    pub mismatches: u64,
+    pub store: StoreStats,
+    pub kv: KvBlocksStats,
+    pub samples: Vec<Sample>,
+    pub disk_direct: bool,
+    pub elapsed: Duration,
+}
+
+struct Live {
+    id: RequestId,
+    seed: u64,
+    target: u32,
+}
+
+fn tokens(seed: u64, from: u32, n: u32, bpt: u64) -> Vec<u8> {
+    let mut v = vec![0u8; (u64::from(n) * bpt) as usize];
+    pattern::fill(&mut v, seed, u64::from(from) * bpt);
+    v
+}
+
+/// Runs the tiered workload on `backend`, calling `progress(step, finished)` after each step.
+pub fn run(
+    backend: Arc<dyn Backend>,
+    config: &TieredConfig,
+    mut progress: impl FnMut(u64, u32),
+) -> Result<TieredReport> {
+    let start = Instant::now();
+    if config.batch == 0 || config.requests == 0 || config.tokens_per_block == 0 {
+        return Err(Error::InvalidArgument(
+            "tiered demo needs requests, batch and block size".into(),
+        ));
+    }
+    let pool = PagePool::new(
+        Arc::clone(&backend),
+        config.device,
+        PoolConfig {
+            background: false,
+            ..PoolConfig::default()
+        },
+    )?;
+    let page = pool.page_size();
+    let hbm_bytes = match config.hbm_bytes {
+        Some(b) => b,
+        None => backend.mem_info(config.device)?.total,
+    } / page
+        * page;
+    let block = u64::from(config.tokens_per_block) * config.bytes_per_token;
+    let mut sc = StoreConfig::new(block, hbm_bytes, config.host_bytes);
+    sc.device = config.device;
+    sc.hbm_policy = PolicyKind::Lookahead;
+    sc.staging_blocks = 32;
+    sc.disk = Some(DiskConfig {
+        dir: config.disk_dir.clone(),
+        spec: TierSpec {
+            capacity: config.disk_bytes,
+            bandwidth: 7e9,
+            latency: Duration::from_micros(80),
+        },
+        io_threads: 2,
+        direct: true,
+    });
+    let store = Arc::new(TierStore::new(pool, sc)?);
+    let kv = KvBlockManager::new(
+        Arc::clone(&store),
+        KvBlocksConfig {
+            tokens_per_block: config.tokens_per_block,
+            bytes_per_token: config.bytes_per_token,
+            t_iter: Duration::from_millis(20),
+            delta_sched: Duration::from_micros(100),
+            links: Links {
+                host_to_hbm: (Duration::from_micros(5), 50e9),
+                disk_to_host: (Duration::from_micros(80), 7e9),
+            },
+        },
+    )?;
+    let bpt = config.bytes_per_token;
+    let mut rng = SmallRng::seed_from_u64(config.seed);
+    let mut live: Vec<Live> = Vec::new();
+    let mut admitted = 0u32;
+    let mut finished = 0u32;
+    let (mut verified, mut mismatches) = (0u64, 0u64);
+    let mut samples = Vec::new();
+    let mut peak_kv = 0u64;
+    let mut step = 0u64;
+    let mut cursor = 0usize;
+    let mut buf = vec![0u8; block as usize];
+    while finished < config.requests {
+        step += 1;
+        kv.advance(step);
+        // Admission: prefill up to one batch of new requests per step.
+        for _ in 0..config.batch {
+            if admitted == config.requests {
+                break;
+            }
+            let prompt = rng.random_range(config.prompt.0..=config.prompt.1);
+            let output = rng.random_range(config.output.0..=config.output.1);
+            let id = kv.admit();
+            let seed = config
+                .seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add(u64::from(admitted));
+            kv.append(id, &tokens(seed, 0, prompt, bpt))?;
+            live.push(Live {
+                id,
+                seed,
+                target: prompt + output,
+            });
+            admitted += 1;
+        }
+        if live.is_empty() {
+            continue;
+        }
+        // The scheduler's next batches (round robin) and the lookahead hint.
+        let n = live.len();
+        let batch_of = |k: usize| -> Vec<usize> {
+            (0..(config.batch as usize).min(n))
+                .map(|j| (cursor + k * config.batch as usize + j) % n)
+                .collect()
+        };
+        let now: Vec<usize> = batch_of(0);
+        let ahead: Vec<Vec<RequestId>> = (1..=config.lookahead as usize)
+            .map(|k| batch_of(k).into_iter().map(|i| live[i].id).collect())
+            .collect();
+        cursor = (cursor + config.batch as usize) % n;
+        let batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
+        // Blocks that are not in HBM now come back for this step: check each one.
+        let mut returning = Vec::new();
+        for &i in &now {
+            for (b, blk) in kv.blocks(live[i].id)?.into_iter().enumerate() {
+                if store.residency(blk)?.fastest() != Some(Tier::Hbm) {
+                    returning.push((i, b, blk));
+                }
+            }
+        }
+        let mut hint_schedule = vec![batch.clone()];
+        hint_schedule.extend(ahead);
+        kv.make_resident(&batch)?.synchronize()?;
+        if let Some(ev) = kv.hint(&hint_schedule)? {
+            // Prefetches overlap the "compute" of this step; the next step's make_resident
+            // finds them resident (or waits on their events).
+            drop(ev);
+        }
+        for (i, b, blk) in returning {
+            let l = &live[i];
+            let total = kv.tokens(l.id)?;
+            let first = b as u32 * config.tokens_per_block;
+            let len = (u64::from((total - first).min(config.tokens_per_block)) * bpt) as usize;
+            store.read(blk, &mut buf[..len])?;
+            verified += 1;
+            if pattern::first_mismatch(&buf[..len], l.seed, u64::from(first) * bpt).is_some() {
+                mismatches += 1;
+            }
+        }
+        // Decode one token for each request of the batch; finished ones are checked and leave.
+        let mut done = Vec::new();
+        for &i in &now {
+            let l = &live[i];
+            let have = kv.tokens(l.id)?;
+            kv.append(l.id, &tokens(l.seed, have, 1, bpt))?;
+            if have + 1 >= l.target {
+                done.push(i);
+            }
+        }
+        done.sort_unstable_by(|a, b| b.cmp(a));
+        for i in done {
+            let l = live.swap_remove(i);
+            kv.release(l.id)?;
+            finished += 1;
+        }
+        // Idle requests spill to host memory; every 8th step the least urgent one goes to disk.
+        kv.spill_idle(config.idle_steps, Tier::Host)?;
+        if step % 8 == 0 && !live.is_empty() {
+            let far = live[(cursor + live.len() / 2) % live.len()].id;
+            match kv.pause(far, Tier::Disk) {
+                Ok(()) => {}
+                Err(e) if e.is_out_of_memory() || matches!(e, Error::LimitExceeded { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let st = store.stats();
+        peak_kv = peak_kv.max(st.objects * block);
+        samples.push(Sample {
+            step,
+            hbm: st.hbm_used,
+            host: st.host_used,
+            disk: st.disk_used,
+        });
+        progress(step, finished);
+    }
+    store.synchronize()?;
+    store.check_invariants()?;
+    let st = store.stats();
+    Ok(TieredReport {
+        backend: backend.kind().to_string(),
+        hbm_bytes,
+        peak_kv_bytes: peak_kv,
+        steps: step,
+        requests: finished,
+        verified_blocks: verified,
+        mismatches,
+        disk_direct: st.disk_direct,
+        store: st,
+        kv: kv.stats(),
+        samples,
+        elapsed: start.elapsed(),
+    })
+}
+
+/// Writes tier occupancy over time as an SVG line chart (written directly: three polylines and
+/// axes need no plotting dependency).
+pub fn write_svg(path: &std::path::Path, samples: &[Sample], block: u64) -> std::io::Result<()> {
+    let (w, h, m) = (800.0f64, 360.0f64, 50.0f64);
+    let max_step = samples.last().map_or(1, |s| s.step).max(1) as f64;
+    let max_y = samples
+        .iter()
+        .map(|s| s.hbm.max(s.host).max(s.disk))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let mib = |blocks: f64| blocks * block as f64 / (1 << 20) as f64;
+    let x = |s: u64| m + (s as f64 / max_step) * (w - 2.0 * m);
+    let y = |v: u64| h - m - (v as f64 / max_y) * (h - 2.0 * m);
+    let line = |f: &dyn Fn(&Sample) -> u64| {
+        samples
+            .iter()
+            .map(|s| format!("{:.1},{:.1}", x(s.step), y(f(s))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{m}\" y=\"20\" font-size=\"14\">strata demo: tier occupancy over time</text>\n\
+         <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {max_step}</text>\n\
+         <text x=\"5\" y=\"{m}\">{top:.0} MiB</text>\n",
+        b = h - m,
+        r = w - m,
+        lb = h - m + 20.0,
+        top = mib(max_y),
+    );
+    for (i, (name, color, f)) in [
+        ("HBM", "#d62728", (|s: &Sample| s.hbm) as fn(&Sample) -> u64),
+        ("host", "#1f77b4", |s: &Sample| s.host),
+        ("disk", "#2ca02c", |s: &Sample| s.disk),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        svg.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n\
+             <text x=\"{}\" y=\"40\" fill=\"{color}\">{name}</text>\n",
+            line(&f),
+            m + 10.0 + 60.0 * i as f64
+        ));
+    }
+    svg.push_str("</svg>\n");
+    std::fs::write(path, svg)
+}

@@ -1,0 +1,454 @@
+//! Eviction and prefetch policies: pure strategies (keys in, decisions out), chosen per tier.
+//!
+//! A key is an object's packed id (`ObjectId::key`); an owner is whoever the engine schedules
+//! (a request). Policies see no pointers and call no backend.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+/// An eviction policy for one tier.
+pub trait EvictionPolicy: Send {
+    /// Short name for reports.
+    fn name(&self) -> &'static str;
+    /// `key` (owned by `owner`) was placed in the tier or accessed at step `now`.
+    fn touch(&mut self, key: u64, owner: u64, now: u64);
+    /// `key` left the tier.
+    fn remove(&mut self, key: u64);
+    /// The key to evict among those `evictable` accepts, or `None`.
+    fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64>;
+    /// Scheduler lookahead: the owners that run in each of the next K steps (index 0: next).
+    fn schedule(&mut self, _next_steps: &[Vec<u64>]) {}
+    /// The engine moved to step `step`.
+    fn advance(&mut self, _step: u64) {}
+}
+
+/// Which policy a tier uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PolicyKind {
+    Lru,
+    Frequency,
+    Lookahead,
+    /// Full future knowledge: the sequence of `(step, key)` accesses (simulator only).
+    Oracle(Vec<(u64, u64)>),
+}
+
+impl PolicyKind {
+    pub fn build(&self) -> Box<dyn EvictionPolicy> {
+        match self {
+            PolicyKind::Lru => Box::new(Lru::default()),
+            PolicyKind::Frequency => Box::new(Frequency::default()),
+            PolicyKind::Lookahead => Box::new(Lookahead::default()),
+            PolicyKind::Oracle(future) => Box::new(Oracle::new(future)),
+        }
+    }
+}
+
+/// Least recently used.
+#[derive(Default, Debug)]
+pub struct Lru {
+    order: BTreeSet<(u64, u64)>,
+    last: HashMap<u64, u64>,
+    clock: u64,
+}
+
+impl Lru {
+    fn stamp(&mut self, now: u64) -> u64 {
+        // A tie-breaking clock inside a step keeps the order total and deterministic.
+        self.clock = self.clock.max(now.saturating_mul(1 << 20)) + 1;
+        self.clock
+    }
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+    fn touch(&mut self, key: u64, _owner: u64, now: u64) {
+        let t = self.stamp(now);
+        if let Some(old) = self.last.insert(key, t) {
+            self.order.remove(&(old, key));
+        }
+        self.order.insert((t, key));
+    }
+    fn remove(&mut self, key: u64) {
+        if let Some(old) = self.last.remove(&key) {
+            self.order.remove(&(old, key));
+        }
+    }
+    fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
+        self.order.iter().map(|&(_, k)| k).find(|&k| evictable(k))
+    }
+}
+
+/// Least frequently used (ties: least recently used).
+#[derive(Default, Debug)]
+pub struct Frequency {
+    order: BTreeSet<(u64, u64, u64)>,
+    meta: HashMap<u64, (u64, u64)>,
+    clock: u64,
+}
+
+impl EvictionPolicy for Frequency {
+    fn name(&self) -> &'static str {
+        "frequency"
+    }
+    fn touch(&mut self, key: u64, _owner: u64, now: u64) {
+        self.clock = self.clock.max(now.saturating_mul(1 << 20)) + 1;
+        let (count, _) = match self.meta.get(&key) {
+            Some(&(c, t)) => {
+                self.order.remove(&(c, t, key));
+                (c + 1, t)
+            }
+            None => (1, 0),
+        };
+        self.meta.insert(key, (count, self.clock));
+        self.order.insert((count, self.clock, key));
+    }
+    fn remove(&mut self, key: u64) {
+        if let Some((c, t)) = self.meta.remove(&key) {
+            self.order.remove(&(c, t, key));
+        }
+    }
+    fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
+        self.order
+            .iter()
+            .map(|&(_, _, k)| k)
+            .find(|&k| evictable(k))
+    }
+}
+
+/// Scheduler lookahead (TierKV §3.4): evict the block whose owner runs furthest away; owners
+/// not in the lookahead window run "never" (furthest); ties go to the least recently used.
+#[derive(Default, Debug)]
+pub struct Lookahead {
+    lru: Lru,
+    owner: HashMap<u64, u64>,
+    next_run: HashMap<u64, usize>,
+}
+
+impl Lookahead {
+    /// Steps until `owner` runs (`usize::MAX`: not within the window).
+    pub fn distance(&self, owner: u64) -> usize {
+        self.next_run.get(&owner).copied().unwrap_or(usize::MAX)
+    }
+}
+
+impl EvictionPolicy for Lookahead {
+    fn name(&self) -> &'static str {
+        "lookahead"
+    }
+    fn touch(&mut self, key: u64, owner: u64, now: u64) {
+        self.owner.insert(key, owner);
+        self.lru.touch(key, owner, now);
+    }
+    fn remove(&mut self, key: u64) {
+        self.owner.remove(&key);
+        self.lru.remove(key);
+    }
+    fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
+        let mut best: Option<(usize, u64)> = None;
+        // LRU order first, so a strictly larger distance is needed to displace an older key.
+        for &(_, k) in &self.lru.order {
+            let d = self.owner.get(&k).map_or(usize::MAX, |o| self.distance(*o));
+            if best.is_none_or(|(bd, _)| d > bd) && evictable(k) {
+                best = Some((d, k));
+                if d == usize::MAX {
+                    break;
+                }
+            }
+        }
+        best.map(|(_, k)| k)
+    }
+    fn schedule(&mut self, next_steps: &[Vec<u64>]) {
+        self.next_run.clear();
+        for (i, owners) in next_steps.iter().enumerate() {
+            for &o in owners {
+                self.next_run.entry(o).or_insert(i);
+            }
+        }
+    }
+}
+
+/// Belady's optimal policy for the simulator: knows every future access; evicts the key whose
+/// next access is furthest (never accessed again first).
+#[derive(Debug, Default)]
+pub struct Oracle {
+    uses: HashMap<u64, Vec<u64>>,
+    now: u64,
+    present: BTreeSet<u64>,
+}
+
+impl Oracle {
+    /// `future`: every `(step, key)` access of the run.
+    pub fn new(future: &[(u64, u64)]) -> Self {
+        let mut uses: HashMap<u64, Vec<u64>> = HashMap::new();
+        for &(step, key) in future {
+            uses.entry(key).or_default().push(step);
+        }
+        for v in uses.values_mut() {
+            v.sort_unstable();
+        }
+        Oracle {
+            uses,
+            now: 0,
+            present: BTreeSet::new(),
+        }
+    }
+
+    /// Step of the next access of `key` at or after now (`u64::MAX`: none).
+    pub fn next_use(&self, key: u64) -> u64 {
+        self.uses
+            .get(&key)
+            .and_then(|v| v.get(v.partition_point(|&s| s < self.now)).copied())
+            .unwrap_or(u64::MAX)
+    }
+}
+
+impl EvictionPolicy for Oracle {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn touch(&mut self, key: u64, _owner: u64, now: u64) {
+        self.now = self.now.max(now);
+        self.present.insert(key);
+    }
+    fn remove(&mut self, key: u64) {
+        self.present.remove(&key);
+    }
+    fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
+        let mut best: Option<(u64, u64)> = None;
+        for &k in &self.present {
+            let n = self.next_use(k);
+            if best.is_none_or(|(bn, _)| n > bn) && evictable(k) {
+                best = Some((n, k));
+            }
+        }
+        best.map(|(_, k)| k)
+    }
+    fn advance(&mut self, step: u64) {
+        self.now = self.now.max(step);
+    }
+}
+
+/// Eq. 2 of TierKV: `T_transfer(T_i → T_j) = ℓ_ij + n_blocks · S_block / BW_ij`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TransferTerms {
+    /// ℓ_ij: access latency of the link from tier i to tier j.
+    pub latency: Duration,
+    /// n_blocks: blocks moved together.
+    pub n_blocks: u64,
+    /// S_block: bytes per block.
+    pub block_bytes: u64,
+    /// BW_ij: bandwidth available on the link, bytes per second.
+    pub bandwidth: f64,
+}
+
+impl TransferTerms {
+    /// `T_transfer` (Eq. 2). A non-positive bandwidth never completes (`Duration::MAX`).
+    pub fn t_transfer(&self) -> Duration {
+        if !(self.bandwidth.is_finite() && self.bandwidth > 0.0) {
+            return Duration::MAX;
+        }
+        let secs = (self.n_blocks as f64 * self.block_bytes as f64) / self.bandwidth;
+        self.latency
+            .saturating_add(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+    }
+}
+
+/// Eq. 1 of TierKV: a prefetch succeeds when
+/// `T_transfer(T_i → T_0) ≤ Σ_{k=1..K} T_iter^(k) + δ_sched`.
+///
+/// `t_iter[k-1]` is `T_iter^(k)`, the compute time of the k-th future iteration (so `K =
+/// t_iter.len()`, the lookahead window) and `delta_sched` is δ_sched, the scheduling overhead.
+pub fn prefetch_fits(t_transfer: Duration, t_iter: &[Duration], delta_sched: Duration) -> bool {
+    let window = t_iter
+        .iter()
+        .fold(Duration::ZERO, |a, &t| a.saturating_add(t))
+        .saturating_add(delta_sched);
+    t_transfer <= window
+}
+
+/// Where a block lives, for the prefetch decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// T0.
+    Hbm,
+    /// T1.
+    Host,
+    /// T2.
+    Disk,
+}
+
+/// A DMA route chosen by [`plan_prefetch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// T1 → T0.
+    HostToHbm,
+    /// T2 → T1 → T0 (two hops, pipelined through host memory).
+    DiskToHostToHbm,
+}
+
+/// Link terms of the two links a prefetch uses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Links {
+    /// T1 → T0: ℓ and BW.
+    pub host_to_hbm: (Duration, f64),
+    /// T2 → T1: ℓ and BW.
+    pub disk_to_host: (Duration, f64),
+}
+
+/// Algorithm 1 of TierKV, for one iteration: for each block (of the requests that run in the
+/// next K iterations) not in T0, the transfer time of that block (Eq. 2, `n_blocks = 1`; for T2
+/// both hops in sequence) is checked against the window (Eq. 1); blocks that fit get a route.
+pub fn plan_prefetch(
+    blocks: &[(u64, Tier)],
+    block_bytes: u64,
+    links: Links,
+    t_iter: &[Duration],
+    delta_sched: Duration,
+) -> Vec<(u64, Route)> {
+    let hop = |(latency, bandwidth): (Duration, f64)| TransferTerms {
+        latency,
+        n_blocks: 1,
+        block_bytes,
+        bandwidth,
+    };
+    let mut out = Vec::new();
+    for &(key, tier) in blocks {
+        let (t_xf, route) = match tier {
+            Tier::Hbm => continue,
+            Tier::Host => (hop(links.host_to_hbm).t_transfer(), Route::HostToHbm),
+            Tier::Disk => (
+                hop(links.disk_to_host)
+                    .t_transfer()
+                    .saturating_add(hop(links.host_to_hbm).t_transfer()),
+                Route::DiskToHostToHbm,
+            ),
+        };
+        if prefetch_fits(t_xf, t_iter, delta_sched) {
+            out.push((key, route));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(_: u64) -> bool {
+        true
+    }
+
+    #[test]
+    fn lru_evicts_the_oldest_evictable() {
+        let mut p = Lru::default();
+        for k in 1..=3 {
+            p.touch(k, 0, k);
+        }
+        p.touch(1, 0, 4);
+        assert_eq!(p.victim(&mut all), Some(2));
+        assert_eq!(p.victim(&mut |k| k != 2), Some(3));
+        p.remove(2);
+        p.remove(3);
+        assert_eq!(p.victim(&mut all), Some(1));
+    }
+
+    #[test]
+    fn frequency_evicts_the_least_used() {
+        let mut p = Frequency::default();
+        p.touch(1, 0, 0);
+        p.touch(1, 0, 1);
+        p.touch(2, 0, 2);
+        assert_eq!(p.victim(&mut all), Some(2));
+        p.touch(2, 0, 3);
+        p.touch(2, 0, 4);
+        assert_eq!(p.victim(&mut all), Some(1));
+    }
+
+    #[test]
+    fn lookahead_evicts_the_owner_running_furthest() {
+        let mut p = Lookahead::default();
+        p.touch(10, 1, 0); // owner 1
+        p.touch(20, 2, 1); // owner 2
+        p.touch(30, 3, 2); // owner 3
+        p.schedule(&[vec![1], vec![3], vec![2]]);
+        assert_eq!(p.victim(&mut all), Some(20));
+        p.schedule(&[vec![1, 2]]);
+        // Owner 3 is not in the window: furthest.
+        // Owners 1 and 2 both run next: the least recently used of them goes.
+        assert_eq!(p.victim(&mut all), Some(30));
+        assert_eq!(p.victim(&mut |k| k != 30), Some(10));
+    }
+
+    #[test]
+    fn oracle_is_belady() {
+        let future = [(1, 1), (2, 2), (3, 3), (4, 1), (9, 2)];
+        let mut p = Oracle::new(&future);
+        for k in 1..=3 {
+            p.touch(k, 0, k);
+        }
+        p.advance(4);
+        // Next uses: 1 → 4, 2 → 9, 3 → never.
+        assert_eq!(p.victim(&mut all), Some(3));
+        p.remove(3);
+        assert_eq!(p.victim(&mut all), Some(2));
+    }
+
+    #[test]
+    fn eq1_and_eq2() {
+        // 16 blocks of 32 KiB at 50 GB/s with 5 µs latency: 5 µs + 524288 / 50e9 s ≈ 15.5 µs.
+        let t = TransferTerms {
+            latency: Duration::from_micros(5),
+            n_blocks: 16,
+            block_bytes: 32 << 10,
+            bandwidth: 50e9,
+        }
+        .t_transfer();
+        assert!(t > Duration::from_micros(15) && t < Duration::from_micros(16));
+        assert!(prefetch_fits(
+            t,
+            &[Duration::from_micros(10)],
+            Duration::from_micros(6)
+        ));
+        assert!(!prefetch_fits(
+            t,
+            &[Duration::from_micros(10)],
+            Duration::ZERO
+        ));
+        assert!(prefetch_fits(
+            t,
+            &[Duration::from_micros(8); 2],
+            Duration::ZERO
+        ));
+    }
+
+    #[test]
+    fn algorithm1_routes_disk_blocks_through_host_when_the_window_allows() {
+        let links = Links {
+            host_to_hbm: (Duration::from_micros(1), 64e9),
+            disk_to_host: (Duration::from_micros(10), 7e9),
+        };
+        let blocks = [(1, Tier::Hbm), (2, Tier::Host), (3, Tier::Disk)];
+        // 2 MiB: host hop ≈ 33.8 µs, disk hop ≈ 309.6 µs.
+        let short = plan_prefetch(
+            &blocks,
+            2 << 20,
+            links,
+            &[Duration::from_micros(100)],
+            Duration::ZERO,
+        );
+        assert_eq!(short, vec![(2, Route::HostToHbm)]);
+        let long = plan_prefetch(
+            &blocks,
+            2 << 20,
+            links,
+            &[Duration::from_micros(400)],
+            Duration::ZERO,
+        );
+        assert_eq!(
+            long,
+            vec![(2, Route::HostToHbm), (3, Route::DiskToHostToHbm)]
+        );
+    }
+}

@@ -1,0 +1,1365 @@
+//! [`TierStore`]: fixed-size objects across HBM (pool pages), host memory and disk, with a
+//! residency table, durability, eviction/prefetch, events ordering every reader after the last
+//! write, and revocation of HBM pages in Harvest's order.
+//!
+//! # Ordering
+//!
+//! Every HBM copy carries the event of the copy that last wrote it (`hbm_ready`), every host copy
+//! the event of the device→host copy that filled it (`host_ready`). Each slot keeps a `fence`:
+//! the event of the last copy that read or wrote it. A copy into a slot first makes its stream
+//! wait for the slot's fence (device side) or synchronizes it (CPU side: `pread`, `memcpy`); a
+//! copy out of a copy waits for its ready event. Readers are ordered after writers by events,
+//! never by luck. All bookkeeping sits behind one lock; host-side waits happen under it, so a
+//! revocation that holds it stops every new copy onto its pages.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use strata_allocator::{Page, PagePool};
+use strata_vmm::{
+    Access, Backend, CopyScope, DevicePtr, Error, Event, HostBuffer, Location, Mapping,
+    Reservation, Result, MAX_HOST_CHUNK,
+};
+
+use crate::disk::{DiskFile, IoPool};
+use crate::object::{Durability, Notice, ObjectId, Residency};
+use crate::policy::{EvictionPolicy, PolicyKind, Tier};
+use crate::transfer::{Direction, Submission, TransferEngine, TransferStats};
+
+/// Capacity, bandwidth and latency of a tier (configured, or measured with [`measure_host_link`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierSpec {
+    /// Bytes.
+    pub capacity: u64,
+    /// Bytes per second towards the tier above (HBM: its own).
+    pub bandwidth: f64,
+    /// Per-transfer latency.
+    pub latency: Duration,
+}
+
+/// The disk tier's configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DiskConfig {
+    /// Directory for the tier's file (must exist and be writable).
+    pub dir: PathBuf,
+    pub spec: TierSpec,
+    pub io_threads: usize,
+    /// Try `O_DIRECT` (falls back to buffered I/O where the filesystem refuses it).
+    pub direct: bool,
+}
+
+/// Shape of a [`TierStore`].
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub device: u32,
+    /// Bytes of every object (a multiple of 4096 that divides the page size, or a multiple of it).
+    pub block_size: u64,
+    /// HBM: `capacity` bytes of pool pages taken at start.
+    pub hbm: TierSpec,
+    pub host: TierSpec,
+    pub disk: Option<DiskConfig>,
+    /// Host blocks for staging disk transfers (two halves: one fills from disk while the other
+    /// drains to HBM).
+    pub staging_blocks: u32,
+    pub hbm_policy: PolicyKind,
+    pub host_policy: PolicyKind,
+    pub submission: Submission,
+}
+
+impl StoreConfig {
+    /// A store of `block_size` blocks with the given capacities, LRU everywhere, no disk.
+    pub fn new(block_size: u64, hbm_bytes: u64, host_bytes: u64) -> Self {
+        StoreConfig {
+            device: 0,
+            block_size,
+            hbm: TierSpec {
+                capacity: hbm_bytes,
+                bandwidth: 3350e9,
+                latency: Duration::ZERO,
+            },
+            host: TierSpec {
+                capacity: host_bytes,
+                bandwidth: 50e9,
+                latency: Duration::from_micros(5),
+            },
+            disk: None,
+            staging_blocks: 16,
+            hbm_policy: PolicyKind::Lru,
+            host_policy: PolicyKind::Lru,
+            submission: Submission::Auto,
+        }
+    }
+}
+
+/// Occupancy and traffic.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StoreStats {
+    pub block_size: u64,
+    /// Used / total slots per tier (HBM total excludes revoked pages).
+    pub hbm_used: u64,
+    pub hbm_slots: u64,
+    pub host_used: u64,
+    pub host_slots: u64,
+    pub disk_used: u64,
+    pub disk_slots: u64,
+    pub objects: u64,
+    pub transfers: TransferStats,
+    pub disk_read_bytes: u64,
+    pub disk_write_bytes: u64,
+    pub evictions_hbm: u64,
+    pub evictions_host: u64,
+    pub prefetched_blocks: u64,
+    pub fell_back: u64,
+    pub lost: u64,
+    pub pages_revoked: u64,
+    pub disk_direct: bool,
+}
+
+/// What a revocation did.
+#[derive(Debug, Default)]
+pub struct Revocation {
+    /// The pages, unmapped, for the lender.
+    pub pages: Vec<Page>,
+    pub fell_back: Vec<ObjectId>,
+    pub lost: Vec<ObjectId>,
+}
+
+type Callback = Box<dyn Fn(Notice) + Send + Sync>;
+type SlotOf = fn(&Residency) -> Option<u32>;
+
+#[derive(Clone)]
+struct Obj {
+    generation: u32,
+    live: bool,
+    lost: bool,
+    durability: Durability,
+    owner: u64,
+    len: u64,
+    res: Residency,
+    hbm_ready: Option<Arc<Event>>,
+    host_ready: Option<Arc<Event>>,
+}
+
+struct Slots {
+    free: Vec<u32>,
+    owner: Vec<Option<u32>>,
+    fence: Vec<Option<Arc<Event>>>,
+    retired: Vec<bool>,
+}
+
+impl Slots {
+    fn new(n: u32) -> Self {
+        Slots {
+            free: (0..n).rev().collect(),
+            owner: vec![None; n as usize],
+            fence: vec![None; n as usize],
+            retired: vec![false; n as usize],
+        }
+    }
+    fn total(&self) -> u64 {
+        self.owner.len() as u64 - self.retired.iter().filter(|&&r| r).count() as u64
+    }
+    fn used(&self) -> u64 {
+        self.owner.iter().filter(|o| o.is_some()).count() as u64
+    }
+    fn take(&mut self, obj: u32) -> Option<u32> {
+        let s = self.free.pop()?;
+        self.owner[s as usize] = Some(obj);
+        Some(s)
+    }
+    fn put_back(&mut self, s: u32, fence: Option<Arc<Event>>) {
+        self.owner[s as usize] = None;
+        if fence.is_some() {
+            self.fence[s as usize] = fence;
+        }
+        if !self.retired[s as usize] {
+            self.free.push(s);
+        }
+    }
+}
+
+struct HbmPage {
+    mapping: Mapping,
+    page: Page,
+}
+
+struct State {
+    objs: Vec<Obj>,
+    free_objs: Vec<u32>,
+    hbm: Slots,
+    host: Slots,
+    disk: Slots,
+    pages: Vec<Option<HbmPage>>,
+    staging_fence: Vec<Option<Arc<Event>>>,
+    hbm_policy: Box<dyn EvictionPolicy>,
+    host_policy: Box<dyn EvictionPolicy>,
+    step: u64,
+    evictions_hbm: u64,
+    evictions_host: u64,
+    prefetched: u64,
+    fell_back: u64,
+    lost: u64,
+    pages_revoked: u64,
+}
+
+/// Objects of one fixed size across HBM, host memory and disk. See the module documentation.
+pub struct TierStore {
+    config: StoreConfig,
+    backend: Arc<dyn Backend>,
+    pool: Arc<PagePool>,
+    reservation: Arc<Reservation>,
+    page_size: u64,
+    slots_per_page: u32,
+    host_chunks: Vec<Arc<HostBuffer>>,
+    blocks_per_chunk: u64,
+    staging: Arc<HostBuffer>,
+    disk: Option<Arc<DiskFile>>,
+    io: Option<IoPool>,
+    engine: TransferEngine,
+    state: Mutex<State>,
+    callback: Mutex<Option<Arc<Callback>>>,
+}
+
+impl std::fmt::Debug for TierStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierStore")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+fn stale(id: ObjectId) -> Error {
+    Error::StaleId {
+        kind: "tier object",
+        index: id.index,
+        generation: id.generation,
+    }
+}
+
+fn sync(ev: &Option<Arc<Event>>) -> Result<()> {
+    match ev {
+        Some(e) => e.synchronize(),
+        None => Ok(()),
+    }
+}
+
+impl TierStore {
+    /// Takes the HBM pages from `pool`, maps them, allocates host memory (in chunks of at most
+    /// [`MAX_HOST_CHUNK`]) and creates the disk file.
+    pub fn new(pool: Arc<PagePool>, config: StoreConfig) -> Result<TierStore> {
+        let backend = Arc::clone(pool.backend());
+        let page_size = pool.page_size();
+        let b = config.block_size;
+        if b == 0 || b % 4096 != 0 || (page_size % b != 0 && b % page_size != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "block size {b} must be a non-zero multiple of 4096 that divides or is a multiple of the page size {page_size}"
+            )));
+        }
+        if b > page_size {
+            return Err(Error::Unsupported(format!(
+                "blocks above one page ({b} > {page_size}) are not supported yet"
+            )));
+        }
+        let slots_per_page = (page_size / b) as u32;
+        let n_pages = config.hbm.capacity / page_size;
+        let pages = pool.take(n_pages as usize)?;
+        let reservation = Arc::new(Reservation::new(&backend, (n_pages.max(1)) * page_size, 0)?);
+        let grant = [(Location::Device(config.device), Access::ReadWrite)];
+        let mut mapped = Vec::with_capacity(pages.len());
+        let mut pages = pages.into_iter();
+        for i in 0..n_pages {
+            let Some(page) = pages.next() else { break };
+            let va = reservation.ptr() + i * page_size;
+            match Mapping::new(
+                &reservation,
+                va,
+                Arc::clone(page.phys()),
+                0,
+                page_size,
+                &grant,
+            ) {
+                Ok(mapping) => mapped.push(Some(HbmPage { mapping, page })),
+                Err(e) => {
+                    let mut back: Vec<Page> = vec![page];
+                    back.extend(pages);
+                    for p in mapped.into_iter().flatten() {
+                        drop(p.mapping);
+                        back.push(p.page);
+                    }
+                    pool.give(back);
+                    return Err(e);
+                }
+            }
+        }
+        let host_blocks = config.host.capacity / b;
+        let blocks_per_chunk = (MAX_HOST_CHUNK / b).max(1);
+        let mut host_chunks = Vec::new();
+        let mut left = host_blocks;
+        while left > 0 {
+            let n = left.min(blocks_per_chunk);
+            host_chunks.push(Arc::new(HostBuffer::new(&backend, n * b)?));
+            left -= n;
+        }
+        let staging_blocks = config.staging_blocks.max(2) & !1;
+        let staging = Arc::new(HostBuffer::new(&backend, u64::from(staging_blocks) * b)?);
+        let (disk, io, disk_blocks) = match &config.disk {
+            Some(d) => (
+                Some(Arc::new(DiskFile::create(&d.dir, d.direct)?)),
+                Some(IoPool::new(d.io_threads)?),
+                d.spec.capacity / b,
+            ),
+            None => (None, None, 0),
+        };
+        let engine = TransferEngine::new(&backend, config.device)?;
+        let hbm_slots = (mapped.len() as u64 * u64::from(slots_per_page)) as u32;
+        let state = State {
+            objs: Vec::new(),
+            free_objs: Vec::new(),
+            hbm: Slots::new(hbm_slots),
+            host: Slots::new(host_blocks as u32),
+            disk: Slots::new(disk_blocks as u32),
+            pages: mapped,
+            staging_fence: vec![None; staging_blocks as usize],
+            hbm_policy: config.hbm_policy.build(),
+            host_policy: config.host_policy.build(),
+            step: 0,
+            evictions_hbm: 0,
+            evictions_host: 0,
+            prefetched: 0,
+            fell_back: 0,
+            lost: 0,
+            pages_revoked: 0,
+        };
+        Ok(TierStore {
+            backend,
+            pool,
+            reservation,
+            page_size,
+            slots_per_page,
+            host_chunks,
+            blocks_per_chunk,
+            staging,
+            disk,
+            io,
+            engine,
+            state: Mutex::new(state),
+            callback: Mutex::new(None),
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The page pool the HBM tier takes its pages from (and a lender may give them back to).
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.pool
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.config.block_size
+    }
+
+    /// HBM pages the store holds (revoked ones included as `None` positions).
+    pub fn page_count(&self) -> usize {
+        self.state.lock().pages.len()
+    }
+
+    /// Sets the owner's callback: revocation notices ([`Notice`]), run after residency is
+    /// invalidated and before the pages return, outside the store's lock.
+    pub fn set_callback(&self, f: impl Fn(Notice) + Send + Sync + 'static) {
+        *self.callback.lock() = Some(Arc::new(Box::new(f)));
+    }
+
+    /// Queues block copies on the `dir` stream through the transfer engine, with the store's
+    /// host buffers and HBM reservation as the copy scope.
+    fn submit(
+        &self,
+        dir: Direction,
+        pairs: &[(DevicePtr, DevicePtr)],
+        len: u64,
+        how: Submission,
+    ) -> Result<Arc<Event>> {
+        let mut buffers: Vec<&HostBuffer> = self.host_chunks.iter().map(|b| &**b).collect();
+        buffers.push(&self.staging);
+        let reservations = [&*self.reservation];
+        let scope = CopyScope {
+            buffers: &buffers,
+            reservations: &reservations,
+        };
+        self.engine.submit(dir, pairs, len, how, scope)
+    }
+
+    fn hbm_va(&self, slot: u32) -> DevicePtr {
+        self.reservation.ptr() + u64::from(slot) * self.config.block_size
+    }
+
+    fn host_loc(&self, slot: u32) -> (&HostBuffer, u64) {
+        let s = u64::from(slot);
+        let chunk = (s / self.blocks_per_chunk) as usize;
+        let off = (s % self.blocks_per_chunk) * self.config.block_size;
+        (&self.host_chunks[chunk], off)
+    }
+
+    fn host_ptr(&self, slot: u32) -> DevicePtr {
+        let (buf, off) = self.host_loc(slot);
+        buf.ptr() + off
+    }
+
+    fn staging_ptr(&self, i: usize) -> DevicePtr {
+        self.staging.ptr() + i as u64 * self.config.block_size
+    }
+
+    fn disk(&self) -> Result<(&Arc<DiskFile>, &IoPool)> {
+        match (&self.disk, &self.io) {
+            (Some(d), Some(io)) => Ok((d, io)),
+            _ => Err(Error::InvalidState("the store has no disk tier".into())),
+        }
+    }
+
+    fn check(&self, st: &State, id: ObjectId) -> Result<usize> {
+        match st.objs.get(id.index as usize) {
+            Some(o) if o.live && o.generation == id.generation => {
+                if o.lost {
+                    Err(Error::InvalidState(format!(
+                        "{id} was lost to a revocation (release it and rebuild)"
+                    )))
+                } else {
+                    Ok(id.index as usize)
+                }
+            }
+            _ => Err(stale(id)),
+        }
+    }
+
+    /// Where an object's copies are.
+    pub fn residency(&self, id: ObjectId) -> Result<Residency> {
+        let st = self.state.lock();
+        let i = self.check(&st, id)?;
+        Ok(st.objs[i].res)
+    }
+
+    /// The HBM address of a resident object (for kernels; valid until it is evicted, revoked or
+    /// released), and the event to wait for before reading it.
+    pub fn hbm_ptr(&self, id: ObjectId) -> Result<(DevicePtr, Option<Arc<Event>>)> {
+        let st = self.state.lock();
+        let i = self.check(&st, id)?;
+        let o = &st.objs[i];
+        match o.res.hbm {
+            Some(s) => Ok((self.hbm_va(s), o.hbm_ready.clone())),
+            None => Err(Error::InvalidState(format!("{id} is not resident in HBM"))),
+        }
+    }
+
+    /// Moves the policies' clock to `step`.
+    pub fn advance(&self, step: u64) {
+        let mut st = self.state.lock();
+        st.step = step;
+        st.hbm_policy.advance(step);
+        st.host_policy.advance(step);
+    }
+
+    /// Scheduler lookahead for the policies: owners that run in each of the next K steps.
+    pub fn schedule(&self, next_steps: &[Vec<u64>]) {
+        let mut st = self.state.lock();
+        st.hbm_policy.schedule(next_steps);
+        st.host_policy.schedule(next_steps);
+    }
+
+    /// Stores a new object of `data.len() <= block_size` bytes in HBM (evicting as needed);
+    /// `Backed` objects also get their authoritative copy in host memory (or on disk).
+    pub fn put(&self, data: &[u8], durability: Durability, owner: u64) -> Result<ObjectId> {
+        let len = data.len() as u64;
+        if len == 0 || len > self.config.block_size {
+            return Err(Error::InvalidArgument(format!(
+                "object of {len} bytes in a store of {}-byte blocks",
+                self.config.block_size
+            )));
+        }
+        let mut st = self.state.lock();
+        let index = match st.free_objs.pop() {
+            Some(i) => i,
+            None => {
+                st.objs.push(Obj {
+                    generation: 0,
+                    live: false,
+                    lost: false,
+                    durability,
+                    owner,
+                    len,
+                    res: Residency::default(),
+                    hbm_ready: None,
+                    host_ready: None,
+                });
+                (st.objs.len() - 1) as u32
+            }
+        };
+        {
+            let o = &mut st.objs[index as usize];
+            o.live = true;
+            o.lost = false;
+            o.durability = durability;
+            o.owner = owner;
+            o.len = len;
+            o.res = Residency::default();
+            o.hbm_ready = None;
+            o.host_ready = None;
+        }
+        let id = ObjectId {
+            index,
+            generation: st.objs[index as usize].generation,
+        };
+        match self.store_contents(&mut st, index, data) {
+            Ok(()) => Ok(id),
+            Err(e) => {
+                self.drop_object(&mut st, index);
+                Err(e)
+            }
+        }
+    }
+
+    /// Replaces an object's contents (lower copies are rewritten for `Backed`, dropped for
+    /// `Lossy`).
+    pub fn write(&self, id: ObjectId, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        if len == 0 || len > self.config.block_size {
+            return Err(Error::InvalidArgument(format!(
+                "object of {len} bytes in a store of {}-byte blocks",
+                self.config.block_size
+            )));
+        }
+        let mut st = self.state.lock();
+        let i = self.check(&st, id)?;
+        st.objs[i].len = len;
+        self.store_contents(&mut st, i as u32, data)
+    }
+
+    /// Writes `data` into the object's HBM copy (taking a slot if needed), then replaces the
+    /// lower copies: rewritten for `Backed` (new copy first, old one dropped after), dropped for
+    /// `Lossy`. On failure the object keeps its previous contents and copies.
+    fn store_contents(&self, st: &mut State, index: u32, data: &[u8]) -> Result<()> {
+        let protect: HashSet<u32> = [index].into();
+        let had_hbm = st.objs[index as usize].res.hbm;
+        let slot = match had_hbm {
+            Some(s) => {
+                sync(&st.objs[index as usize].hbm_ready)?;
+                s
+            }
+            None => {
+                self.make_room_hbm(st, 1, &protect)?;
+                let s = st.hbm.take(index).ok_or_else(|| self.hbm_oom(1))?;
+                st.objs[index as usize].res.hbm = Some(s);
+                s
+            }
+        };
+        let written = sync(&st.hbm.fence[slot as usize])
+            .and_then(|()| self.backend.write(self.hbm_va(slot), data));
+        if let Err(e) = written {
+            if had_hbm.is_none() {
+                st.objs[index as usize].res.hbm = None;
+                st.hbm.put_back(slot, None);
+            }
+            return Err(e);
+        }
+        st.objs[index as usize].hbm_ready = None;
+        let (owner, step) = (st.objs[index as usize].owner, st.step);
+        let key = self.key(st, index);
+        st.hbm_policy.touch(key, owner, step);
+        if st.objs[index as usize].durability == Durability::Backed {
+            match self.back_up(st, index, data) {
+                Ok(fresh) => {
+                    self.drop_lower(st, index);
+                    let o = &mut st.objs[index as usize];
+                    o.res.host = fresh.host;
+                    o.res.disk = fresh.disk;
+                    if fresh.host.is_some() {
+                        st.host_policy.touch(key, owner, step);
+                    }
+                }
+                Err(e) => {
+                    // The HBM copy holds the new bytes but no authoritative copy does: drop it,
+                    // so the object keeps its previous contents (put removes a new object).
+                    self.drop_hbm_with_fence(st, index, None);
+                    return Err(e);
+                }
+            }
+        } else {
+            self.drop_lower(st, index);
+        }
+        Ok(())
+    }
+
+    fn key(&self, st: &State, index: u32) -> u64 {
+        ObjectId {
+            index,
+            generation: st.objs[index as usize].generation,
+        }
+        .key()
+    }
+
+    /// Writes a fresh authoritative copy of a `Backed` object in new slots: host memory if it
+    /// has (or can make) room, else disk. The caller swaps it in for the old copies.
+    fn back_up(&self, st: &mut State, index: u32, data: &[u8]) -> Result<Residency> {
+        let protect: HashSet<u32> = [index].into();
+        if self.make_room_host(st, 1, &protect).is_ok() {
+            if let Some(s) = st.host.take(index) {
+                let (buf, off) = self.host_loc(s);
+                if let Err(e) =
+                    sync(&st.host.fence[s as usize]).and_then(|()| buf.write_at(off, data))
+                {
+                    st.host.put_back(s, None);
+                    return Err(e);
+                }
+                return Ok(Residency {
+                    host: Some(s),
+                    ..Residency::default()
+                });
+            }
+        }
+        let (disk, _) = self.disk().map_err(|_| Error::OutOfMemory {
+            location: Location::Host,
+            requested: self.config.block_size,
+            available: 0,
+        })?;
+        let d = self.take_disk(st, index)?;
+        let r = sync(&st.staging_fence[0])
+            .and_then(|()| self.staging.write_at(0, data))
+            .and_then(|()| {
+                disk.write_from(
+                    &self.staging,
+                    0,
+                    self.disk_offset(d),
+                    self.config.block_size,
+                )
+            });
+        if let Err(e) = r {
+            st.disk.put_back(d, None);
+            return Err(e);
+        }
+        Ok(Residency {
+            disk: Some(d),
+            ..Residency::default()
+        })
+    }
+
+    fn disk_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.config.block_size
+    }
+
+    fn take_disk(&self, st: &mut State, index: u32) -> Result<u32> {
+        let Some(cfg) = &self.config.disk else {
+            return Err(Error::InvalidState("the store has no disk tier".into()));
+        };
+        st.disk.take(index).ok_or(Error::LimitExceeded {
+            requested: self.config.block_size,
+            used: st.disk.used() * self.config.block_size,
+            limit: cfg.spec.capacity,
+        })
+    }
+
+    fn hbm_oom(&self, n: u64) -> Error {
+        Error::OutOfMemory {
+            location: Location::Device(self.config.device),
+            requested: n * self.config.block_size,
+            available: 0,
+        }
+    }
+
+    fn drop_lower(&self, st: &mut State, index: u32) {
+        let key = self.key(st, index);
+        let o = &mut st.objs[index as usize];
+        let host_ready = o.host_ready.take();
+        if let Some(h) = o.res.host.take() {
+            st.host.put_back(h, host_ready);
+            st.host_policy.remove(key);
+        }
+        if let Some(d) = st.objs[index as usize].res.disk.take() {
+            st.disk.put_back(d, None);
+        }
+    }
+
+    /// Frees an object's slots and retires its id.
+    fn drop_object(&self, st: &mut State, index: u32) {
+        let key = self.key(st, index);
+        self.drop_lower(st, index);
+        let o = &mut st.objs[index as usize];
+        let ready = o.hbm_ready.take();
+        if let Some(h) = o.res.hbm.take() {
+            st.hbm.put_back(h, ready);
+        }
+        st.hbm_policy.remove(key);
+        let o = &mut st.objs[index as usize];
+        o.live = false;
+        o.lost = false;
+        o.generation = o.generation.wrapping_add(1);
+        st.free_objs.push(index);
+    }
+
+    /// Releases an object (stale or unknown ids are [`Error::StaleId`]; lost objects release).
+    pub fn release(&self, id: ObjectId) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.objs.get(id.index as usize) {
+            Some(o) if o.live && o.generation == id.generation => {}
+            _ => return Err(stale(id)),
+        }
+        self.drop_object(&mut st, id.index);
+        Ok(())
+    }
+
+    /// Ensures `n` free HBM slots, evicting unprotected objects by the HBM policy.
+    fn make_room_hbm(&self, st: &mut State, n: usize, protect: &HashSet<u32>) -> Result<()> {
+        if st.hbm.free.len() >= n {
+            return Ok(());
+        }
+        let mut victims = Vec::new();
+        let need = n - st.hbm.free.len();
+        let mut chosen: HashSet<u32> = HashSet::new();
+        while victims.len() < need {
+            let objs = &st.objs;
+            let v = st.hbm_policy.victim(&mut |k| {
+                let id = ObjectId::from_key(k);
+                let i = id.index;
+                !protect.contains(&i)
+                    && !chosen.contains(&i)
+                    && objs.get(i as usize).is_some_and(|o| {
+                        o.live && o.generation == id.generation && o.res.hbm.is_some()
+                    })
+            });
+            match v {
+                Some(k) => {
+                    let i = ObjectId::from_key(k).index;
+                    chosen.insert(i);
+                    victims.push(i);
+                }
+                None => break,
+            }
+        }
+        self.demote_hbm(st, &victims)?;
+        if st.hbm.free.len() >= n {
+            Ok(())
+        } else {
+            Err(self.hbm_oom(n as u64))
+        }
+    }
+
+    /// Moves HBM copies down: objects with a lower copy just drop theirs; the others go to host
+    /// memory in one coalesced batch (or, when the host tier is full, to disk through staging).
+    fn demote_hbm(&self, st: &mut State, victims: &[u32]) -> Result<()> {
+        let mut to_host = Vec::new();
+        let mut to_disk = Vec::new();
+        for &i in victims {
+            let o = &st.objs[i as usize];
+            if o.res.host.is_some() || o.res.disk.is_some() {
+                self.drop_hbm(st, i);
+                st.evictions_hbm += 1;
+            } else {
+                to_host.push(i);
+            }
+        }
+        if !to_host.is_empty() {
+            let protect: HashSet<u32> = victims.iter().copied().collect();
+            let _ = self.make_room_host(st, to_host.len(), &protect);
+            let fit = st.host.free.len().min(to_host.len());
+            to_disk = to_host.split_off(fit);
+        }
+        if !to_host.is_empty() {
+            let mut pairs = Vec::with_capacity(to_host.len());
+            for &i in &to_host {
+                let h = st.host.take(i).ok_or_else(|| self.hbm_oom(1))?;
+                sync(&st.host.fence[h as usize])?;
+                let o = &st.objs[i as usize];
+                if let Some(ev) = &o.hbm_ready {
+                    self.engine.wait(Direction::DeviceToHost, ev)?;
+                }
+                let src = self.hbm_va(o.res.hbm.unwrap_or_default());
+                pairs.push((src, self.host_ptr(h)));
+                st.objs[i as usize].res.host = Some(h);
+            }
+            let ev = match self.submit(
+                Direction::DeviceToHost,
+                &pairs,
+                self.config.block_size,
+                self.config.submission,
+            ) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    for &i in &to_host {
+                        if let Some(h) = st.objs[i as usize].res.host.take() {
+                            st.host.put_back(h, None);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            for &i in &to_host {
+                st.objs[i as usize].host_ready = Some(Arc::clone(&ev));
+                let (owner, step, key) = (st.objs[i as usize].owner, st.step, self.key(st, i));
+                st.host_policy.touch(key, owner, step);
+                self.drop_hbm_with_fence(st, i, Some(Arc::clone(&ev)));
+                st.evictions_hbm += 1;
+            }
+        }
+        for &i in &to_disk {
+            self.hbm_to_disk(st, i)?;
+            st.evictions_hbm += 1;
+        }
+        Ok(())
+    }
+
+    fn hbm_to_disk(&self, st: &mut State, i: u32) -> Result<()> {
+        let (disk, _) = self.disk().map_err(|_| Error::OutOfMemory {
+            location: Location::Host,
+            requested: self.config.block_size,
+            available: 0,
+        })?;
+        let d = self.take_disk(st, i)?;
+        let result = (|| {
+            sync(&st.staging_fence[0])?;
+            let o = &st.objs[i as usize];
+            if let Some(ev) = &o.hbm_ready {
+                self.engine.wait(Direction::DeviceToHost, ev)?;
+            }
+            let src = self.hbm_va(o.res.hbm.unwrap_or_default());
+            let ev = self.submit(
+                Direction::DeviceToHost,
+                &[(src, self.staging_ptr(0))],
+                self.config.block_size,
+                Submission::Coalesced,
+            )?;
+            ev.synchronize()?;
+            disk.write_from(
+                &self.staging,
+                0,
+                self.disk_offset(d),
+                self.config.block_size,
+            )
+        })();
+        match result {
+            Ok(()) => {
+                st.objs[i as usize].res.disk = Some(d);
+                self.drop_hbm(st, i);
+                Ok(())
+            }
+            Err(e) => {
+                st.disk.put_back(d, None);
+                Err(e)
+            }
+        }
+    }
+
+    fn drop_hbm(&self, st: &mut State, i: u32) {
+        let ready = st.objs[i as usize].hbm_ready.clone();
+        self.drop_hbm_with_fence(st, i, ready);
+    }
+
+    fn drop_hbm_with_fence(&self, st: &mut State, i: u32, fence: Option<Arc<Event>>) {
+        let key = self.key(st, i);
+        let o = &mut st.objs[i as usize];
+        o.hbm_ready = None;
+        if let Some(h) = o.res.hbm.take() {
+            st.hbm.put_back(h, fence);
+        }
+        st.hbm_policy.remove(key);
+    }
+
+    /// Ensures `n` free host slots, moving unprotected host copies to disk (or dropping copies
+    /// that are not the last one).
+    fn make_room_host(&self, st: &mut State, n: usize, protect: &HashSet<u32>) -> Result<()> {
+        let mut tried: HashSet<u32> = HashSet::new();
+        while st.host.free.len() < n {
+            let has_disk = self.disk.is_some() && !st.disk.free.is_empty();
+            let objs = &st.objs;
+            let v = st.host_policy.victim(&mut |k| {
+                let id = ObjectId::from_key(k);
+                let i = id.index;
+                !protect.contains(&i)
+                    && !tried.contains(&i)
+                    && objs.get(i as usize).is_some_and(|o| {
+                        o.live
+                            && o.generation == id.generation
+                            && o.res.host.is_some()
+                            && (o.res.disk.is_some()
+                                || (o.durability == Durability::Lossy && o.res.hbm.is_some())
+                                || has_disk)
+                    })
+            });
+            let Some(k) = v else {
+                return Err(Error::OutOfMemory {
+                    location: Location::Host,
+                    requested: n as u64 * self.config.block_size,
+                    available: st.host.free.len() as u64 * self.config.block_size,
+                });
+            };
+            let i = ObjectId::from_key(k).index;
+            tried.insert(i);
+            self.demote_host(st, i)?;
+            st.evictions_host += 1;
+        }
+        Ok(())
+    }
+
+    fn demote_host(&self, st: &mut State, i: u32) -> Result<()> {
+        let o = &st.objs[i as usize];
+        let keep_elsewhere =
+            o.res.disk.is_some() || (o.durability == Durability::Lossy && o.res.hbm.is_some());
+        if !keep_elsewhere {
+            let (disk, _) = self.disk()?;
+            let d = self.take_disk(st, i)?;
+            let h = st.objs[i as usize].res.host.unwrap_or_default();
+            let r = sync(&st.objs[i as usize].host_ready).and_then(|()| {
+                let (buf, off) = self.host_loc(h);
+                disk.write_from(buf, off, self.disk_offset(d), self.config.block_size)
+            });
+            if let Err(e) = r {
+                st.disk.put_back(d, None);
+                return Err(e);
+            }
+            st.objs[i as usize].res.disk = Some(d);
+        }
+        let key = self.key(st, i);
+        let o = &mut st.objs[i as usize];
+        let ready = o.host_ready.take();
+        if let Some(h) = o.res.host.take() {
+            st.host.put_back(h, ready);
+        }
+        st.host_policy.remove(key);
+        Ok(())
+    }
+
+    /// Makes objects resident in HBM asynchronously and returns the event to wait for (on the
+    /// compute stream: `stream_wait_event`; on the CPU: `synchronize`). Host copies move in one
+    /// coalesced batch (or one block-copy kernel launch); disk copies take the two-hop path
+    /// disk → host staging → HBM, pipelined over the two staging halves. A full HBM tier whose
+    /// objects are all in `ids` is [`Error::OutOfMemory`].
+    pub fn prefetch(&self, ids: &[ObjectId]) -> Result<Arc<Event>> {
+        let mut st = self.state.lock();
+        let mut idx = Vec::with_capacity(ids.len());
+        for &id in ids {
+            idx.push(self.check(&st, id)? as u32);
+        }
+        let protect: HashSet<u32> = idx.iter().copied().collect();
+        let mut missing: Vec<u32> = protect
+            .iter()
+            .copied()
+            .filter(|&i| st.objs[i as usize].res.hbm.is_none())
+            .collect();
+        missing.sort_unstable();
+        self.make_room_hbm(&mut st, missing.len(), &protect)?;
+        let (from_host, from_disk): (Vec<u32>, Vec<u32>) = missing
+            .iter()
+            .partition(|&&i| st.objs[i as usize].res.host.is_some());
+        // Host → HBM, one batch.
+        if !from_host.is_empty() {
+            let mut pairs = Vec::with_capacity(from_host.len());
+            let mut waited: HashSet<*const Event> = HashSet::new();
+            for &i in &from_host {
+                let s = st.hbm.take(i).ok_or_else(|| self.hbm_oom(1))?;
+                if let Some(f) = st.hbm.fence[s as usize].clone() {
+                    if waited.insert(Arc::as_ptr(&f)) {
+                        self.engine.wait(Direction::HostToDevice, &f)?;
+                    }
+                }
+                if let Some(ev) = st.objs[i as usize].host_ready.clone() {
+                    if waited.insert(Arc::as_ptr(&ev)) {
+                        self.engine.wait(Direction::HostToDevice, &ev)?;
+                    }
+                }
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                pairs.push((self.host_ptr(h), self.hbm_va(s)));
+                st.objs[i as usize].res.hbm = Some(s);
+            }
+            let r = self.submit(
+                Direction::HostToDevice,
+                &pairs,
+                self.config.block_size,
+                self.config.submission,
+            );
+            let ev = match r {
+                Ok(ev) => ev,
+                Err(e) => {
+                    for &i in &from_host {
+                        if let Some(s) = st.objs[i as usize].res.hbm.take() {
+                            st.hbm.put_back(s, None);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            for &i in &from_host {
+                st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                st.host.fence[h as usize] = Some(Arc::clone(&ev));
+            }
+        }
+        // Disk → staging → HBM, pipelined over two halves.
+        if !from_disk.is_empty() {
+            self.two_hop(&mut st, &from_disk)?;
+        }
+        let step = st.step;
+        for &i in &idx {
+            let (owner, key) = (st.objs[i as usize].owner, self.key(&st, i));
+            st.hbm_policy.touch(key, owner, step);
+        }
+        st.prefetched += missing.len() as u64;
+        drop(st);
+        self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced)
+    }
+
+    fn two_hop(&self, st: &mut State, objs: &[u32]) -> Result<()> {
+        let (disk, io) = self.disk()?;
+        let half = st.staging_fence.len() / 2;
+        let b = self.config.block_size;
+        for (round, chunk) in objs.chunks(half).enumerate() {
+            let base = (round % 2) * half;
+            // The half is free once its previous H2D drained.
+            for f in &st.staging_fence[base..base + half] {
+                sync(f)?;
+            }
+            // Hop 1: parallel reads on the I/O pool (the other half's H2D is still running).
+            let mut tickets = Vec::with_capacity(chunk.len());
+            for (j, &i) in chunk.iter().enumerate() {
+                let d = st.objs[i as usize].res.disk.unwrap_or_default();
+                let disk = Arc::clone(disk);
+                let staging = Arc::clone(&self.staging);
+                let file_off = self.disk_offset(d);
+                let staging_off = (base + j) as u64 * b;
+                tickets
+                    .push(io.submit(move || disk.read_into(&staging, staging_off, file_off, b))?);
+            }
+            let mut first_err = None;
+            for t in tickets {
+                if let Err(e) = t.wait() {
+                    first_err.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+            // Hop 2: one H2D batch for the chunk.
+            let mut pairs = Vec::with_capacity(chunk.len());
+            for (j, &i) in chunk.iter().enumerate() {
+                let s = st.hbm.take(i).ok_or_else(|| self.hbm_oom(1))?;
+                if let Some(f) = st.hbm.fence[s as usize].clone() {
+                    self.engine.wait(Direction::HostToDevice, &f)?;
+                }
+                pairs.push((self.staging_ptr(base + j), self.hbm_va(s)));
+                st.objs[i as usize].res.hbm = Some(s);
+            }
+            let ev = match self.submit(Direction::HostToDevice, &pairs, b, self.config.submission) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    // Nothing of this chunk was queued: its HBM slots hold no data.
+                    for &i in chunk {
+                        if let Some(s) = st.objs[i as usize].res.hbm.take() {
+                            st.hbm.put_back(s, None);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            for (j, &i) in chunk.iter().enumerate() {
+                st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
+                st.staging_fence[base + j] = Some(Arc::clone(&ev));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TierStore {
+    /// Reads an object (exactly its length) from its fastest copy, after the copy's last write.
+    pub fn read(&self, id: ObjectId, out: &mut [u8]) -> Result<Tier> {
+        let mut st = self.state.lock();
+        let i = self.check(&st, id)?;
+        let o = st.objs[i].clone();
+        if out.len() as u64 != o.len {
+            return Err(Error::InvalidArgument(format!(
+                "{id} holds {} bytes, read buffer has {}",
+                o.len,
+                out.len()
+            )));
+        }
+        let (step, key) = (st.step, id.key());
+        if let Some(s) = o.res.hbm {
+            sync(&o.hbm_ready)?;
+            self.backend.read(self.hbm_va(s), out)?;
+            st.hbm_policy.touch(key, o.owner, step);
+            Ok(Tier::Hbm)
+        } else if let Some(h) = o.res.host {
+            sync(&o.host_ready)?;
+            let (buf, off) = self.host_loc(h);
+            buf.read_at(off, out)?;
+            st.host_policy.touch(key, o.owner, step);
+            Ok(Tier::Host)
+        } else if let Some(d) = o.res.disk {
+            let (disk, _) = self.disk()?;
+            sync(&st.staging_fence[0])?;
+            disk.read_into(
+                &self.staging,
+                0,
+                self.disk_offset(d),
+                self.config.block_size,
+            )?;
+            self.staging.read_at(0, out)?;
+            Ok(Tier::Disk)
+        } else {
+            Err(Error::InvalidState(format!("{id} has no copy")))
+        }
+    }
+
+    /// Moves objects down to `to` (`Host` or `Disk`), freeing their HBM copies (and, for `Disk`,
+    /// their host copies). Objects already at or below `to` stay.
+    pub fn spill(&self, ids: &[ObjectId], to: Tier) -> Result<()> {
+        if to == Tier::Hbm {
+            return Err(Error::InvalidArgument(
+                "spill goes down: to Host or Disk".into(),
+            ));
+        }
+        if to == Tier::Disk && self.disk.is_none() {
+            return Err(Error::InvalidState("the store has no disk tier".into()));
+        }
+        let mut st = self.state.lock();
+        let mut idx = Vec::with_capacity(ids.len());
+        for &id in ids {
+            idx.push(self.check(&st, id)? as u32);
+        }
+        idx.sort_unstable();
+        idx.dedup();
+        let in_hbm: Vec<u32> = idx
+            .iter()
+            .copied()
+            .filter(|&i| st.objs[i as usize].res.hbm.is_some())
+            .collect();
+        self.demote_hbm(&mut st, &in_hbm)?;
+        if to == Tier::Disk {
+            for &i in &idx {
+                if st.objs[i as usize].res.host.is_some() {
+                    self.demote_host(&mut st, i)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes HBM pages back (their indices in `0..page_count()`), in Harvest's order: no new
+    /// copy starts on them (their slots are retired while the store's lock is held) → in-flight
+    /// copies touching them drain (events) → residency is invalidated (objects with a copy in
+    /// host memory or on disk fall back to it; lossy objects with none are lost, exactly once) →
+    /// the owner's callback runs for each → the pages are unmapped and returned.
+    pub fn revoke_pages(&self, pages: &[u32]) -> Result<Revocation> {
+        let mut st = self.state.lock();
+        let mut set: Vec<u32> = pages.to_vec();
+        set.sort_unstable();
+        set.dedup();
+        for &p in &set {
+            if st.pages.get(p as usize).is_none_or(|x| x.is_none()) {
+                return Err(Error::InvalidArgument(format!(
+                    "HBM page {p} is not held by the store (revoked already, or out of range)"
+                )));
+            }
+        }
+        let spp = self.slots_per_page;
+        let slots: Vec<u32> = set.iter().flat_map(|&p| p * spp..(p + 1) * spp).collect();
+        // 1. No new copies onto them.
+        for &s in &slots {
+            st.hbm.retired[s as usize] = true;
+        }
+        let retired: HashSet<u32> = slots.iter().copied().collect();
+        st.hbm.free.retain(|s| !retired.contains(s));
+        // 2. Drain in-flight copies.
+        for &s in &slots {
+            sync(&st.hbm.fence[s as usize])?;
+            if let Some(i) = st.hbm.owner[s as usize] {
+                sync(&st.objs[i as usize].hbm_ready)?;
+            }
+        }
+        // 3. Invalidate residency.
+        let mut notices = Vec::new();
+        let mut out = Revocation::default();
+        for &s in &slots {
+            let Some(i) = st.hbm.owner[s as usize].take() else {
+                continue;
+            };
+            st.hbm.fence[s as usize] = None;
+            let key = self.key(&st, i);
+            st.hbm_policy.remove(key);
+            let id = ObjectId::from_key(key);
+            let o = &mut st.objs[i as usize];
+            o.res.hbm = None;
+            o.hbm_ready = None;
+            if o.res.host.is_some() || o.res.disk.is_some() {
+                notices.push(Notice::FellBack { id, owner: o.owner });
+                out.fell_back.push(id);
+                st.fell_back += 1;
+            } else {
+                o.lost = true;
+                notices.push(Notice::Lost { id, owner: o.owner });
+                out.lost.push(id);
+                st.lost += 1;
+            }
+        }
+        let taken: Vec<HbmPage> = set
+            .iter()
+            .filter_map(|&p| st.pages[p as usize].take())
+            .collect();
+        st.pages_revoked += taken.len() as u64;
+        drop(st);
+        // 4. Callbacks (outside the lock: they may call back into the store).
+        let cb = self.callback.lock().clone();
+        if let Some(cb) = cb {
+            for n in notices {
+                cb(n);
+            }
+        }
+        // 5. Return the pages.
+        let mut first_err = None;
+        for hp in taken {
+            if let Err(e) = hp.mapping.unmap() {
+                first_err.get_or_insert(e);
+            }
+            out.pages.push(hp.page);
+        }
+        match first_err {
+            Some(e) => {
+                strata_vmm::record_deferred(e);
+                Ok(out)
+            }
+            None => Ok(out),
+        }
+    }
+
+    /// Waits for every queued copy; reports asynchronous copy failures.
+    pub fn synchronize(&self) -> Result<()> {
+        self.engine.synchronize()
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let st = self.state.lock();
+        StoreStats {
+            block_size: self.config.block_size,
+            hbm_used: st.hbm.used(),
+            hbm_slots: st.hbm.total(),
+            host_used: st.host.used(),
+            host_slots: st.host.total(),
+            disk_used: st.disk.used(),
+            disk_slots: st.disk.total(),
+            objects: st.objs.iter().filter(|o| o.live).count() as u64,
+            transfers: self.engine.stats(),
+            disk_read_bytes: self
+                .disk
+                .as_ref()
+                .map_or(0, |d| d.bytes_read.load(Ordering::Relaxed)),
+            disk_write_bytes: self
+                .disk
+                .as_ref()
+                .map_or(0, |d| d.bytes_written.load(Ordering::Relaxed)),
+            evictions_hbm: st.evictions_hbm,
+            evictions_host: st.evictions_host,
+            prefetched_blocks: st.prefetched,
+            fell_back: st.fell_back,
+            lost: st.lost,
+            pages_revoked: st.pages_revoked,
+            disk_direct: self.disk.as_ref().is_some_and(|d| d.is_direct()),
+        }
+    }
+
+    /// Checks the residency table against the slot tables; run after every step in tests.
+    pub fn check_invariants(&self) -> Result<()> {
+        let st = self.state.lock();
+        let bad = |m: String| Err(Error::InvalidState(format!("tier invariant: {m}")));
+        let tiers: [(&str, &Slots, SlotOf); 3] = [
+            ("hbm", &st.hbm, |r| r.hbm),
+            ("host", &st.host, |r| r.host),
+            ("disk", &st.disk, |r| r.disk),
+        ];
+        for (name, slots, get) in tiers {
+            let mut seen = HashSet::new();
+            for &f in &slots.free {
+                if !seen.insert(f) {
+                    return bad(format!("{name} slot {f} twice on the free list"));
+                }
+                if slots.owner[f as usize].is_some() || slots.retired[f as usize] {
+                    return bad(format!("{name} slot {f} free but owned or retired"));
+                }
+            }
+            for (s, owner) in slots.owner.iter().enumerate() {
+                match owner {
+                    Some(i) => {
+                        let o = &st.objs[*i as usize];
+                        if !o.live || get(&o.res) != Some(s as u32) {
+                            return bad(format!("{name} slot {s} owned by {i}, which disagrees"));
+                        }
+                        if slots.retired[s] {
+                            return bad(format!("{name} slot {s} retired but owned"));
+                        }
+                    }
+                    None => {
+                        if !slots.retired[s] && !seen.contains(&(s as u32)) {
+                            return bad(format!("{name} slot {s} neither owned nor free"));
+                        }
+                    }
+                }
+            }
+            for (i, o) in st.objs.iter().enumerate() {
+                if let Some(s) = get(&o.res) {
+                    if !o.live || slots.owner.get(s as usize) != Some(&Some(i as u32)) {
+                        return bad(format!("object {i} claims {name} slot {s}"));
+                    }
+                }
+            }
+        }
+        for (i, o) in st.objs.iter().enumerate() {
+            if !o.live {
+                if o.res != Residency::default() {
+                    return bad(format!("dead object {i} holds copies"));
+                }
+                continue;
+            }
+            if o.lost {
+                if o.res != Residency::default() {
+                    return bad(format!("lost object {i} holds copies"));
+                }
+                continue;
+            }
+            if o.res.fastest().is_none() {
+                return bad(format!("live object {i} has no copy"));
+            }
+            if o.durability == Durability::Backed && o.res.host.is_none() && o.res.disk.is_none() {
+                return bad(format!("backed object {i} lacks its authoritative copy"));
+            }
+        }
+        for (p, page) in st.pages.iter().enumerate() {
+            if page.is_none() {
+                let spp = self.slots_per_page as usize;
+                if (p * spp..(p + 1) * spp).any(|s| !st.hbm.retired[s]) {
+                    return bad(format!("revoked page {p} has live slots"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TierStore {
+    fn drop(&mut self) {
+        let _ = self.engine.synchronize();
+        let pages: Vec<HbmPage> = self.state.get_mut().pages.drain(..).flatten().collect();
+        let mut back = Vec::with_capacity(pages.len());
+        for hp in pages {
+            drop(hp.mapping);
+            back.push(hp.page);
+        }
+        self.pool.give(back);
+        let _ = self.page_size;
+    }
+}

@@ -1,0 +1,284 @@
+//! TierStore: data integrity across tiers, revocation, faults, bad input.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use strata_tiers::{Durability, Notice, Tier};
+use strata_vmm::{Error, HostBackend};
+
+#[test]
+fn blocks_survive_spill_to_host_and_disk_and_come_back() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 16, 64);
+    let ids: Vec<_> = (0..40)
+        .map(|i| s.put(&block(i), Durability::Lossy, i).unwrap())
+        .collect();
+    s.check_invariants().unwrap();
+    // 32 HBM slots: the first 8 were evicted to host.
+    let st = s.stats();
+    assert_eq!(st.hbm_used, 32);
+    assert_eq!(st.host_used, 8);
+    s.spill(&ids[..20], Tier::Disk).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.residency(ids[3]).unwrap().fastest(), Some(Tier::Disk));
+    assert_eq!(check(&s, ids[3], 3), Tier::Disk);
+    s.spill(&ids[20..30], Tier::Host).unwrap();
+    assert_eq!(check(&s, ids[25], 25), Tier::Host);
+    // Prefetch disk and host blocks back: two-hop for the disk ones.
+    let ev = s.prefetch(&ids[..24]).unwrap();
+    ev.synchronize().unwrap();
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        let t = check(&s, id, i as u64);
+        if i < 24 {
+            assert_eq!(t, Tier::Hbm);
+        }
+    }
+    let st = s.stats();
+    assert!(st.disk_read_bytes >= 20 * BLOCK);
+    assert!(st.transfers.bytes_h2d >= 24 * BLOCK);
+    for id in ids {
+        s.release(id).unwrap();
+    }
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().objects, 0);
+}
+
+#[test]
+fn stale_and_unknown_ids_are_errors() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 4, 4);
+    let id = s.put(&block(1), Durability::Backed, 0).unwrap();
+    s.release(id).unwrap();
+    assert!(matches!(s.release(id), Err(Error::StaleId { .. })));
+    let again = s.put(&block(2), Durability::Backed, 0).unwrap();
+    assert_eq!(again.index(), id.index());
+    // The old id never reaches the new object.
+    let mut buf = vec![0u8; BLOCK as usize];
+    assert!(matches!(s.read(id, &mut buf), Err(Error::StaleId { .. })));
+    assert!(matches!(s.prefetch(&[id]), Err(Error::StaleId { .. })));
+    let bogus = strata_tiers::ObjectId::from_key(77 << 32);
+    assert!(matches!(s.release(bogus), Err(Error::StaleId { .. })));
+    check(&s, again, 2);
+}
+
+#[test]
+fn prefetching_more_than_a_full_tier_holds_is_out_of_memory() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 64, 0);
+    let ids: Vec<_> = (0..40)
+        .map(|i| s.put(&block(i), Durability::Lossy, i).unwrap())
+        .collect();
+    let Err(err) = s.prefetch(&ids) else {
+        panic!("prefetch beyond HBM capacity succeeded")
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+}
+
+#[test]
+fn a_full_disk_is_a_limit_error_and_loses_nothing() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    // 32 HBM, 4 host, 4 disk blocks.
+    let s = store(&b, dir.path(), 1, 4, 4);
+    let ids: Vec<_> = (0..36)
+        .map(|i| s.put(&block(i), Durability::Lossy, i).unwrap())
+        .collect();
+    let err = s.spill(&ids, Tier::Disk).unwrap_err();
+    assert!(matches!(err, Error::LimitExceeded { .. }), "{err}");
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+    // Every tier full: a new object finds no victim that can move down.
+    let mut extra = Vec::new();
+    let err = loop {
+        match s.put(&block(100 + extra.len() as u64), Durability::Lossy, 0) {
+            Ok(id) => extra.push(id),
+            Err(e) => break e,
+        }
+        assert!(
+            extra.len() <= 8,
+            "puts kept succeeding with every tier full"
+        );
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+    for (k, &id) in extra.iter().enumerate() {
+        check(&s, id, 100 + k as u64);
+    }
+}
+
+#[test]
+fn a_non_writable_disk_directory_is_a_clear_error() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let mut c = strata_tiers::StoreConfig::new(BLOCK, 2 << 20, 0);
+    c.disk = Some(disk(&file, 4));
+    let err = strata_tiers::TierStore::new(pool(&b), c).unwrap_err();
+    assert!(err.to_string().contains("not a directory"), "{err}");
+    let mut c = strata_tiers::StoreConfig::new(BLOCK, 2 << 20, 0);
+    c.disk = Some(disk(&dir.path().join("missing"), 4));
+    let err = strata_tiers::TierStore::new(pool(&b), c).unwrap_err();
+    assert!(matches!(err, Error::Os { .. }), "{err}");
+}
+
+#[test]
+fn injected_copy_faults_are_typed_errors_and_lose_nothing() {
+    let b = backend(None);
+    let host = b.as_any().downcast_ref::<HostBackend>().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 64, 64);
+    let ids: Vec<_> = (0..32)
+        .map(|i| {
+            let d = if i % 2 == 0 {
+                Durability::Backed
+            } else {
+                Durability::Lossy
+            };
+            s.put(&block(i), d, i).unwrap()
+        })
+        .collect();
+    host.inject_fault(strata_vmm::host::FaultOp::Copy, 1);
+    let err = s.spill(&ids, Tier::Host).unwrap_err();
+    assert!(matches!(err, Error::InjectedFault("copy")), "{err}");
+    s.check_invariants().unwrap();
+    s.spill(&ids, Tier::Host).unwrap();
+    host.inject_fault(strata_vmm::host::FaultOp::Copy, 1);
+    assert!(matches!(
+        s.prefetch(&ids),
+        Err(Error::InjectedFault("copy"))
+    ));
+    s.check_invariants().unwrap();
+    s.prefetch(&ids).unwrap().synchronize().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(check(&s, id, i as u64), Tier::Hbm);
+    }
+    // The two-hop path: a failed host→HBM hop leaves no HBM copy without data.
+    s.spill(&ids, Tier::Disk).unwrap();
+    host.inject_fault(strata_vmm::host::FaultOp::Copy, 1);
+    assert!(matches!(
+        s.prefetch(&ids),
+        Err(Error::InjectedFault("copy"))
+    ));
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+    s.prefetch(&ids).unwrap().synchronize().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(check(&s, id, i as u64), Tier::Hbm);
+    }
+}
+
+#[test]
+fn revocation_falls_back_or_reports_lost_exactly_once() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 2, 8, 64);
+    let notices = Arc::new(Mutex::new(Vec::new()));
+    let n2 = Arc::clone(&notices);
+    s.set_callback(move |n| n2.lock().unwrap().push(n));
+    let ids: Vec<_> = (0..64)
+        .map(|i| {
+            let d = if i % 2 == 0 {
+                Durability::Backed
+            } else {
+                Durability::Lossy
+            };
+            s.put(&block(i), d, i).unwrap()
+        })
+        .collect();
+    s.check_invariants().unwrap();
+    let r = s.revoke_pages(&[0]).unwrap();
+    assert_eq!(r.pages.len(), 1);
+    assert_eq!(r.fell_back.len() + r.lost.len(), 32);
+    s.check_invariants().unwrap();
+    // Every backed object survives; lossy ones on page 0 are lost, once.
+    for (i, &id) in ids.iter().enumerate() {
+        if r.lost.contains(&id) {
+            assert_eq!(i % 2, 1, "a backed object was lost");
+            let mut buf = vec![0u8; BLOCK as usize];
+            assert!(matches!(s.read(id, &mut buf), Err(Error::InvalidState(_))));
+        } else {
+            check(&s, id, i as u64);
+        }
+    }
+    let lost_notices: Vec<_> = notices
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|n| match n {
+            Notice::Lost { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(lost_notices, r.lost);
+    assert!(matches!(
+        s.revoke_pages(&[0]),
+        Err(Error::InvalidArgument(_))
+    ));
+    let st = s.stats();
+    assert_eq!(st.hbm_slots, 32);
+    assert_eq!(st.lost, r.lost.len() as u64);
+    // New objects only land on the remaining page.
+    let more: Vec<_> = (100..140)
+        .map(|i| s.put(&block(i), Durability::Lossy, i).unwrap())
+        .collect();
+    s.check_invariants().unwrap();
+    for (k, &id) in more.iter().enumerate() {
+        check(&s, id, 100 + k as u64);
+    }
+    for id in r.lost {
+        s.release(id).unwrap();
+    }
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn revocation_during_a_slow_copy_never_exposes_torn_data() {
+    use std::time::Duration;
+    use strata_vmm::host::{Link, LinkModel};
+    let slow = Link {
+        bandwidth: 2e9,
+        latency: Duration::from_micros(200),
+    };
+    let b = backend(Some(LinkModel {
+        host_to_device: slow,
+        device_to_host: slow,
+        device_to_device: slow,
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = strata_tiers::StoreConfig::new(BLOCK, 2 * (2 << 20), 64 * BLOCK);
+    c.disk = Some(disk(dir.path(), 64));
+    c.submission = strata_tiers::Submission::Naive;
+    let s = Arc::new(strata_tiers::TierStore::new(pool(&b), c).unwrap());
+    let ids: Vec<_> = (0..48)
+        .map(|i| s.put(&block(i), Durability::Backed, i).unwrap())
+        .collect();
+    s.spill(&ids, Tier::Host).unwrap();
+    // ~48 × 232 µs of copies in flight while the revoker takes page 1 back.
+    let ev = s.prefetch(&ids).unwrap();
+    assert!(!ev.query().unwrap(), "the copies should still be in flight");
+    let r = s.revoke_pages(&[1]).unwrap();
+    ev.synchronize().unwrap();
+    assert!(r.lost.is_empty());
+    s.check_invariants().unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        check(&s, id, i as u64);
+    }
+}
