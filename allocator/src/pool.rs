@@ -295,6 +295,15 @@ impl PagePool {
         Ok(Page { phys, source })
     }
 
+    /// Takes a page in use out of this pool's accounting without releasing its memory (the
+    /// inverse of [`PagePool::adopt`]): the caller hands the physical memory on, e.g. to another
+    /// pool's `adopt`, as MIRAGE does when parameter pages become KV pages and back.
+    pub fn detach(&self, page: Page) -> (Arc<PhysicalMemory>, PageSource) {
+        let mut state = self.inner.state.lock();
+        state.in_use = state.in_use.saturating_sub(1);
+        (page.phys, page.source)
+    }
+
     /// Releases free pages until at most `keep` remain; returns how many were released.
     pub fn trim(&self, keep: usize) -> usize {
         let released = {

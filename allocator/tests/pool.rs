@@ -192,6 +192,28 @@ fn adopted_pages_keep_their_source() {
 }
 
 #[test]
+fn detached_pages_leave_the_accounting_and_keep_their_memory() {
+    let b = backend(8);
+    let a = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let c = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let mut pages = a.take(2).unwrap();
+    let handle = pages[0].phys().handle();
+    let (phys, source) = a.detach(pages.remove(0));
+    assert_eq!(source, PageSource::Fresh);
+    assert_eq!(a.stats().in_use, 1);
+    let moved = c.adopt(phys, PageSource::Reclaimed { owner: 3 }).unwrap();
+    assert_eq!(
+        moved.phys().handle(),
+        handle,
+        "the same physical memory moved"
+    );
+    assert_eq!((c.stats().in_use, c.stats().adopted_total), (1, 1));
+    c.give(vec![moved]);
+    a.give(pages);
+    assert_eq!((a.stats().in_use, c.stats().in_use), (0, 0));
+}
+
+#[test]
 fn bad_configuration_is_an_error() {
     let b = backend(8);
     let bad = PoolConfig {
