@@ -1,17 +1,20 @@
 //! Where bytes live and how they move: tiers (HBM pages, host memory, disk), objects with
 //! generations and durability, a residency table, the transfer engine (per-direction streams,
 //! coalescing, the block-copy kernel, events, the two-hop disk path), revocation, and pure
-//! eviction/prefetch policies (LRU, frequency, scheduler lookahead, oracle; TierKV Eq. 1–2).
+//! eviction/prefetch policies (LRU, frequency, scheduler lookahead, oracle; TierKV Eq. 1–2), and
+//! MIRAGE's parameter remapping ([`mirage`]).
 #![deny(unsafe_code)]
 
 pub mod disk;
 pub mod kv;
+pub mod mirage;
 pub mod object;
 pub mod policy;
 pub mod store;
 pub mod transfer;
 
 pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, RequestId};
+pub use mirage::Mirage;
 pub use object::{Durability, Notice, ObjectId, Residency, Tier};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{DiskConfig, Revocation, StoreConfig, StoreStats, TierSpec, TierStore};

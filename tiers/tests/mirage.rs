@@ -1,0 +1,367 @@
+//! MIRAGE on the strict host backend: reclaimed parameter pages become KV capacity (the same
+//! physical pages), streamed layers reload bit-identical behind events, reversion restores all.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_allocator::{Kind, KvConfig, KvSpace, PagePool, PoolConfig};
+use strata_kernels::pattern;
+use strata_tiers::mirage::plan::ring_gaps;
+use strata_tiers::mirage::{Buffering, Mirage, ModelId};
+use strata_vmm::host::{Link, LinkModel};
+use strata_vmm::{
+    copy_async_in, Access, Backend, CopyDesc, CopyKind, CopyScope, CreateFlags, Error, Event,
+    HostConfig, Location, Mapping, PhysHandle, PhysicalMemory, Reservation, Stream,
+};
+
+const PAGE: u64 = 64 << 10;
+
+fn backend(link: Option<LinkModel>) -> Arc<dyn Backend> {
+    strata_vmm::host::open(HostConfig {
+        devices: vec![64 << 20],
+        granularity: PAGE,
+        strict: true,
+        link,
+    })
+    .expect("host backend")
+}
+
+fn pool(b: &Arc<dyn Backend>, limit_pages: Option<u64>) -> Arc<PagePool> {
+    PagePool::new(
+        Arc::clone(b),
+        0,
+        PoolConfig {
+            low_watermark: 0,
+            high_watermark: 0,
+            limit: limit_pages.map(|p| p * PAGE),
+            idle_trim_after: None,
+            background: false,
+        },
+    )
+    .expect("pool")
+}
+
+fn seed(model: ModelId, layer: u32) -> u64 {
+    u64::from(model.0) * 1000 + u64::from(layer) + 1
+}
+
+fn register(m: &mut Mirage, layers: u32, cap: u32) -> ModelId {
+    let next = ModelId(m.controller().remap_order().len() as u32);
+    m.register_model(layers, PAGE, cap, |l, buf| {
+        pattern::fill(buf, seed(next, l), 0)
+    })
+    .expect("register")
+}
+
+fn check_bytes(b: &Arc<dyn Backend>, ptr: u64, seed: u64) {
+    let mut buf = vec![0u8; PAGE as usize];
+    b.read(ptr, &mut buf).unwrap();
+    assert_eq!(
+        pattern::first_mismatch(&buf, seed, 0),
+        None,
+        "bytes at {ptr:#x} are not pattern {seed}"
+    );
+}
+
+/// A KV space of 1 layer whose slots take one page per tensor (2 pages per request).
+fn kv(pool: &Arc<PagePool>) -> KvSpace {
+    KvSpace::new(
+        Arc::clone(pool),
+        KvConfig {
+            layers: 1,
+            max_slots: 4,
+            max_tokens: 1024,
+            bytes_per_token: 64,
+            zero_page: false,
+        },
+    )
+    .unwrap()
+}
+
+/// Reads one page of `handle` through a second mapping of its own.
+fn read_handle(b: &Arc<dyn Backend>, handle: PhysHandle) -> Vec<u8> {
+    let va = b.reserve(PAGE, 0).unwrap();
+    b.map(va, PAGE, handle, 0).unwrap();
+    b.set_access(va, PAGE, &[(Location::Device(0), Access::Read)])
+        .unwrap();
+    let mut buf = vec![0u8; PAGE as usize];
+    b.read(va, &mut buf).unwrap();
+    b.unmap(va, PAGE).unwrap();
+    b.free_va(va, PAGE).unwrap();
+    buf
+}
+
+#[test]
+fn reclaimed_parameter_pages_are_the_kv_pages_and_revert_bit_identical() {
+    let b = backend(None);
+    let params = pool(&b, None);
+    let kv_pool = pool(&b, Some(4));
+    let mut m = Mirage::new(Arc::clone(&params), Arc::clone(&kv_pool)).unwrap();
+    let active = register(&mut m, 8, 4);
+    let idle = register(&mut m, 8, 4);
+    {
+        let c = m.controller_mut();
+        c.set_active(active, true);
+        c.report_compute(active, Duration::from_millis(50));
+        c.report_compute(idle, Duration::from_millis(50));
+    }
+    let before: Vec<Vec<PhysHandle>> = (0..8)
+        .map(|l| m.registry().layer_handles(idle, l).unwrap())
+        .collect();
+
+    // The KV pool is full after two requests.
+    let mut space = kv(&kv_pool);
+    let a = space.admit().unwrap();
+    space.grow(a, 1).unwrap();
+    let s2 = space.admit().unwrap();
+    space.grow(s2, 1).unwrap();
+    let s3 = space.admit().unwrap();
+    let e = space.grow(s3, 1).unwrap_err();
+    assert!(e.is_out_of_memory(), "{e}");
+
+    // Two pages short: the inactive model gives two layers (α = 2, m = 3, one slot).
+    let d = m.step(m.pressure(2)).unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].model, idle, "the inactive model goes first");
+    let plan = m.registry().plan(idle).unwrap().clone();
+    assert_eq!((plan.alpha, plan.buffering), (2, Some(Buffering::Single)));
+    assert_eq!(plan.streamed.len(), 3);
+    let gaps = ring_gaps(8, &plan.streamed);
+    assert!(
+        gaps.iter().all(|&g| g == 2 || g == 3),
+        "uniform over the 8-layer ring: {:?}",
+        plan.streamed
+    );
+    assert_eq!(m.registry().gpu_pages(idle).unwrap(), 6);
+    assert_eq!(m.registry().gpu_pages(active).unwrap(), 8);
+    let st = kv_pool.stats();
+    assert_eq!((st.free, st.adopted_total), (2, 2));
+
+    // KvSpace grows again, on exactly those pages.
+    space.grow(s3, 1).unwrap();
+    assert_eq!(kv_pool.stats().free, 0);
+    let s4 = space.admit().unwrap();
+    assert!(space.grow(s4, 1).unwrap_err().is_out_of_memory());
+    let mut k = vec![0u8; PAGE as usize];
+    let mut v = vec![0u8; PAGE as usize];
+    pattern::fill(&mut k, 77, 0);
+    pattern::fill(&mut v, 88, 0);
+    b.write(space.slot_ptr(s3, 0, Kind::K).unwrap(), &k)
+        .unwrap();
+    b.write(space.slot_ptr(s3, 0, Kind::V).unwrap(), &v)
+        .unwrap();
+    let streamed_handles: Vec<PhysHandle> = plan
+        .streamed
+        .iter()
+        .flat_map(|&l| before[l as usize].clone())
+        .collect();
+    let seen: Vec<Vec<u8>> = streamed_handles
+        .iter()
+        .map(|&h| read_handle(&b, h))
+        .collect();
+    assert_eq!(seen.iter().filter(|buf| **buf == k).count(), 1);
+    assert_eq!(seen.iter().filter(|buf| **buf == v).count(), 1);
+    // Resident layers kept their pages and bytes.
+    for l in (0..8).filter(|l| !plan.is_streamed(*l)) {
+        assert_eq!(
+            m.registry().layer_handles(idle, l).unwrap(),
+            before[l as usize]
+        );
+        check_bytes(&b, m.layer_ptr(idle, l).unwrap(), seed(idle, l));
+    }
+
+    // One token of the idle model: every streamed layer reloads through the slot.
+    let compute = Stream::new(&b, 0).unwrap();
+    for l in 0..8 {
+        let ev = m.prepare_layer(idle, l).unwrap();
+        b.stream_wait_event(compute.handle(), ev.handle()).unwrap();
+        ev.synchronize().unwrap();
+        check_bytes(&b, m.layer_ptr(idle, l).unwrap(), seed(idle, l));
+        let done = Arc::new(Event::new(&b).unwrap());
+        done.record(compute.handle()).unwrap();
+        m.layer_done(idle, l, done).unwrap();
+    }
+    compute.synchronize().unwrap();
+
+    // Pressure falls: requests finish, their pages return, and reversion restores everything.
+    space.free(s3).unwrap();
+    space.free(s2).unwrap();
+    space.reclaim_deferred();
+    assert_eq!(kv_pool.stats().free, 4);
+    let r = m.step(m.pressure(0)).unwrap();
+    assert_eq!(r.len(), 1);
+    assert!(!r[0].is_remap());
+    assert_eq!(m.registry().plan(idle).unwrap().alpha, 0);
+    assert_eq!(m.registry().gpu_pages(idle).unwrap(), 8);
+    assert_eq!(kv_pool.stats().free, 2);
+    for l in 0..8 {
+        assert_eq!(m.registry().layer_handles(idle, l).unwrap().len(), 1);
+        check_bytes(&b, m.layer_ptr(idle, l).unwrap(), seed(idle, l));
+        check_bytes(&b, m.layer_ptr(active, l).unwrap(), seed(active, l));
+    }
+    drop(space);
+}
+
+#[test]
+fn per_model_cap_then_active_models() {
+    let b = backend(None);
+    let params = pool(&b, None);
+    let kv_pool = pool(&b, Some(0));
+    let mut m = Mirage::new(params, Arc::clone(&kv_pool)).unwrap();
+    let active = register(&mut m, 6, 2);
+    let idle = register(&mut m, 6, 1);
+    {
+        let c = m.controller_mut();
+        c.set_active(active, true);
+        c.report_compute(active, Duration::from_millis(50));
+        c.report_compute(idle, Duration::from_millis(50));
+    }
+    let d = m.step(m.pressure(3)).unwrap();
+    let moved: Vec<_> = d.iter().map(|d| (d.model, d.plan.alpha)).collect();
+    assert_eq!(moved, vec![(idle, 1), (active, 2)]);
+    assert_eq!(kv_pool.stats().free, 3);
+    // Everything capped: more pressure changes nothing.
+    assert!(m.step(m.pressure(1)).unwrap().is_empty());
+    let r = m.revert_all().unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!(kv_pool.stats().free, 0);
+    for id in [active, idle] {
+        for l in 0..6 {
+            check_bytes(&b, m.layer_ptr(id, l).unwrap(), seed(id, l));
+        }
+    }
+}
+
+fn slow_link() -> LinkModel {
+    LinkModel {
+        // 64 KiB in ~20 ms host → device; device → device slower still.
+        host_to_device: Link {
+            bandwidth: 3.2e6,
+            latency: Duration::from_millis(1),
+        },
+        device_to_host: Link {
+            bandwidth: 3.2e6,
+            latency: Duration::from_millis(1),
+        },
+        device_to_device: Link {
+            bandwidth: 1.6e6,
+            latency: Duration::from_millis(1),
+        },
+    }
+}
+
+#[test]
+fn prepare_events_complete_only_after_the_bytes_and_wait_for_compute() {
+    let b = backend(Some(slow_link()));
+    let params = pool(&b, None);
+    let kv_pool = pool(&b, Some(0));
+    let mut m = Mirage::new(params, Arc::clone(&kv_pool)).unwrap();
+    let id = register(&mut m, 8, 4);
+    let t_t = m.controller().transfer_time().unwrap();
+    assert!(t_t >= Duration::from_millis(15), "T_T measured: {t_t:?}");
+    m.controller_mut()
+        .report_compute(id, Duration::from_millis(200));
+    m.step(m.pressure(1)).unwrap();
+    let plan = m.registry().plan(id).unwrap().clone();
+    assert_eq!((plan.alpha, plan.streamed.clone()), (1, vec![0, 4]));
+
+    // The first load: not complete right after submission, complete with the bytes.
+    let ev0 = m.prepare_layer(id, 0).unwrap();
+    assert!(
+        !ev0.query().unwrap(),
+        "complete before the copy could finish"
+    );
+    ev0.synchronize().unwrap();
+    let slot = m.layer_ptr(id, 0).unwrap();
+    check_bytes(&b, slot, seed(id, 0));
+    assert!(matches!(m.layer_ptr(id, 4), Err(Error::InvalidState(_))));
+
+    // Layer 4 needs the one slot: refused until layer 0 reported its compute done.
+    assert!(matches!(
+        m.prepare_layer(id, 4),
+        Err(Error::InvalidState(_))
+    ));
+
+    // "Kernel" of layer 0: a slow device copy reading the slot on the compute stream.
+    let compute = Stream::new(&b, 0).unwrap();
+    let out = Arc::new(Reservation::new(&b, PAGE, 0).unwrap());
+    let phys = Arc::new(
+        PhysicalMemory::create(&b, Location::Device(0), PAGE, CreateFlags::empty()).unwrap(),
+    );
+    let _map = Mapping::new(
+        &out,
+        out.ptr(),
+        phys,
+        0,
+        PAGE,
+        &[(Location::Device(0), Access::ReadWrite)],
+    )
+    .unwrap();
+    let res = Arc::clone(m.registry().reservation(id).unwrap());
+    let done = copy_async_in(
+        &b,
+        compute.handle(),
+        CopyKind::Batch(&[CopyDesc {
+            dst: out.ptr(),
+            src: slot,
+            len: PAGE,
+        }]),
+        CopyScope {
+            buffers: &[],
+            reservations: &[&out, &res],
+        },
+    )
+    .unwrap();
+    m.layer_done(id, 0, Arc::clone(&done)).unwrap();
+    let ev4 = m.prepare_layer(id, 4).unwrap();
+    assert_eq!(m.layer_ptr(id, 4).unwrap(), slot, "the one shared slot");
+    done.synchronize().unwrap();
+    // The reload was queued behind the kernel: the kernel read layer 0, never layer 4.
+    check_bytes(&b, out.ptr(), seed(id, 0));
+    ev4.synchronize().unwrap();
+    check_bytes(&b, slot, seed(id, 4));
+    compute.synchronize().unwrap();
+}
+
+#[test]
+fn double_buffering_alternates_two_slots() {
+    let b = backend(None);
+    let params = pool(&b, None);
+    let kv_pool = pool(&b, Some(0));
+    let mut m = Mirage::new(params, Arc::clone(&kv_pool)).unwrap();
+    let id = register(&mut m, 8, 6);
+    // Fix T_T and T_c so that α = 3 fails Eq. 4 (1.5×4 = 6 > 1×4) and passes Eq. 5
+    // (1.5×5 = 7.5 ≤ 1×8), while α = 4 fails both (Eq. 5: 1.5×6 = 9 > 8).
+    {
+        let c = m.controller_mut();
+        c.set_transfer_time(Duration::from_micros(1500));
+        c.report_compute(id, Duration::from_millis(1));
+        c.report_prefill(id, Duration::from_millis(100));
+    }
+    m.step(m.pressure(5)).unwrap();
+    let plan = m.registry().plan(id).unwrap().clone();
+    assert_eq!((plan.alpha, plan.buffering), (3, Some(Buffering::Double)));
+    assert_eq!(plan.streamed.len(), 5);
+    assert_eq!(m.registry().gpu_pages(id).unwrap(), 5);
+    assert_eq!(kv_pool.stats().free, 3);
+    let compute = Stream::new(&b, 0).unwrap();
+    let mut slots = Vec::new();
+    for (i, &l) in plan.streamed.iter().enumerate() {
+        let ev = m.prepare_layer(id, l).unwrap();
+        // Double buffering: the next layer's load is queued before this one ran.
+        if i > 0 {
+            let prev = plan.streamed[i - 1];
+            let done = Arc::new(Event::new(&b).unwrap());
+            done.record(compute.handle()).unwrap();
+            m.layer_done(id, prev, done).unwrap();
+        }
+        ev.synchronize().unwrap();
+        let ptr = m.layer_ptr(id, l).unwrap();
+        check_bytes(&b, ptr, seed(id, l));
+        slots.push(ptr);
+    }
+    assert_ne!(slots[0], slots[1]);
+    assert_eq!(slots[0], slots[2]);
+    assert_eq!(slots[1], slots[3]);
+    compute.synchronize().unwrap();
+}
