@@ -245,16 +245,14 @@ impl RemapController {
             let mut order = self.remap_order();
             order.reverse();
             for id in order {
-                loop {
-                    let m = &self.models[id.0 as usize];
-                    if m.plan.alpha == 0 || free < m.spec.pages_per_layer {
+                while let Some(plan) = self.shrink_plan(id) {
+                    let m = &mut self.models[id.0 as usize];
+                    // Usually one layer; a full reversion (unknown times) needs all α of them.
+                    let need = (m.plan.alpha - plan.alpha) as usize * m.spec.pages_per_layer;
+                    if need > free {
                         break;
                     }
-                    let Some(plan) = self.shrink_plan(id) else {
-                        break;
-                    };
-                    let m = &mut self.models[id.0 as usize];
-                    free -= m.spec.pages_per_layer;
+                    free -= need;
                     let from = m.plan.alpha;
                     m.plan = plan.clone();
                     record(&mut decisions, id, from, plan);
@@ -437,6 +435,23 @@ mod tests {
         assert_eq!(r.len(), 2);
         assert!(ids.iter().all(|&id| c.plan(id).unwrap().alpha == 0));
         assert!(c.step(KvPressure::default()).is_empty());
+    }
+
+    #[test]
+    fn a_full_reversion_waits_for_all_its_pages() {
+        let (mut c, ids) = controller(1, 8, 3);
+        c.step(short(3));
+        assert_eq!(c.plan(ids[0]).unwrap().alpha, 3);
+        // Timings forgotten (a new controller state would have none): shrinking one layer is
+        // no longer plannable, so the model reverts fully, which needs all three layers' pages.
+        c.t_t = None;
+        let free = |free_pages| KvPressure {
+            pages_short: 0,
+            free_pages,
+        };
+        assert!(c.step(free(2)).is_empty());
+        let r = c.step(free(3));
+        assert_eq!((r[0].from_alpha, r[0].plan.alpha), (3, 0));
     }
 
     #[test]
