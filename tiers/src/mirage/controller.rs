@@ -438,6 +438,46 @@ mod tests {
     }
 
     #[test]
+    fn every_plan_respects_the_budget_and_eq4_or_eq5() {
+        // A grid of T_T, T_c, n, caps and activity: after remapping as far as allowed, each
+        // model's α satisfies T_T·α ≤ T_compute and α ≤ cap, its β is the one Eq. 4/5 pick, and
+        // its m streamed layers are evenly spaced.
+        for t_t_us in [100u64, 700, 1500, 3100, 9000] {
+            for t_c_us in [200u64, 1000, 2500] {
+                for n in [2u32, 5, 8, 40] {
+                    let mut c = RemapController::new();
+                    let a = c.add_model(spec(n, n));
+                    let b = c.add_model(spec(n, n / 2));
+                    c.set_active(a, true);
+                    c.set_transfer_time(Duration::from_micros(t_t_us));
+                    for id in [a, b] {
+                        c.report_compute(id, Duration::from_micros(t_c_us));
+                    }
+                    c.step(short(usize::MAX));
+                    for id in [a, b] {
+                        let p = c.plan(id).unwrap().clone();
+                        let t_t = Duration::from_micros(t_t_us);
+                        let t_c = Duration::from_micros(t_c_us);
+                        assert!(t_t * p.alpha <= c.t_compute(id).unwrap(), "{p:?}");
+                        assert!(p.alpha <= c.models[id.0 as usize].spec.cap);
+                        assert_eq!(
+                            p.buffering,
+                            super::super::plan::choose_buffering(n, p.alpha, t_t, t_c)
+                        );
+                        assert_eq!(p.streamed.len() as u32, p.m());
+                        if p.m() > 0 {
+                            let g = super::super::plan::ring_gaps(n, &p.streamed);
+                            assert!(g.iter().max().unwrap() - g.iter().min().unwrap() <= 1);
+                        }
+                        // Maximal: one more layer is not allowed.
+                        assert!(c.grow_plan(id).is_none());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_full_reversion_waits_for_all_its_pages() {
         let (mut c, ids) = controller(1, 8, 3);
         c.step(short(3));

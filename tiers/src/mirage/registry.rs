@@ -240,9 +240,9 @@ impl ParamRegistry {
         )
     }
 
-    /// Times one host → device reload of `layer` of `model` into its slot range (a scratch use of
-    /// the second slot's VA is not needed: the copy goes to the layer's own VA when resident, else
-    /// to its slot when it occupies one). Returns `T_T` as measured now.
+    /// Times one host → device reload of `layer` of `model` (to the layer's own VA when resident,
+    /// else to the slot it occupies; the bytes written are the ones already there). Returns `T_T`
+    /// as measured now.
     pub fn measure_transfer(
         &self,
         engine: &TransferEngine,
@@ -419,6 +419,12 @@ impl ParamRegistry {
     /// Moves `model` to `plan` (see the module documentation). The caller has synchronized the
     /// compute that may read the model's parameters; in-flight slot loads are drained here.
     /// Pages are taken from `kv_pool` before anything changes (out of memory: nothing changed).
+    /// An error after that (a failed map or reload) leaves every layer either resident and
+    /// mapped or streamed, hands unused pages to the KV pool, and keeps the previous
+    /// [`plan`](Self::plan) on record. Pages taken back keep their source, except that
+    /// `Reclaimed` becomes `Fresh` again; a `Borrowed` (peer) page taken back now backs
+    /// parameters, so a lender's revocation must go through the KV pool before it reaches them
+    /// (not handled here yet).
     pub fn apply(
         &mut self,
         engine: &TransferEngine,
