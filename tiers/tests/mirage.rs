@@ -232,6 +232,56 @@ fn per_model_cap_then_active_models() {
     }
 }
 
+#[test]
+fn pools_of_two_devices_do_not_mix() {
+    let b = strata_vmm::host::open(HostConfig {
+        devices: vec![16 << 20, 16 << 20],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .unwrap();
+    let p0 = pool(&b, None);
+    let p1 = PagePool::new(
+        Arc::clone(&b),
+        1,
+        PoolConfig {
+            background: false,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        Mirage::new(Arc::clone(&p0), Arc::clone(&p1)),
+        Err(Error::InvalidArgument(_))
+    ));
+    // One Mirage per device: device 1's parameters go to device 1's KV pool only.
+    let kv1 = PagePool::new(
+        Arc::clone(&b),
+        1,
+        PoolConfig {
+            low_watermark: 0,
+            high_watermark: 0,
+            limit: Some(0),
+            idle_trim_after: None,
+            background: false,
+        },
+    )
+    .unwrap();
+    let mut m1 = Mirage::new(p1, Arc::clone(&kv1)).unwrap();
+    let id = register(&mut m1, 4, 2);
+    m1.controller_mut()
+        .report_compute(id, Duration::from_millis(50));
+    m1.step(m1.pressure(1)).unwrap();
+    assert_eq!(kv1.stats().free, 1);
+    assert_eq!(p0.stats().in_use, 0);
+    for l in 0..4 {
+        if !m1.registry().plan(id).unwrap().is_streamed(l) {
+            check_bytes(&b, m1.layer_ptr(id, l).unwrap(), seed(id, l));
+        }
+    }
+}
+
 fn slow_link() -> LinkModel {
     LinkModel {
         // 64 KiB in ~20 ms host → device; device → device slower still.
@@ -276,7 +326,9 @@ fn prepare_events_complete_only_after_the_bytes_and_wait_for_compute() {
     check_bytes(&b, slot, seed(id, 0));
     assert!(matches!(m.layer_ptr(id, 4), Err(Error::InvalidState(_))));
 
-    // Layer 4 needs the one slot: refused until layer 0 reported its compute done.
+    // Layer 4 needs the one slot: refused until layer 0 reported its compute done (Eq. 4's
+    // case: the look-ahead has nothing to start either).
+    assert!(m.prepare_next(id, 0).unwrap().is_none());
     assert!(matches!(
         m.prepare_layer(id, 4),
         Err(Error::InvalidState(_))
@@ -345,6 +397,21 @@ fn double_buffering_alternates_two_slots() {
     assert_eq!(m.registry().gpu_pages(id).unwrap(), 5);
     assert_eq!(kv_pool.stats().free, 3);
     let compute = Stream::new(&b, 0).unwrap();
+    // Look-ahead: with two slots the next streamed layer loads while the current one would run.
+    let first = plan.streamed[0];
+    let (l0, ev0) = m.prepare_next(id, plan.streamed[4]).unwrap().unwrap();
+    assert_eq!(
+        l0, first,
+        "the ring wraps to the next token's first streamed layer"
+    );
+    let (l1, ev1) = m.prepare_next(id, first).unwrap().unwrap();
+    assert_eq!(l1, plan.streamed[1]);
+    // Both slots taken and neither occupant done: no third load yet.
+    assert!(m.prepare_next(id, l1).unwrap().is_none());
+    ev0.synchronize().unwrap();
+    ev1.synchronize().unwrap();
+    check_bytes(&b, m.layer_ptr(id, l0).unwrap(), seed(id, l0));
+    check_bytes(&b, m.layer_ptr(id, l1).unwrap(), seed(id, l1));
     let mut slots = Vec::new();
     for (i, &l) in plan.streamed.iter().enumerate() {
         let ev = m.prepare_layer(id, l).unwrap();

@@ -46,6 +46,17 @@ impl Mirage {
     /// Parameters on `param_pool`'s pages; reclaimed pages go to `kv_pool` (the pool a `KvSpace`
     /// grows from). Both pools are on one device (they may be the same pool).
     pub fn new(param_pool: Arc<PagePool>, kv_pool: Arc<PagePool>) -> Result<Self> {
+        if param_pool.device() != kv_pool.device()
+            || !Arc::ptr_eq(param_pool.backend(), kv_pool.backend())
+            || param_pool.page_size() != kv_pool.page_size()
+        {
+            return Err(strata_vmm::Error::InvalidArgument(format!(
+                "parameter pool (device {}) and KV pool (device {}) must share a device, \
+                 backend and page size",
+                param_pool.device(),
+                kv_pool.device()
+            )));
+        }
         let engine = TransferEngine::new(param_pool.backend(), param_pool.device())?;
         Ok(Mirage {
             controller: RemapController::new(),
@@ -149,6 +160,15 @@ impl Mirage {
     /// See [`ParamRegistry::prepare_layer`].
     pub fn prepare_layer(&mut self, model: ModelId, layer: u32) -> Result<Arc<Event>> {
         self.registry.prepare_layer(&self.engine, model, layer)
+    }
+
+    /// See [`ParamRegistry::prepare_next`].
+    pub fn prepare_next(
+        &mut self,
+        model: ModelId,
+        after: u32,
+    ) -> Result<Option<(u32, Arc<Event>)>> {
+        self.registry.prepare_next(&self.engine, model, after)
     }
 
     /// See [`ParamRegistry::layer_done`].

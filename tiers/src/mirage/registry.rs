@@ -403,6 +403,44 @@ impl ParamRegistry {
         Ok(ev)
     }
 
+    /// The first streamed layer after `after` in ring order (wrapping to the next token), if any.
+    pub fn next_streamed(&self, model: ModelId, after: u32) -> Result<Option<u32>> {
+        let plan = &self.get(model)?.plan;
+        Ok(plan
+            .streamed
+            .iter()
+            .copied()
+            .find(|&l| l > after)
+            .or_else(|| plan.streamed.first().copied()))
+    }
+
+    /// The Async Transfer Engine's look-ahead: prepares the next streamed layer after `after`
+    /// when a slot can take it now (free, already holding it, or whose occupant reported done),
+    /// so its load overlaps the compute in between. `None` when no slot is ready yet (with one
+    /// slot, Eq. 4's case, until the running layer reports done) or nothing streams.
+    pub fn prepare_next(
+        &mut self,
+        engine: &TransferEngine,
+        model: ModelId,
+        after: u32,
+    ) -> Result<Option<(u32, Arc<Event>)>> {
+        let Some(next) = self.next_streamed(model, after)? else {
+            return Ok(None);
+        };
+        let mp = self.get(model)?;
+        let ready = mp.slots.iter().any(|s| s.occupant == Some(next))
+            || mp
+                .slots
+                .iter()
+                .min_by_key(|s| (s.occupant.is_some(), s.last_used))
+                .is_some_and(|s| s.occupant.is_none() || s.done.is_some());
+        if !ready {
+            return Ok(None);
+        }
+        self.prepare_layer(engine, model, next)
+            .map(|ev| Some((next, ev)))
+    }
+
     /// The layer's kernels were queued; `done` is recorded after them on the compute stream. Its
     /// slot may be reloaded once `done` completes (a no-op for resident layers).
     pub fn layer_done(&mut self, model: ModelId, layer: u32, done: Arc<Event>) -> Result<()> {
