@@ -53,6 +53,23 @@ fn register(m: &mut Mirage, layers: u32, cap: u32) -> ModelId {
     .expect("register")
 }
 
+/// A Mirage with an active and an idle model of `layers` layers (caps `caps`), `T_c` = 50 ms.
+fn active_and_idle(
+    b: &Arc<dyn Backend>,
+    kv_pool: &Arc<PagePool>,
+    layers: u32,
+    caps: (u32, u32),
+) -> (Mirage, ModelId, ModelId) {
+    let mut m = Mirage::new(pool(b, None), Arc::clone(kv_pool)).unwrap();
+    let active = register(&mut m, layers, caps.0);
+    let idle = register(&mut m, layers, caps.1);
+    let c = m.controller_mut();
+    c.set_active(active, true);
+    c.report_compute(active, Duration::from_millis(50));
+    c.report_compute(idle, Duration::from_millis(50));
+    (m, active, idle)
+}
+
 fn check_bytes(b: &Arc<dyn Backend>, ptr: u64, seed: u64) {
     let mut buf = vec![0u8; PAGE as usize];
     b.read(ptr, &mut buf).unwrap();
@@ -94,17 +111,8 @@ fn read_handle(b: &Arc<dyn Backend>, handle: PhysHandle) -> Vec<u8> {
 #[test]
 fn reclaimed_parameter_pages_are_the_kv_pages_and_revert_bit_identical() {
     let b = backend(None);
-    let params = pool(&b, None);
     let kv_pool = pool(&b, Some(4));
-    let mut m = Mirage::new(Arc::clone(&params), Arc::clone(&kv_pool)).unwrap();
-    let active = register(&mut m, 8, 4);
-    let idle = register(&mut m, 8, 4);
-    {
-        let c = m.controller_mut();
-        c.set_active(active, true);
-        c.report_compute(active, Duration::from_millis(50));
-        c.report_compute(idle, Duration::from_millis(50));
-    }
+    let (mut m, active, idle) = active_and_idle(&b, &kv_pool, 8, (4, 4));
     let before: Vec<Vec<PhysHandle>> = (0..8)
         .map(|l| m.registry().layer_handles(idle, l).unwrap())
         .collect();
@@ -205,17 +213,8 @@ fn reclaimed_parameter_pages_are_the_kv_pages_and_revert_bit_identical() {
 #[test]
 fn per_model_cap_then_active_models() {
     let b = backend(None);
-    let params = pool(&b, None);
     let kv_pool = pool(&b, Some(0));
-    let mut m = Mirage::new(params, Arc::clone(&kv_pool)).unwrap();
-    let active = register(&mut m, 6, 2);
-    let idle = register(&mut m, 6, 1);
-    {
-        let c = m.controller_mut();
-        c.set_active(active, true);
-        c.report_compute(active, Duration::from_millis(50));
-        c.report_compute(idle, Duration::from_millis(50));
-    }
+    let (mut m, active, idle) = active_and_idle(&b, &kv_pool, 6, (2, 1));
     let d = m.step(m.pressure(3)).unwrap();
     let moved: Vec<_> = d.iter().map(|d| (d.model, d.plan.alpha)).collect();
     assert_eq!(moved, vec![(idle, 1), (active, 2)]);
