@@ -5,12 +5,14 @@
 #![deny(unsafe_code)]
 
 pub mod disk;
+pub mod harvest;
 pub mod kv;
 pub mod object;
 pub mod policy;
 pub mod store;
 pub mod transfer;
 
+pub use harvest::{HarvestConfig, HarvestController, HarvestHandle, HarvestHints};
 pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, RequestId};
 pub use object::{Durability, Notice, ObjectId, Residency, Tier};
 pub use policy::{EvictionPolicy, PolicyKind};
