@@ -180,6 +180,29 @@ pub fn recv_frame(stream: &UnixStream) -> Result<Option<([u8; FRAME], Vec<OwnedF
     Ok(Some((frame, fds)))
 }
 
+/// True when a read on `stream` would not block now (a frame is queued, or the peer closed).
+pub fn readable(stream: &UnixStream) -> Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one live `pollfd` for a descriptor borrowed from `stream`; timeout 0.
+        let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if rc >= 0 {
+            return Ok(rc > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP) != 0);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Os {
+                call: "poll",
+                source: e,
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,12 +214,14 @@ mod tests {
         let cred = peer_cred(&a).unwrap();
         assert_eq!(cred.uid, current_uid());
         assert_eq!(cred.pid, std::process::id() as i32);
+        assert!(!readable(&b).unwrap());
         let file = tempfile_fd();
         let mut frame = [0u8; FRAME];
         frame[0] = 7;
         frame[31] = 9;
         send_frame(&a, &frame, &[file.as_fd()]).unwrap();
         send_frame(&a, &[1u8; FRAME], &[]).unwrap();
+        assert!(readable(&b).unwrap());
         let (got, fds) = recv_frame(&b).unwrap().unwrap();
         assert_eq!(got, frame);
         assert_eq!(fds.len(), 1);

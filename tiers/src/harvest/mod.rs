@@ -14,11 +14,14 @@
 //! - [`ExpertResidency`]: the paper's expert residency map (local / peer / host per expert).
 //! - [`remote`]: lending across processes over a Unix socket (descriptors by `SCM_RIGHTS`,
 //!   `SO_PEERCRED` checks, revocations acknowledged within a deadline).
+//! - [`remote`]: lending across processes over a Unix socket (descriptors by `SCM_RIGHTS`,
+//!   `SO_PEERCRED` checks, revocations acknowledged within a deadline).
 
 mod config;
 mod controller;
 mod experts;
 pub mod fit;
+pub mod remote;
 
 pub use config::{HarvestConfig, HarvestHints, LinkMatrix, PeerLimits};
 pub use controller::{
