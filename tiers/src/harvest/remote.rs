@@ -83,8 +83,8 @@ pub enum RevokeOutcome {
 }
 
 struct LentPage {
+    /// Keeps the reservation and the physical memory alive until the lease ends.
     _mapping: Mapping,
-    _phys: Arc<PhysicalMemory>,
     va: u64,
     size: u64,
 }
@@ -94,7 +94,6 @@ pub struct Lender {
     backend: Arc<dyn Backend>,
     device: u32,
     stream: UnixStream,
-    reservation: Option<Arc<Reservation>>,
     leases: HashMap<u64, LentPage>,
     next_lease: u64,
     notes: VecDeque<u64>,
@@ -141,7 +140,6 @@ impl Lender {
             backend,
             device,
             stream,
-            reservation: None,
             leases: HashMap::new(),
             next_lease: 1,
             notes: VecDeque::new(),
@@ -175,13 +173,11 @@ impl Lender {
             &[fd.as_fd()],
         )?;
         self.next_lease += 1;
-        self.reservation = Some(Arc::clone(&reservation));
         self.leases.insert(
             lease,
             LentPage {
                 va: reservation.ptr(),
                 _mapping: mapping,
-                _phys: phys,
                 size,
             },
         );
