@@ -3,7 +3,7 @@
  *
  * Entry points for PyTorch's pluggable allocator (exact signatures of
  * torch/csrc/cuda/CUDAPluggableAllocator.h), the hooks PyTorch can take, statistics, tags,
- * sleep/wake, errors and a version, plus small test-support calls (streams, copies).
+ * sleep/wake, Harvest (peer-memory allocations with revocation), errors and a version, plus small test-support calls (streams, copies).
  *
  * Conventions
  *  - Nothing has to be called first: the backend (STRATA_BACKEND=cuda|host|auto) and one caching
@@ -177,6 +177,72 @@ int strata_sleep(const char *tag, int keep_host_copy);
  * nowhere is STRATA_INVALID_STATE. On failure (e.g. out of memory) the tag stays asleep where
  * it was not woken yet: call again. */
 int strata_wake(const char *tag);
+
+/* ---- Harvest: opportunistic memory on peer GPUs ----------------------------------------- */
+
+/* What revoking an allocation costs (Harvest's two consistency choices). */
+enum {
+    STRATA_HARVEST_BACKED = 0, /* the caller keeps an authoritative host copy: nothing is lost */
+    STRATA_HARVEST_LOSSY = 1   /* reconstructible: a revocation reports it lost */
+};
+
+/* A harvested allocation: the peer device lending it, the base of a VA range mapped with
+ * access for the requesting device, its size (rounded up to pages), and an id with a
+ * generation. A freed or revoked handle is stale: every later use is STRATA_INVALID_HANDLE,
+ * never someone else's memory. */
+typedef struct strata_harvest_handle_t {
+    int32_t device;
+    int32_t reserved; /* zero */
+    uint64_t ptr;
+    uint64_t size;
+    uint64_t id;
+} strata_harvest_handle_t;
+
+typedef struct strata_harvest_hints_t {
+    int32_t requester;       /* the device whose copies use the memory */
+    int32_t durability;      /* STRATA_HARVEST_BACKED or STRATA_HARVEST_LOSSY */
+    int32_t direct_only;     /* nonzero: only peers directly linked to the requester */
+    int32_t preferred_count; /* entries of `preferred` (0: no preference) */
+    const int32_t *preferred; /* peers to prefer (a hint, not a limit); may be NULL if count 0 */
+} strata_harvest_hints_t;
+
+/* Called when a harvested allocation is revoked: `lost` is 1 for STRATA_HARVEST_LOSSY (the
+ * data is gone), 0 for STRATA_HARVEST_BACKED (fall back to the host copy).
+ * Threading: it runs once, on the thread whose strata call revoked the allocation (e.g. the
+ * one calling strata_harvest_reclaim), after every copy that touched the range has completed
+ * and after the handle became stale, before the pages return to the peer; no strata lock is
+ * held, so it may call strata (but should be short). `user_data` is passed through untouched
+ * and must be usable from that thread. */
+typedef void (*strata_revoke_fn)(const strata_harvest_handle_t *handle, int lost, void *user_data);
+
+/* Allocates `size` bytes on the best-fit peer of hints->requester: among peers with room
+ * (free memory minus the owner's reserve, within its quota), directly linked ones first, then
+ * preferred ones, then the least leftover. With one device, the device lends to itself.
+ * No room anywhere: STRATA_OUT_OF_MEMORY (a normal outcome: use host memory). */
+int strata_harvest_alloc(size_t size, const strata_harvest_hints_t *hints,
+                         strata_harvest_handle_t *out);
+
+/* Waits for the allocation's in-flight copies and returns its pages. No callback runs.
+ * Stale (freed, revoked or being revoked): STRATA_INVALID_HANDLE. */
+int strata_harvest_free(const strata_harvest_handle_t *handle);
+
+/* Registers `callback(handle, lost, user_data)` for the revocation of `handle` (see
+ * strata_revoke_fn). Several may be registered; each runs once. */
+int strata_harvest_on_revoke(const strata_harvest_handle_t *handle, strata_revoke_fn callback,
+                             void *user_data);
+
+/* The owner of device `peer` takes at least `bytes` back: allocations there are revoked in
+ * Harvest's order (stop new copies, drain in-flight ones, invalidate, call back, return the
+ * pages). *revoked_bytes (if not NULL) receives the bytes revoked. */
+int strata_harvest_reclaim(int peer, uint64_t bytes, uint64_t *revoked_bytes);
+
+/* Copies `len` host bytes at `src` into the allocation at `offset` (a backend copy) and waits. */
+int strata_harvest_write(const strata_harvest_handle_t *handle, uint64_t offset, const void *src,
+                         size_t len);
+
+/* Copies `len` bytes of the allocation at `offset` into host memory `dst` and waits. */
+int strata_harvest_read(const strata_harvest_handle_t *handle, uint64_t offset, void *dst,
+                        size_t len);
 
 /* ---- Test support: streams and copies ----------------------------------------------------- */
 

@@ -21,6 +21,7 @@
 
 mod boundary;
 mod global;
+mod harvest;
 mod status;
 #[cfg(test)]
 mod tests;

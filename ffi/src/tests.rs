@@ -65,6 +65,14 @@ fn structs_have_the_header_layout() {
     assert_eq!(std::mem::align_of::<strata_stats_t>(), 8);
     assert_eq!(std::mem::size_of::<strata_tag_stats_t>(), 96);
     assert_eq!(std::mem::size_of::<Status>(), 4);
+    assert_eq!(
+        std::mem::size_of::<crate::harvest::strata_harvest_handle_t>(),
+        32
+    );
+    assert_eq!(
+        std::mem::size_of::<crate::harvest::strata_harvest_hints_t>(),
+        24
+    );
 }
 
 #[test]

@@ -130,6 +130,11 @@ fn c_api_whole_surface() {
 }
 
 #[test]
+fn c_harvest_alloc_revoke_and_callbacks() {
+    c_test("harvest");
+}
+
+#[test]
 fn c_random_walk_with_patterns_and_tags() {
     c_test("walk");
 }

@@ -6,6 +6,7 @@
 #![deny(unsafe_code)]
 
 pub mod disk;
+pub mod harvest;
 pub mod kv;
 pub mod mirage;
 pub mod object;
@@ -13,6 +14,7 @@ pub mod policy;
 pub mod store;
 pub mod transfer;
 
+pub use harvest::{HarvestConfig, HarvestController, HarvestHandle, HarvestHints};
 pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, RequestId};
 pub use mirage::Mirage;
 pub use object::{Durability, Notice, ObjectId, Residency, Tier};

@@ -9,6 +9,7 @@ pub mod cuda;
 mod error;
 pub mod host;
 mod hostbuf;
+pub mod ipc;
 mod raii;
 mod select;
 mod types;
