@@ -1,6 +1,6 @@
 //! The tiered demo workload (`strata demo`, the default): KV demand several times the HBM of the
-//! device, served through the [`KvBlockManager`](strata_tiers::KvBlockManager) on a
-//! [`TierStore`](strata_tiers::TierStore) with host memory and disk below HBM.
+//! device, served through the [`KvBlockManager`] on a
+//! [`TierStore`] with host memory and disk below HBM.
 //!
 //! Requests are prefilled, then decode in round-robin batches; the scheduler's next batches are
 //! hinted (lookahead: eviction picks blocks whose request runs furthest away, and blocks that fit

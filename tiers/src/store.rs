@@ -30,7 +30,7 @@ use crate::object::{Durability, Notice, ObjectId, Residency};
 use crate::policy::{EvictionPolicy, PolicyKind, Tier};
 use crate::transfer::{Direction, Submission, TransferEngine, TransferStats};
 
-/// Capacity, bandwidth and latency of a tier (configured, or measured with [`measure_host_link`]).
+/// Capacity, bandwidth and latency of a tier, as configured (measuring them at start is not built yet).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TierSpec {
     /// Bytes.

@@ -8,13 +8,13 @@
 //! - `dlsym`: for a hooked name found on any handle, returns the wrapper (and remembers the
 //!   real pointer); everything else is the real `dlsym`'s answer;
 //! - `cuGetProcAddress` / `cuGetProcAddress_v2`: calls the real one, then swaps in the wrapper
-//!   for the rows of the explicit table in [`table`] (and for `cuGetProcAddress` itself);
+//!   for the rows of the explicit table in `table` (and for `cuGetProcAddress` itself);
 //! - the wrappers: `cuMemAlloc_v2`, `cuMemFree_v2`, `cuMemAllocAsync[_ptsz]`,
 //!   `cuMemFreeAsync[_ptsz]`, `cuMemGetInfo_v2`, `cudaMalloc`, `cudaFree`;
 //! - introspection for tests and tools: `strata_preload_owns`, `strata_preload_stats`,
 //!   `strata_preload_initialized`.
 //!
-//! Layers: [`table`] (names, the proc-address table), [`real`] (real functions), [`glue`]
+//! Layers: `table` (names, the proc-address table), `real` (real functions), `glue`
 //! (allocators), this file (the C ABI). Every export runs behind a panic boundary.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
