@@ -6,7 +6,9 @@
 
 pub mod disk;
 pub mod kv;
+pub mod kvpr;
 pub mod object;
+pub mod pie;
 pub mod policy;
 pub mod store;
 pub mod transfer;
