@@ -666,7 +666,8 @@ pub fn run(cfg: &TierKvConfig, policies: &[Policy]) -> Vec<TierKvResult> {
     policies.iter().map(|&p| simulate(cfg, &plan, p)).collect()
 }
 
-/// Averages results of the same policy and ρ over seeds (TierKV reports means over 3 seeds).
+/// Averages results of the same policy and ρ over seeds (TierKV reports means over 3 seeds);
+/// counts are rounded means.
 pub fn average(results: &[TierKvResult]) -> TierKvResult {
     let n = results.len().max(1) as f64;
     let mut out = results[0].clone();
@@ -674,6 +675,14 @@ pub fn average(results: &[TierKvResult]) -> TierKvResult {
     out.p95_tpot_ms = results.iter().map(|r| r.p95_tpot_ms).sum::<f64>() / n;
     out.throughput_tok_s = results.iter().map(|r| r.throughput_tok_s).sum::<f64>() / n;
     out.stall_s = results.iter().map(|r| r.stall_s).sum::<f64>() / n;
+    let avg = |f: fn(&TierKvResult) -> u64| {
+        (results.iter().map(f).sum::<u64>() as f64 / n).round() as u64
+    };
+    out.tokens = avg(|r| r.tokens);
+    out.iterations = avg(|r| r.iterations);
+    out.demand_blocks = avg(|r| r.demand_blocks);
+    out.prefetched_blocks = avg(|r| r.prefetched_blocks);
+    out.disk_spills = avg(|r| r.disk_spills);
     out
 }
 
