@@ -24,6 +24,9 @@ enum Command {
     /// Benchmarks (`strata bench copy`).
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
+    /// The discrete-event simulator: `strata sim tierkv|kvpr|pie`.
+    #[command(subcommand)]
+    Sim(cli::sim::SimCommand),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Command::Info => cli::info::run(),
         Command::Demo(demo) => cli::demo::run(demo),
         Command::Bench(b) => cli::bench::run(b),
+        Command::Sim(s) => cli::sim::run(s),
     };
     match outcome {
         Ok(code) => code,

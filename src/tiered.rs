@@ -294,55 +294,95 @@ pub fn run(
     })
 }
 
-/// Writes tier occupancy over time as an SVG line chart (written directly: three polylines and
-/// axes need no plotting dependency).
-pub fn write_svg(path: &std::path::Path, samples: &[Sample], block: u64) -> std::io::Result<()> {
+/// One line of a chart: name, colour and `(x, y)` points.
+pub struct Series<'a> {
+    pub name: &'a str,
+    pub color: &'a str,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// Writes an SVG line chart (written directly: a few polylines and axes need no plotting
+/// dependency). Shared by the demo's occupancy plot and `strata sim`'s plots.
+pub fn write_chart(
+    path: &std::path::Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series<'_>],
+) -> std::io::Result<()> {
     let (w, h, m) = (800.0f64, 360.0f64, 50.0f64);
-    let max_step = samples.last().map_or(1, |s| s.step).max(1) as f64;
-    let max_y = samples
-        .iter()
-        .map(|s| s.hbm.max(s.host).max(s.disk))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let mib = |blocks: f64| blocks * block as f64 / (1 << 20) as f64;
-    let x = |s: u64| m + (s as f64 / max_step) * (w - 2.0 * m);
-    let y = |v: u64| h - m - (v as f64 / max_y) * (h - 2.0 * m);
-    let line = |f: &dyn Fn(&Sample) -> u64| {
-        samples
-            .iter()
-            .map(|s| format!("{:.1},{:.1}", x(s.step), y(f(s))))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let all = || series.iter().flat_map(|s| s.points.iter());
+    let min_x = all().map(|p| p.0).fold(f64::INFINITY, f64::min);
+    let min_x = if min_x.is_finite() { min_x } else { 0.0 };
+    let max_x = all().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
+    let max_x = if max_x > min_x { max_x } else { min_x + 1.0 };
+    let max_y = all().map(|p| p.1).fold(0.0f64, f64::max);
+    let max_y = if max_y > 0.0 { max_y } else { 1.0 };
+    let x = |v: f64| m + ((v - min_x) / (max_x - min_x)) * (w - 2.0 * m);
+    let y = |v: f64| h - m - (v / max_y) * (h - 2.0 * m);
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{m}\" y=\"20\" font-size=\"14\">strata demo: tier occupancy over time</text>\n\
+         <text x=\"{m}\" y=\"20\" font-size=\"14\">{title}</text>\n\
          <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
          <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {max_step}</text>\n\
-         <text x=\"5\" y=\"{m}\">{top:.0} MiB</text>\n",
+         <text x=\"{m}\" y=\"{lb}\">{min_x:.3}</text>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">{x_label} {max_x:.3}</text>\n\
+         <text x=\"5\" y=\"{top}\">{max_y:.3} {y_label}</text>\n",
         b = h - m,
         r = w - m,
         lb = h - m + 20.0,
-        top = mib(max_y),
+        top = m - 5.0,
     );
-    for (i, (name, color, f)) in [
-        ("HBM", "#d62728", (|s: &Sample| s.hbm) as fn(&Sample) -> u64),
-        ("host", "#1f77b4", |s: &Sample| s.host),
-        ("disk", "#2ca02c", |s: &Sample| s.disk),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, s) in series.iter().enumerate() {
+        let pts = s
+            .points
+            .iter()
+            .map(|&(px, py)| format!("{:.1},{:.1}", x(px), y(py)))
+            .collect::<Vec<_>>()
+            .join(" ");
         svg.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n\
-             <text x=\"{}\" y=\"40\" fill=\"{color}\">{name}</text>\n",
-            line(&f),
-            m + 10.0 + 60.0 * i as f64
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.5\" points=\"{pts}\"/>\n\
+             <text x=\"{lx}\" y=\"40\" fill=\"{c}\">{n}</text>\n",
+            c = s.color,
+            n = s.name,
+            lx = m + 10.0 + 120.0 * i as f64
         ));
     }
     svg.push_str("</svg>\n");
     std::fs::write(path, svg)
+}
+
+/// Writes tier occupancy over time (MiB per tier against the step) as an SVG line chart.
+pub fn write_svg(path: &std::path::Path, samples: &[Sample], block: u64) -> std::io::Result<()> {
+    let mib = |blocks: u64| blocks as f64 * block as f64 / (1 << 20) as f64;
+    let line = |f: fn(&Sample) -> u64| {
+        samples
+            .iter()
+            .map(|s| (s.step as f64, mib(f(s))))
+            .collect::<Vec<_>>()
+    };
+    write_chart(
+        path,
+        "strata demo: tier occupancy over time",
+        "step",
+        "MiB",
+        &[
+            Series {
+                name: "HBM",
+                color: "#d62728",
+                points: line(|s| s.hbm),
+            },
+            Series {
+                name: "host",
+                color: "#1f77b4",
+                points: line(|s| s.host),
+            },
+            Series {
+                name: "disk",
+                color: "#2ca02c",
+                points: line(|s| s.disk),
+            },
+        ],
+    )
 }

@@ -1,6 +1,9 @@
 pub mod bench;
 pub mod demo;
 pub mod info;
+pub mod sim;
+pub mod sim_kvpr;
+pub mod sim_pie;
 
 /// Human-readable binary size (`1.5 GiB`).
 pub fn size(bytes: u64) -> String {

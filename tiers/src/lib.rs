@@ -8,8 +8,10 @@
 pub mod disk;
 pub mod harvest;
 pub mod kv;
+pub mod kvpr;
 pub mod mirage;
 pub mod object;
+pub mod pie;
 pub mod policy;
 pub mod store;
 pub mod transfer;

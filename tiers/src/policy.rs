@@ -3,6 +3,7 @@
 //! A key is an object's packed id (`ObjectId::key`); an owner is whoever the engine schedules
 //! (a request). Policies see no pointers and call no backend.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -170,12 +171,18 @@ impl EvictionPolicy for Lookahead {
 }
 
 /// Belady's optimal policy for the simulator: knows every future access; evicts the key whose
-/// next access is furthest (never accessed again first).
+/// next access is furthest (never accessed again first; ties: the smallest key).
+///
+/// Present keys are kept ordered by their next use, so a victim costs O(log n) plus the keys
+/// `evictable` rejects. A stored next use goes stale once the clock passes it; stale entries
+/// (the smallest ones) are refreshed before each decision, once per access at most.
 #[derive(Debug, Default)]
 pub struct Oracle {
     uses: HashMap<u64, Vec<u64>>,
     now: u64,
-    present: BTreeSet<u64>,
+    /// `(Reverse(next use as stored), key)`: the furthest next use first.
+    order: BTreeSet<(Reverse<u64>, u64)>,
+    stored: HashMap<u64, u64>,
 }
 
 impl Oracle {
@@ -187,11 +194,11 @@ impl Oracle {
         }
         for v in uses.values_mut() {
             v.sort_unstable();
+            v.dedup();
         }
         Oracle {
             uses,
-            now: 0,
-            present: BTreeSet::new(),
+            ..Oracle::default()
         }
     }
 
@@ -202,6 +209,24 @@ impl Oracle {
             .and_then(|v| v.get(v.partition_point(|&s| s < self.now)).copied())
             .unwrap_or(u64::MAX)
     }
+
+    fn place(&mut self, key: u64) {
+        if let Some(old) = self.stored.remove(&key) {
+            self.order.remove(&(Reverse(old), key));
+        }
+        let n = self.next_use(key);
+        self.stored.insert(key, n);
+        self.order.insert((Reverse(n), key));
+    }
+
+    fn refresh(&mut self) {
+        while let Some(&(Reverse(n), key)) = self.order.last() {
+            if n >= self.now {
+                break;
+            }
+            self.place(key);
+        }
+    }
 }
 
 impl EvictionPolicy for Oracle {
@@ -210,23 +235,20 @@ impl EvictionPolicy for Oracle {
     }
     fn touch(&mut self, key: u64, _owner: u64, now: u64) {
         self.now = self.now.max(now);
-        self.present.insert(key);
+        self.place(key);
     }
     fn remove(&mut self, key: u64) {
-        self.present.remove(&key);
+        if let Some(old) = self.stored.remove(&key) {
+            self.order.remove(&(Reverse(old), key));
+        }
     }
     fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
-        let mut best: Option<(u64, u64)> = None;
-        for &k in &self.present {
-            let n = self.next_use(k);
-            if best.is_none_or(|(bn, _)| n > bn) && evictable(k) {
-                best = Some((n, k));
-            }
-        }
-        best.map(|(_, k)| k)
+        self.refresh();
+        self.order.iter().map(|&(_, k)| k).find(|&k| evictable(k))
     }
     fn advance(&mut self, step: u64) {
         self.now = self.now.max(step);
+        self.refresh();
     }
 }
 
@@ -393,6 +415,45 @@ mod tests {
         assert_eq!(p.victim(&mut all), Some(3));
         p.remove(3);
         assert_eq!(p.victim(&mut all), Some(2));
+    }
+
+    #[test]
+    fn oracle_matches_a_brute_force_belady() {
+        // Random accesses; after each step, the victim is the present key with the furthest
+        // next use (smallest key on ties), recomputed from scratch.
+        let mut x = 12345u64;
+        let mut rnd = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let future: Vec<(u64, u64)> = (0..400).map(|i| (i / 4, rnd(30))).collect();
+        let mut p = Oracle::new(&future);
+        let mut present = BTreeSet::new();
+        for &(step, key) in &future {
+            p.advance(step);
+            p.touch(key, 0, step);
+            present.insert(key);
+            if present.len() > 10 {
+                let brute = present
+                    .iter()
+                    .copied()
+                    .max_by_key(|&k| {
+                        let n = future
+                            .iter()
+                            .filter(|&&(s, kk)| kk == k && s >= step)
+                            .map(|&(s, _)| s)
+                            .min()
+                            .unwrap_or(u64::MAX);
+                        (n, Reverse(k))
+                    })
+                    .unwrap();
+                assert_eq!(p.victim(&mut all), Some(brute), "step {step}");
+                p.remove(brute);
+                present.remove(&brute);
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,765 @@
+//! TierKV (seed 002) as a discrete-event simulation: continuous batching over a three-tier KV
+//! store (HBM, host DRAM, SSD; Table 3), with the eviction policies of `strata_tiers::policy`
+//! and the prefetch decision of Algorithm 1 (`policy::plan_prefetch`, Eq. 1–2).
+//!
+//! The model, as we read §3–§4 and Appendix A:
+//! - A trace of requests with Poisson arrivals; ρ = total KV footprint of the trace / HBM KV
+//!   capacity (HBM minus weights). Arrivals come at `arrival_factor`× the service rate, so a
+//!   backlog builds and KV spills below HBM.
+//! - A request's prompt KV is written to HBM when it arrives (prefill compute is not modelled:
+//!   TPOT is a decode metric). The scheduler is FCFS continuous batching: up to `batch` requests
+//!   run, admitted while the running requests' final KV fits in 90% of HBM; each running request
+//!   decodes one token per iteration; the attention of an iteration reads every block of every
+//!   running request, so every such block must be in HBM before the iteration computes.
+//! - The schedule (which requests run in which iteration) depends only on the trace, bound to
+//!   iterations at the nominal `T_iter`; every policy serves the same schedule, and the oracle
+//!   knows all of it in advance.
+//! - An iteration computes for `T_iter` once its blocks are in HBM; the wait before is the stall.
+//!   TPOT of each token is its iteration's duration (stall + compute).
+//! - Evicted blocks go to DRAM (SSD when DRAM is full); the write-back is off the critical path.
+//!   Fetches share the host→HBM link (`link::Link`, App. A's lanes model); SSD blocks take two
+//!   hops (SSD→DRAM, then DRAM→HBM).
+//!
+//! Policies: `Lru` and `Frequency` fault reactively, one block at a time (synchronous faults);
+//! `StaticTiering` is LRU over the three tiers with no prefetch, but issues an iteration's
+//! faults together on the DMA streams; `Prefetch` is TierKV: `policy::Lookahead` eviction fed
+//! the next K batches and Algorithm 1 for those batches' blocks; `Oracle` is Belady eviction
+//! (`policy::Oracle`) plus prefetching each future block as early as a Belady-safe slot exists
+//! (within `oracle_horizon` iterations), through the same link and capacity.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use strata_tiers::policy::{self, EvictionPolicy, Links, Lookahead, Oracle, PolicyKind, Route};
+
+use crate::hw::{HardwareProfile, ModelProfile};
+use crate::link::Link;
+use crate::stats;
+use crate::workload::{poisson_trace, Request, Workload};
+
+/// The policies of TierKV's Tables 5–7 that we simulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    Lru,
+    Frequency,
+    StaticTiering,
+    Prefetch,
+    Oracle,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 5] = [
+        Policy::Lru,
+        Policy::Frequency,
+        Policy::StaticTiering,
+        Policy::Prefetch,
+        Policy::Oracle,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lru => "LRU",
+            Policy::Frequency => "Frequency",
+            Policy::StaticTiering => "Static-Tiering",
+            Policy::Prefetch => "TierKV-Prefetch",
+            Policy::Oracle => "Oracle",
+        }
+    }
+}
+
+/// One simulated configuration.
+#[derive(Clone, Debug)]
+pub struct TierKvConfig {
+    pub hw: HardwareProfile,
+    pub model: ModelProfile,
+    pub workload: Workload,
+    /// ρ: total KV footprint / HBM KV capacity.
+    pub oversubscription: f64,
+    pub seed: u64,
+    /// Maximum running requests per iteration (TierKV App. A profiles batch 32).
+    pub batch: usize,
+    /// Tokens per KV block (TierKV §5: 16).
+    pub block_tokens: u32,
+    /// K, the lookahead window (TierKV: K = 1 suffices).
+    pub lookahead: usize,
+    /// How many iterations ahead the oracle may prefetch.
+    pub oracle_horizon: usize,
+    /// δ_sched (TierKV App. A: 0.1 ms).
+    pub delta_sched: f64,
+    /// Arrival rate as a multiple of the service rate.
+    pub arrival_factor: f64,
+    /// HBM KV capacity override, bytes (tests use small ones); default HBM minus weights.
+    pub hbm_kv_bytes: Option<u64>,
+}
+
+impl TierKvConfig {
+    /// TierKV's main setup: H100 PCIe Gen5, Llama-2-7B, the mixed workload, batch 32,
+    /// 16-token blocks, K = 1, δ_sched = 0.1 ms.
+    pub fn paper(oversubscription: f64, seed: u64) -> Self {
+        TierKvConfig {
+            hw: HardwareProfile::h100_pcie5(),
+            model: ModelProfile::llama2_7b(),
+            workload: Workload::Mixed,
+            oversubscription,
+            seed,
+            batch: 32,
+            block_tokens: 16,
+            lookahead: 1,
+            oracle_horizon: 16,
+            delta_sched: 0.1e-3,
+            arrival_factor: 2.0,
+            hbm_kv_bytes: None,
+        }
+    }
+
+    pub fn block_bytes(&self) -> u64 {
+        self.model.kv_bytes_per_token * u64::from(self.block_tokens)
+    }
+
+    /// HBM capacity for KV, in blocks.
+    pub fn hbm_blocks(&self) -> usize {
+        let bytes = self
+            .hbm_kv_bytes
+            .unwrap_or(self.hw.hbm_bytes.saturating_sub(self.model.weight_bytes));
+        (bytes / self.block_bytes()) as usize
+    }
+}
+
+/// What one run measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierKvResult {
+    pub policy: Policy,
+    pub oversubscription: f64,
+    pub mean_tpot_ms: f64,
+    pub p95_tpot_ms: f64,
+    pub throughput_tok_s: f64,
+    pub tokens: u64,
+    pub iterations: u64,
+    /// Blocks fetched on demand (on the critical path).
+    pub demand_blocks: u64,
+    /// Blocks prefetched.
+    pub prefetched_blocks: u64,
+    /// Total stall, seconds.
+    pub stall_s: f64,
+    /// Blocks that went to SSD.
+    pub disk_spills: u64,
+}
+
+/// One iteration of the schedule.
+#[derive(Clone, Debug, Default)]
+pub struct Iteration {
+    /// Requests whose prompt KV is written at the start of this iteration.
+    pub arrivals: Vec<u64>,
+    /// `(request, tokens in its KV before this iteration)` for each running request.
+    pub batch: Vec<(u64, u32)>,
+}
+
+/// The trace and the schedule all policies share.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub requests: Vec<Request>,
+    pub iterations: Vec<Iteration>,
+}
+
+fn blocks_for(tokens: u32, bt: u32) -> u32 {
+    tokens.div_ceil(bt)
+}
+
+/// Packs (request, block index) into a policy key.
+pub fn key(req: u64, block: u32) -> u64 {
+    (req << 24) | u64::from(block)
+}
+
+fn owner(key: u64) -> u64 {
+    key >> 24
+}
+
+/// Builds the trace and the FCFS continuous-batching schedule.
+pub fn plan(cfg: &TierKvConfig) -> Plan {
+    let bt = cfg.block_tokens;
+    let cap = cfg.hbm_blocks() as f64;
+    let target = cfg.oversubscription * cap;
+    let unit = poisson_trace(
+        cfg.workload,
+        1.0,
+        cfg.seed,
+        |r| f64::from(blocks_for(r.prompt + r.generate, bt)),
+        |total| total >= target,
+    );
+    // Scale arrivals: rate = factor × batch / (mean generate × T_iter).
+    let mean_gen = unit.iter().map(|r| f64::from(r.generate)).sum::<f64>() / unit.len() as f64;
+    let rate = cfg.arrival_factor * cfg.batch as f64 / (mean_gen * cfg.model.t_iter);
+    let requests: Vec<Request> = unit
+        .into_iter()
+        .map(|r| Request {
+            arrival: r.arrival / rate,
+            ..r
+        })
+        .collect();
+    let limit = (0.9 * cap) as u64;
+    let mut iterations = Vec::new();
+    let mut next = 0usize;
+    let mut waiting = std::collections::VecDeque::new();
+    let mut running: Vec<(u64, u32)> = Vec::new(); // (request, generated so far)
+    let mut running_blocks = 0u64;
+    let mut i = 0u64;
+    while next < requests.len() || !waiting.is_empty() || !running.is_empty() {
+        let t = i as f64 * cfg.model.t_iter;
+        let mut it = Iteration::default();
+        if running.is_empty() && waiting.is_empty() && requests[next].arrival > t {
+            // Idle: jump to the next arrival (idle time is not simulated).
+            i = (requests[next].arrival / cfg.model.t_iter).ceil() as u64;
+            continue;
+        }
+        while next < requests.len() && requests[next].arrival <= t {
+            it.arrivals.push(requests[next].id);
+            waiting.push_back(requests[next].id);
+            next += 1;
+        }
+        while running.len() < cfg.batch {
+            let Some(&r) = waiting.front() else { break };
+            let q = &requests[r as usize];
+            let need = u64::from(blocks_for(q.prompt + q.generate, bt));
+            if running_blocks + need > limit && !running.is_empty() {
+                break;
+            }
+            waiting.pop_front();
+            running_blocks += need;
+            running.push((r, 0));
+        }
+        for &(r, g) in &running {
+            it.batch.push((r, requests[r as usize].prompt + g));
+        }
+        iterations.push(it);
+        for e in &mut running {
+            e.1 += 1;
+        }
+        running.retain(|&(r, g)| {
+            let q = &requests[r as usize];
+            let done = g >= q.generate;
+            if done {
+                running_blocks -= u64::from(blocks_for(q.prompt + q.generate, bt));
+            }
+            !done
+        });
+        i += 1;
+    }
+    Plan {
+        requests,
+        iterations,
+    }
+}
+
+/// Every `(iteration, key)` access of the schedule: the oracle's future.
+pub fn accesses(plan: &Plan, bt: u32) -> Vec<(u64, u64)> {
+    let mut v = Vec::new();
+    for (i, it) in plan.iterations.iter().enumerate() {
+        for &(r, tokens) in &it.batch {
+            for b in 0..blocks_for(tokens, bt) {
+                v.push((i as u64, key(r, b)));
+            }
+        }
+    }
+    v
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loc {
+    Hbm,
+    InFlight(u64),
+    Host,
+    Disk,
+}
+
+struct Engine<'a> {
+    cfg: &'a TierKvConfig,
+    plan: &'a Plan,
+    kind: Policy,
+    policy: Box<dyn EvictionPolicy>,
+    /// The concrete oracle, when `kind` is `Oracle` (Belady-safe prefetch needs next uses).
+    oracle: Option<Oracle>,
+    loc: HashMap<u64, Loc>,
+    hbm_used: usize,
+    hbm_cap: usize,
+    host_used: u64,
+    host_cap: u64,
+    h2d: Link,
+    disk: Link,
+    inflight: HashMap<u64, u64>,
+    orphans: HashSet<u64>,
+    next_xfer: u64,
+    step: u64,
+    block_bytes: f64,
+    demand: u64,
+    prefetched: u64,
+    disk_spills: u64,
+    done: Vec<(u64, f64)>,
+}
+
+impl Engine<'_> {
+    fn pol(&mut self) -> &mut dyn EvictionPolicy {
+        match self.oracle.as_mut() {
+            Some(o) => o,
+            None => self.policy.as_mut(),
+        }
+    }
+
+    fn settle(&mut self) {
+        let done = std::mem::take(&mut self.done);
+        for &(x, _) in &done {
+            let Some(k) = self.inflight.remove(&x) else {
+                continue;
+            };
+            if self.orphans.remove(&k) {
+                self.hbm_used -= 1;
+                continue;
+            }
+            self.loc.insert(k, Loc::Hbm);
+            let step = self.step;
+            self.pol().touch(k, owner(k), step);
+        }
+        self.done = done;
+        self.done.clear();
+    }
+
+    /// Evicts one block not in `pinned` (and, for Belady-safe prefetch, used later than
+    /// `before`). False when nothing qualifies.
+    fn evict_one(&mut self, pinned: &HashSet<u64>, before: Option<u64>) -> bool {
+        let loc = &self.loc;
+        let mut ok = |k: u64| loc.get(&k) == Some(&Loc::Hbm) && !pinned.contains(&k);
+        let victim = match self.oracle.as_mut() {
+            Some(o) => o.victim(&mut ok),
+            None => self.policy.victim(&mut ok),
+        };
+        let Some(v) = victim else { return false };
+        if let (Some(limit), Some(o)) = (before, self.oracle.as_ref()) {
+            if o.next_use(v) <= limit {
+                return false;
+            }
+        }
+        self.pol().remove(v);
+        self.hbm_used -= 1;
+        if self.host_used < self.host_cap {
+            self.host_used += 1;
+            self.loc.insert(v, Loc::Host);
+        } else {
+            self.disk_spills += 1;
+            self.loc.insert(v, Loc::Disk);
+        }
+        true
+    }
+
+    /// Makes one HBM slot free, waiting for in-flight transfers if every slot is pinned or in
+    /// flight. False if impossible.
+    fn make_room(&mut self, pinned: &HashSet<u64>, before: Option<u64>) -> bool {
+        while self.hbm_used >= self.hbm_cap {
+            if self.evict_one(pinned, before) {
+                continue;
+            }
+            if before.is_some() || self.inflight.is_empty() {
+                return false;
+            }
+            let first = *self.inflight.keys().min().unwrap_or(&0);
+            let mut done = std::mem::take(&mut self.done);
+            self.h2d.run(f64::INFINITY, Some(first), &mut done);
+            self.done = done;
+            self.settle();
+        }
+        true
+    }
+
+    /// Starts moving `k` into HBM (the caller made room). Returns the transfer id.
+    fn fetch(&mut self, k: u64) -> u64 {
+        let x = self.next_xfer;
+        self.next_xfer += 1;
+        let now = self.h2d.now();
+        match self.loc.get(&k) {
+            Some(Loc::Disk) => {
+                // Two hops: SSD → DRAM, then DRAM → HBM.
+                let mut d = Vec::new();
+                self.disk.run(now, None, &mut d);
+                self.disk.submit(x, self.block_bytes);
+                let t = self.disk.run(f64::INFINITY, Some(x), &mut d);
+                self.h2d.submit_at(x, self.block_bytes, t);
+            }
+            _ => {
+                self.host_used = self.host_used.saturating_sub(1);
+                self.h2d.submit(x, self.block_bytes);
+            }
+        }
+        self.loc.insert(k, Loc::InFlight(x));
+        self.inflight.insert(x, k);
+        self.hbm_used += 1;
+        x
+    }
+
+    fn wait(&mut self, x: u64) {
+        let mut done = std::mem::take(&mut self.done);
+        self.h2d.run(f64::INFINITY, Some(x), &mut done);
+        self.done = done;
+        self.settle();
+    }
+
+    fn alloc_new(&mut self, k: u64, pinned: &HashSet<u64>) {
+        let ok = self.make_room(pinned, None);
+        assert!(
+            ok,
+            "TierKV model: no HBM slot for a new block (pinned set exceeds HBM)"
+        );
+        self.hbm_used += 1;
+        self.loc.insert(k, Loc::Hbm);
+        let step = self.step;
+        self.pol().touch(k, owner(k), step);
+    }
+
+    fn free_request(&mut self, r: u64, tokens: u32) {
+        for b in 0..blocks_for(tokens, self.cfg.block_tokens) {
+            let k = key(r, b);
+            match self.loc.remove(&k) {
+                Some(Loc::Hbm) => {
+                    self.pol().remove(k);
+                    self.hbm_used -= 1;
+                }
+                Some(Loc::InFlight(_)) => {
+                    self.orphans.insert(k);
+                }
+                Some(Loc::Host) => self.host_used -= 1,
+                Some(Loc::Disk) | None => {}
+            }
+        }
+    }
+
+    fn batch_keys(&self, i: usize) -> Vec<u64> {
+        let bt = self.cfg.block_tokens;
+        self.plan.iterations.get(i).map_or_else(Vec::new, |it| {
+            it.batch
+                .iter()
+                .flat_map(|&(r, t)| (0..blocks_for(t, bt)).map(move |b| key(r, b)))
+                .collect()
+        })
+    }
+
+    fn prefetch_tierkv(&mut self, i: usize, pinned: &HashSet<u64>) {
+        let k_win = self.cfg.lookahead;
+        let mut cand = Vec::new();
+        let mut seen = HashSet::new();
+        for j in i + 1..=i + k_win {
+            for k in self.batch_keys(j) {
+                let tier = match self.loc.get(&k) {
+                    Some(Loc::Host) => policy::Tier::Host,
+                    Some(Loc::Disk) => policy::Tier::Disk,
+                    _ => continue,
+                };
+                if seen.insert(k) {
+                    cand.push((k, tier));
+                }
+            }
+        }
+        if cand.is_empty() {
+            return;
+        }
+        let hw = &self.cfg.hw;
+        // B.AVAILABLE(τ → T0): the share a new stream would get now.
+        let share = |pending: usize, bw: f64, lanes: usize| bw / (pending + 1).min(lanes) as f64;
+        let links = Links {
+            host_to_hbm: (
+                Duration::from_secs_f64(hw.host_link_latency),
+                share(self.h2d.pending(), hw.host_link_bw, hw.dma_lanes),
+            ),
+            disk_to_host: (
+                Duration::from_secs_f64(hw.disk_latency),
+                share(self.disk.pending(), hw.disk_bw, hw.dma_lanes),
+            ),
+        };
+        let t_iter = vec![Duration::from_secs_f64(self.cfg.model.t_iter); k_win];
+        let routes = policy::plan_prefetch(
+            &cand,
+            self.cfg.block_bytes(),
+            links,
+            &t_iter,
+            Duration::from_secs_f64(self.cfg.delta_sched),
+        );
+        for (k, route) in routes {
+            debug_assert!(matches!(route, Route::HostToHbm | Route::DiskToHostToHbm));
+            if !self.make_room_no_wait(pinned) {
+                break;
+            }
+            self.fetch(k);
+            self.prefetched += 1;
+        }
+    }
+
+    fn make_room_no_wait(&mut self, pinned: &HashSet<u64>) -> bool {
+        while self.hbm_used >= self.hbm_cap {
+            if !self.evict_one(pinned, None) {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn prefetch_oracle(&mut self, i: usize, pinned: &HashSet<u64>) {
+        let mut seen = HashSet::new();
+        for j in i + 1..=i + self.cfg.oracle_horizon {
+            for k in self.batch_keys(j) {
+                if !matches!(self.loc.get(&k), Some(Loc::Host | Loc::Disk)) || !seen.insert(k) {
+                    continue;
+                }
+                // Belady-safe: only displace a block used later than this one (at j).
+                if !self.make_room(pinned, Some(j as u64)) {
+                    return;
+                }
+                self.fetch(k);
+                self.prefetched += 1;
+            }
+        }
+    }
+}
+
+/// Simulates `policy` on `plan`.
+pub fn simulate(cfg: &TierKvConfig, plan: &Plan, kind: Policy) -> TierKvResult {
+    let bt = cfg.block_tokens;
+    let hw = &cfg.hw;
+    let (policy, oracle): (Box<dyn EvictionPolicy>, Option<Oracle>) = match kind {
+        Policy::Lru | Policy::StaticTiering => (PolicyKind::Lru.build(), None),
+        Policy::Frequency => (PolicyKind::Frequency.build(), None),
+        Policy::Prefetch => (Box::new(Lookahead::default()), None),
+        Policy::Oracle => (
+            PolicyKind::Lru.build(),
+            Some(Oracle::new(&accesses(plan, bt))),
+        ),
+    };
+    let mut e = Engine {
+        cfg,
+        plan,
+        kind,
+        policy,
+        oracle,
+        loc: HashMap::new(),
+        hbm_used: 0,
+        hbm_cap: cfg.hbm_blocks(),
+        host_used: 0,
+        host_cap: hw.host_bytes / cfg.block_bytes(),
+        h2d: Link::new(hw.host_link_bw, hw.host_link_latency, hw.dma_lanes),
+        disk: Link::new(hw.disk_bw, hw.disk_latency, hw.dma_lanes),
+        inflight: HashMap::new(),
+        orphans: HashSet::new(),
+        next_xfer: 0,
+        step: 0,
+        block_bytes: cfg.block_bytes() as f64,
+        demand: 0,
+        prefetched: 0,
+        disk_spills: 0,
+        done: Vec::new(),
+    };
+    let mut samples = Vec::new();
+    let mut busy = 0.0;
+    let mut stall_total = 0.0;
+    for (i, it) in plan.iterations.iter().enumerate() {
+        e.step = i as u64;
+        let t0 = e.h2d.now();
+        let current: HashSet<u64> = e.batch_keys(i).into_iter().collect();
+        // Arrivals: prompt KV lands in HBM.
+        for &r in &it.arrivals {
+            let p = plan.requests[r as usize].prompt;
+            for b in 0..blocks_for(p, bt) {
+                e.alloc_new(key(r, b), &current);
+            }
+        }
+        // Scheduler lookahead: index 0 is this iteration.
+        let window: Vec<Vec<u64>> = (i..=i + cfg.lookahead)
+            .map(|j| {
+                plan.iterations
+                    .get(j)
+                    .map_or_else(Vec::new, |x| x.batch.iter().map(|b| b.0).collect())
+            })
+            .collect();
+        {
+            let step = e.step;
+            let p = e.pol();
+            p.advance(step);
+            p.schedule(&window);
+        }
+        // Demand.
+        let mut waits = Vec::new();
+        let mut misses = Vec::new();
+        let keys = e.batch_keys(i);
+        for &k in &keys {
+            match e.loc.get(&k) {
+                Some(Loc::Hbm) => {
+                    let step = e.step;
+                    e.pol().touch(k, owner(k), step);
+                }
+                Some(Loc::InFlight(x)) => waits.push(*x),
+                Some(Loc::Host | Loc::Disk) => misses.push(k),
+                None => unreachable!("block {k:#x} of a running request has no location"),
+            }
+        }
+        let serial = matches!(kind, Policy::Lru | Policy::Frequency);
+        for k in misses {
+            let ok = e.make_room(&current, None);
+            assert!(ok, "TierKV model: the running batch does not fit in HBM");
+            let x = e.fetch(k);
+            e.demand += 1;
+            if serial {
+                e.wait(x);
+            } else {
+                waits.push(x);
+            }
+        }
+        for x in waits {
+            e.wait(x);
+        }
+        let ready = e.h2d.now().max(t0);
+        // Prefetch for the coming iterations (after demand, which has the link first).
+        let mut pinned = current.clone();
+        match kind {
+            Policy::Prefetch => {
+                for j in i + 1..=i + cfg.lookahead {
+                    pinned.extend(e.batch_keys(j));
+                }
+                e.prefetch_tierkv(i, &pinned);
+            }
+            Policy::Oracle => e.prefetch_oracle(i, &pinned),
+            _ => {}
+        }
+        // Compute.
+        let end = ready + cfg.model.t_iter;
+        let mut done = std::mem::take(&mut e.done);
+        e.h2d.run(end, None, &mut done);
+        e.done = done;
+        e.settle();
+        // Decode: one token per running request; new blocks; finished requests leave.
+        for &(r, tokens) in &it.batch {
+            if tokens % bt == 0 {
+                e.alloc_new(key(r, tokens / bt), &current);
+            }
+            let q = &plan.requests[r as usize];
+            if tokens + 1 >= q.prompt + q.generate {
+                e.free_request(r, tokens + 1);
+            }
+        }
+        let dur = end - t0;
+        busy += dur;
+        stall_total += ready - t0;
+        samples.extend(std::iter::repeat_n(dur * 1e3, it.batch.len()));
+    }
+    let _ = e.kind;
+    TierKvResult {
+        policy: kind,
+        oversubscription: cfg.oversubscription,
+        mean_tpot_ms: stats::mean(&samples),
+        p95_tpot_ms: stats::quantile(&samples, 0.95),
+        throughput_tok_s: samples.len() as f64 / busy.max(f64::MIN_POSITIVE),
+        tokens: samples.len() as u64,
+        iterations: plan.iterations.len() as u64,
+        demand_blocks: e.demand,
+        prefetched_blocks: e.prefetched,
+        stall_s: stall_total,
+        disk_spills: e.disk_spills,
+    }
+}
+
+/// Runs `policies` on one configuration (one shared plan).
+pub fn run(cfg: &TierKvConfig, policies: &[Policy]) -> Vec<TierKvResult> {
+    let plan = plan(cfg);
+    policies.iter().map(|&p| simulate(cfg, &plan, p)).collect()
+}
+
+/// Averages results of the same policy and ρ over seeds (TierKV reports means over 3 seeds);
+/// counts are rounded means.
+pub fn average(results: &[TierKvResult]) -> TierKvResult {
+    let n = results.len().max(1) as f64;
+    let mut out = results[0].clone();
+    out.mean_tpot_ms = results.iter().map(|r| r.mean_tpot_ms).sum::<f64>() / n;
+    out.p95_tpot_ms = results.iter().map(|r| r.p95_tpot_ms).sum::<f64>() / n;
+    out.throughput_tok_s = results.iter().map(|r| r.throughput_tok_s).sum::<f64>() / n;
+    out.stall_s = results.iter().map(|r| r.stall_s).sum::<f64>() / n;
+    let avg = |f: fn(&TierKvResult) -> u64| {
+        (results.iter().map(f).sum::<u64>() as f64 / n).round() as u64
+    };
+    out.tokens = avg(|r| r.tokens);
+    out.iterations = avg(|r| r.iterations);
+    out.demand_blocks = avg(|r| r.demand_blocks);
+    out.prefetched_blocks = avg(|r| r.prefetched_blocks);
+    out.disk_spills = avg(|r| r.disk_spills);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn small(rho: f64, seed: u64) -> TierKvConfig {
+        let mut c = TierKvConfig::paper(rho, seed);
+        c.workload = Workload::Chatbot;
+        c.batch = 4;
+        c.hbm_kv_bytes = Some(64 * c.block_bytes());
+        c
+    }
+
+    #[test]
+    fn same_seed_same_result() {
+        let a = run(&small(3.0, 9), &Policy::ALL);
+        let b = run(&small(3.0, 9), &Policy::ALL);
+        assert_eq!(a, b);
+        let c = run(&small(3.0, 10), &Policy::ALL);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn nothing_moves_without_oversubscription() {
+        for r in run(&small(1.0, 1), &Policy::ALL) {
+            assert_eq!(r.demand_blocks + r.prefetched_blocks, 0, "{r:?}");
+            assert!((r.mean_tpot_ms - 4.0).abs() < 1e-9, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn the_oracle_is_never_beaten() {
+        for seed in 1..=2 {
+            for rho in [2.0, 4.0] {
+                let rs = run(&small(rho, seed), &Policy::ALL);
+                let oracle = rs.iter().find(|r| r.policy == Policy::Oracle).unwrap();
+                for r in &rs {
+                    assert!(
+                        oracle.mean_tpot_ms <= r.mean_tpot_ms + 1e-9,
+                        "ρ {rho} seed {seed}: {oracle:?} vs {r:?}"
+                    );
+                }
+                let lru = rs.iter().find(|r| r.policy == Policy::Lru).unwrap();
+                if rho >= 4.0 {
+                    assert!(lru.demand_blocks > 0, "ρ {rho}: no spill at all: {lru:?}");
+                }
+            }
+        }
+    }
+
+    proptest! {
+        /// Prefetch's eviction (policy::Lookahead, fed the scheduler's next K steps) never
+        /// picks a block whose owner runs in the window while a block outside it is evictable.
+        #[test]
+        fn lookahead_spares_the_window(
+            touches in proptest::collection::vec((0u64..64, 0u64..12), 1..200),
+            window in proptest::collection::vec(proptest::collection::vec(0u64..12, 0..4), 1..4),
+            blocked in proptest::collection::vec(0u64..64, 0..8),
+        ) {
+            let mut p = Lookahead::default();
+            let mut owner_of = HashMap::new();
+            for (i, &(k, o)) in touches.iter().enumerate() {
+                let o = *owner_of.entry(k).or_insert(o);
+                p.touch(k, o, i as u64);
+            }
+            p.schedule(&window);
+            let in_window = |o: u64| window.iter().any(|w| w.contains(&o));
+            let evictable = |k: u64| !blocked.contains(&k);
+            let v = p.victim(&mut |k| evictable(k));
+            let outside = owner_of.iter().any(|(&k, &o)| evictable(k) && !in_window(o));
+            if outside {
+                let v = v.expect("an evictable key exists");
+                prop_assert!(!in_window(owner_of[&v]), "evicted {v} of a scheduled owner");
+            }
+        }
+    }
+}

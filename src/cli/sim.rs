@@ -1,0 +1,247 @@
+//! `strata sim`: the discrete-event simulator (TierKV, KVPR, Pie).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use strata::sim::hw::{HardwareProfile, ModelProfile};
+use strata::sim::tierkv::{self, Policy, TierKvConfig, TierKvResult};
+use strata::sim::Workload;
+use strata::tiered::{write_chart, Series};
+
+#[derive(clap::Subcommand)]
+pub enum SimCommand {
+    /// TierKV Tables 5–7: TPOT and throughput of LRU, Frequency, Static-Tiering, lookahead
+    /// prefetch and the oracle across oversubscription levels.
+    Tierkv(TierKvArgs),
+    /// KVPR: decode latency with full KV transfer vs the planned transfer/recompute split.
+    Kvpr(KvprArgs),
+    /// Pie: throughput and compute latency against expansion; the adaptive controller.
+    Pie(PieArgs),
+}
+
+#[derive(clap::Args)]
+pub struct TierKvArgs {
+    /// Oversubscription levels (ρ = total KV footprint / HBM KV capacity).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,1.5,2,2.5,3,3.5,4,4.5,5"
+    )]
+    levels: Vec<f64>,
+    /// Seeds per level (results are averaged, as in TierKV's tables).
+    #[arg(long, default_value_t = 1)]
+    seeds: u64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Hardware profile: h100, gh200, h100x2, a100.
+    #[arg(long, default_value = "h100")]
+    hw: String,
+    /// Model: 7b, 13b, 30b.
+    #[arg(long, default_value = "7b")]
+    model: String,
+    /// Workload: uniform, chatbot, code, summarization, mixed, sharegpt, alpaca.
+    #[arg(long, default_value = "mixed")]
+    workload: String,
+    /// K, the lookahead window of the prefetch policy.
+    #[arg(long, default_value_t = 1)]
+    lookahead: usize,
+    /// Print a JSON array of records instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Write mean TPOT against oversubscription as an SVG chart.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Worker threads (default: available cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct KvprArgs {
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct PieArgs {
+    /// Workload: sharegpt or alpaca.
+    #[arg(long, default_value = "sharegpt")]
+    workload: String,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
+    /// Write throughput against expansion and the controller's trajectory as SVG charts
+    /// (`FILE` and `FILE` with `-adaptive` before the extension).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+fn bad(what: &str, v: &str) -> strata::Error {
+    strata::Error::InvalidArgument(format!("unknown {what} `{v}`"))
+}
+
+fn plot_err(source: std::io::Error) -> strata::Error {
+    strata::Error::Os {
+        call: "write plot",
+        source,
+    }
+}
+
+pub fn run(cmd: SimCommand) -> Result<ExitCode, strata::Error> {
+    match cmd {
+        SimCommand::Tierkv(a) => run_tierkv(a),
+        SimCommand::Kvpr(a) => super::sim_kvpr::run(a.json),
+        SimCommand::Pie(a) => {
+            let w = Workload::by_key(&a.workload).ok_or_else(|| bad("workload", &a.workload))?;
+            super::sim_pie::run(w, a.seed, a.json, a.plot)
+        }
+    }
+}
+
+fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
+    let hw = HardwareProfile::by_key(&a.hw).ok_or_else(|| bad("hardware profile", &a.hw))?;
+    let model = ModelProfile::by_key(&a.model).ok_or_else(|| bad("model", &a.model))?;
+    let workload = Workload::by_key(&a.workload).ok_or_else(|| bad("workload", &a.workload))?;
+    let jobs: Vec<(f64, u64)> = a
+        .levels
+        .iter()
+        .flat_map(|&l| (0..a.seeds).map(move |s| (l, a.seed + s)))
+        .collect();
+    let bar = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(jobs.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} configurations  [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let out: Mutex<Vec<(usize, Vec<TierKvResult>)>> = Mutex::new(Vec::new());
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(jobs.len()) {
+            s.spawn(|| loop {
+                let j = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(level, seed)) = jobs.get(j) else {
+                    break;
+                };
+                let mut cfg = TierKvConfig::paper(level, seed);
+                cfg.hw = hw;
+                cfg.model = model;
+                cfg.workload = workload;
+                cfg.lookahead = a.lookahead;
+                let r = tierkv::run(&cfg, &Policy::ALL);
+                if let Ok(mut o) = out.lock() {
+                    o.push((j, r));
+                }
+                bar.inc(1);
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut raw = out.into_inner().unwrap_or_default();
+    raw.sort_by_key(|r| r.0);
+    // Average seeds per (level, policy).
+    let mut rows: Vec<TierKvResult> = Vec::new();
+    for &level in &a.levels {
+        for p in Policy::ALL {
+            let same: Vec<TierKvResult> = raw
+                .iter()
+                .flat_map(|(_, v)| v.iter())
+                .filter(|r| r.policy == p && r.oversubscription == level)
+                .cloned()
+                .collect();
+            if !same.is_empty() {
+                rows.push(tierkv::average(&same));
+            }
+        }
+    }
+    if a.json {
+        let recs: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"policy\":\"{}\",\"oversubscription\":{},\"mean_tpot_ms\":{:.4},\"p95_tpot_ms\":{:.4},\"throughput_tok_s\":{:.1}}}",
+                    r.policy.name(),
+                    r.oversubscription,
+                    r.mean_tpot_ms,
+                    r.p95_tpot_ms,
+                    r.throughput_tok_s
+                )
+            })
+            .collect();
+        println!("[{}]", recs.join(",\n "));
+    } else {
+        println!(
+            "strata sim tierkv: {}, {}, {} workload, batch 32, 16-token blocks, K = {}, {} seed(s) per level, {:.1} s",
+            hw.name,
+            model.name,
+            a.workload,
+            a.lookahead,
+            a.seeds,
+            start.elapsed().as_secs_f64()
+        );
+        let table = |title: &str, f: &dyn Fn(&TierKvResult) -> String| {
+            println!("\n{title}\n");
+            let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+            println!("| ρ | {} |", names.join(" | "));
+            println!("|---|{}", "---:|".repeat(names.len()));
+            for &level in &a.levels {
+                let cells: Vec<String> = Policy::ALL
+                    .iter()
+                    .map(|&p| {
+                        rows.iter()
+                            .find(|r| r.policy == p && r.oversubscription == level)
+                            .map_or_else(|| "-".into(), f)
+                    })
+                    .collect();
+                println!("| {level}× | {} |", cells.join(" | "));
+            }
+        };
+        table("Mean TPOT (ms)", &|r| format!("{:.2}", r.mean_tpot_ms));
+        table("P95 TPOT (ms)", &|r| format!("{:.2}", r.p95_tpot_ms));
+        table("Throughput (tokens/s)", &|r| {
+            format!("{:.0}", r.throughput_tok_s)
+        });
+        table("Demand-fetched / prefetched blocks", &|r| {
+            format!("{} / {}", r.demand_blocks, r.prefetched_blocks)
+        });
+    }
+    if let Some(path) = &a.plot {
+        let colors = ["#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#1f77b4"];
+        let series: Vec<Series<'_>> = Policy::ALL
+            .iter()
+            .zip(colors)
+            .map(|(&p, c)| Series {
+                name: p.name(),
+                color: c,
+                points: rows
+                    .iter()
+                    .filter(|r| r.policy == p)
+                    .map(|r| (r.oversubscription, r.mean_tpot_ms))
+                    .collect(),
+            })
+            .collect();
+        write_chart(
+            path,
+            "strata sim tierkv: mean TPOT vs oversubscription",
+            "ρ",
+            "ms",
+            &series,
+        )
+        .map_err(plot_err)?;
+        if !a.json {
+            println!("\nplot: {}", path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
