@@ -369,6 +369,17 @@ impl KvSpace {
             .ptr()
     }
 
+    /// The reservation of the K or V tensor of `layer` (for [`strata_vmm::CopyScope`]: copies
+    /// in and out of a slot's pages name it as their scope).
+    ///
+    /// # Panics
+    ///
+    /// When `layer >= config.layers`.
+    pub fn tensor_reservation(&self, layer: u32, kind: Kind) -> &Arc<Reservation> {
+        assert!(layer < self.config.layers, "kv layer {layer} out of range");
+        &self.tensors[layer as usize * 2 + kind.index()].reservation
+    }
+
     /// Start of `slot` in the K or V tensor of `layer`.
     pub fn slot_ptr(&self, slot: SlotId, layer: u32, kind: Kind) -> Result<DevicePtr> {
         let index = self.active(slot)?;
