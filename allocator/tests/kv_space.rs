@@ -4,12 +4,16 @@
 //! Every test runs on a small in-file fake backend (strict VMM preconditions, byte storage per
 //! physical handle, map fault injection), and, where the host backend is available, on it too.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use proptest::prelude::*;
 use strata_allocator::{Kind, KvConfig, KvSpace, PagePool, PoolConfig, SlotId};
 use strata_kernels::pattern::{fill, first_mismatch};
-use strata_vmm::{Backend, DevicePtr, Error, HostConfig};
+use strata_vmm::{
+    copy_async_in, Backend, CopyDesc, CopyKind, CopyScope, DevicePtr, Error, HostBuffer,
+    HostConfig, Reservation, Stream,
+};
 
 /// A minimal, strict emulation of the VMM contract in plain Rust memory.
 mod fake {
@@ -940,6 +944,270 @@ fn zero_page_backs_unmapped_va() {
     }
 }
 
+/// Copies page `p` of `slot` out of every tensor (backend reads), in tensor order.
+fn save_page(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, p: usize) -> Vec<Vec<u8>> {
+    let page = space.page_size();
+    let mut out = Vec::new();
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let base = space.slot_ptr(slot, layer, kind).expect("slot ptr");
+            out.push(read_bytes(backend, base + p as u64 * page, page));
+        }
+    }
+    out
+}
+
+fn load_page(
+    space: &KvSpace,
+    backend: &Arc<dyn Backend>,
+    slot: SlotId,
+    p: usize,
+    saved: &[Vec<u8>],
+) {
+    let page = space.page_size();
+    let mut it = saved.iter();
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let base = space.slot_ptr(slot, layer, kind).expect("slot ptr");
+            let bytes = it.next().expect("one saved page per tensor");
+            backend
+                .write(base + p as u64 * page, bytes)
+                .expect("write back");
+        }
+    }
+}
+
+#[test]
+fn evict_and_restore_pages_keep_the_va_and_the_bytes_copied_back() {
+    for zero_page in [false, true] {
+        for rig in all_rigs(None) {
+            let baseline = rig.backend.live_counts();
+            {
+                let mut space = KvSpace::new(Arc::clone(&rig.pool), config(rig.page, zero_page))
+                    .expect("space");
+                let page = rig.page;
+                let a = space.admit().unwrap();
+                let b = space.admit().unwrap();
+                space.grow(a, 20).unwrap(); // 8 pages per tensor
+                space.grow(b, 5).unwrap(); // 2 pages
+                write_tokens(&space, &rig.backend, a, 0, 20);
+                write_tokens(&space, &rig.backend, b, 0, 5);
+                let ptr = space.slot_ptr(a, 1, Kind::V).unwrap();
+                let saved: Vec<_> = (2..5)
+                    .map(|p| save_page(&space, &rig.backend, a, p))
+                    .collect();
+                let in_use = rig.pool.stats().in_use;
+                let s0 = space.stats();
+
+                space.evict_pages(a, 2..4).unwrap();
+                space.evict_page(a, 4).unwrap();
+                ok(&space);
+                assert_eq!(space.evicted_pages(a).unwrap(), vec![2, 3, 4]);
+                assert!(!space.is_resident(a, 3).unwrap());
+                assert!(space.is_resident(a, 5).unwrap());
+                assert_eq!(space.tokens(a).unwrap(), 20, "tokens unchanged");
+                assert_eq!(space.mapped_pages(a).unwrap(), 8, "extent unchanged");
+                assert_eq!(rig.pool.stats().in_use, in_use - 3 * 4, "{}", rig.name);
+                let s1 = space.stats();
+                assert_eq!(s1.pages_mapped, s0.pages_mapped - 12);
+                assert_eq!(s1.pages_evicted, 3);
+                // The hole reads zeros behind the zero page, and faults without it.
+                let hole = ptr + 3 * page;
+                if zero_page {
+                    assert!(read_bytes(&rig.backend, hole, page).iter().all(|&x| x == 0));
+                    let e = rig
+                        .backend
+                        .write(hole, &[1])
+                        .expect_err("zero page is read-only");
+                    assert!(matches!(e, Error::IllegalAccess { .. }), "{e}");
+                } else {
+                    let mut one = [0u8; 1];
+                    rig.backend
+                        .read(hole, &mut one)
+                        .expect_err("a hole is unmapped");
+                }
+                // Runs with a hole, past the extent or empty are refused and change nothing.
+                for bad in [1..3, 7..9, 5..5] {
+                    let e = space.evict_pages(a, bad.clone()).expect_err("bad evict");
+                    assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
+                }
+                for bad in [1..3, 4..6, 3..3] {
+                    let e = space
+                        .restore_pages(a, bad.clone())
+                        .expect_err("bad restore");
+                    assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
+                }
+                assert_eq!(space.evicted_pages(a).unwrap(), vec![2, 3, 4]);
+                ok(&space);
+                // The other slot and the resident pages of this one are untouched.
+                check_tokens(&space, &rig.backend, b, 5);
+                let bpt = space.config().bytes_per_token;
+                let head = read_bytes(
+                    &rig.backend,
+                    space.slot_ptr(a, 0, Kind::K).unwrap(),
+                    2 * page,
+                );
+                assert_eq!(first_mismatch(&head, seed_of(a, 0, Kind::K), 0), None);
+                let tail_from = 5 * page;
+                let tail = read_bytes(&rig.backend, ptr + tail_from, 20 * bpt - tail_from);
+                assert_eq!(
+                    first_mismatch(&tail, seed_of(a, 1, Kind::V), tail_from),
+                    None
+                );
+
+                let set_access = space.stats().set_access_calls;
+                space.restore_pages(a, 2..5).unwrap();
+                assert_eq!(
+                    space.stats().set_access_calls - set_access,
+                    space.tensor_count() as u64,
+                    "one set_access per tensor over the run"
+                );
+                assert_eq!(space.slot_ptr(a, 1, Kind::V).unwrap(), ptr, "same VA");
+                for (p, bytes) in (2..5).zip(&saved) {
+                    load_page(&space, &rig.backend, a, p, bytes);
+                }
+                check_tokens(&space, &rig.backend, a, 20);
+                assert_eq!(space.evicted_pages(a).unwrap(), Vec::<usize>::new());
+                assert_eq!(rig.pool.stats().in_use, in_use);
+                assert_eq!(space.stats().pages_evicted, 0);
+                ok(&space);
+
+                // Free truncates a slot with holes to its first hole.
+                space.evict_page(a, 6).unwrap();
+                space.evict_page(a, 3).unwrap();
+                space.free(a).unwrap();
+                ok(&space);
+                assert_eq!(rig.pool.stats().in_use, (3 + 2) * 4);
+                assert_eq!(space.stats().slots_deferred, 1);
+                // Shrink forgets the holes it cuts off.
+                space.evict_page(b, 1).unwrap();
+                space.shrink(b, 2).unwrap(); // 1 page
+                assert_eq!(space.evicted_pages(b).unwrap(), Vec::<usize>::new());
+                check_tokens(&space, &rig.backend, b, 2);
+                ok(&space);
+            }
+            let now = rig.backend.live_counts();
+            assert_eq!(
+                (now.mappings, now.reservations),
+                (baseline.mappings, baseline.reservations)
+            );
+            assert_eq!(rig.pool.stats().in_use, 0);
+        }
+    }
+}
+
+/// Copies `descs` between `host` and the tensors of `space` and waits for them.
+fn copy_between(
+    space: &KvSpace,
+    backend: &Arc<dyn Backend>,
+    stream: &Stream,
+    host: &HostBuffer,
+    descs: &[CopyDesc],
+) {
+    let reservations: Vec<&Reservation> = (0..space.config().layers)
+        .flat_map(|l| kinds().map(move |k| (l, k)))
+        .map(|(l, k)| &**space.tensor_reservation(l, k))
+        .collect();
+    let scope = CopyScope {
+        buffers: &[host],
+        reservations: &reservations,
+    };
+    copy_async_in(backend, stream.handle(), CopyKind::Batch(descs), scope)
+        .expect("copy")
+        .synchronize()
+        .expect("wait for the copy");
+}
+
+/// What a tier manager does: the bytes of pages 2..5 go down to host memory with backend
+/// copies, the pages are evicted (and reused by another slot), restored at the same addresses and
+/// the bytes copied back; the slot then reads exactly as before (strict host backend: nothing
+/// here touches device memory through the CPU).
+#[test]
+fn spill_and_restore_through_backend_copies_keep_every_byte() {
+    for granularity in [HOST_SMALL_PAGE, HOST_GPU_PAGE] {
+        let Some(rig) = host_rig(None, granularity) else {
+            return;
+        };
+        for zero_page in [false, true] {
+            let mut space =
+                KvSpace::new(Arc::clone(&rig.pool), config(rig.page, zero_page)).expect("space");
+            let page = rig.page;
+            let a = space.admit().unwrap();
+            space.grow(a, 20).unwrap();
+            write_tokens(&space, &rig.backend, a, 0, 20);
+            let run = 2..5usize;
+            let run_bytes = run.len() as u64 * page;
+            let tensors: Vec<(u32, Kind)> = (0..space.config().layers)
+                .flat_map(|l| kinds().map(|k| (l, k)))
+                .collect();
+            let host = HostBuffer::new(&rig.backend, run_bytes * tensors.len() as u64)
+                .expect("host buffer");
+            let ptrs: Vec<DevicePtr> = tensors
+                .iter()
+                .map(|&(l, k)| space.slot_ptr(a, l, k).unwrap() + run.start as u64 * page)
+                .collect();
+            let stream = Stream::new(&rig.backend, 0).expect("stream");
+            let down: Vec<CopyDesc> = ptrs
+                .iter()
+                .enumerate()
+                .map(|(t, &va)| CopyDesc {
+                    dst: host.ptr() + t as u64 * run_bytes,
+                    src: va,
+                    len: run_bytes,
+                })
+                .collect();
+            copy_between(&space, &rig.backend, &stream, &host, &down);
+            space.evict_pages(a, run.clone()).unwrap();
+            // Another request takes the freed pool pages and writes its own bytes into them.
+            let b = space.admit().unwrap();
+            space.grow(b, 8).unwrap();
+            write_tokens(&space, &rig.backend, b, 0, 8);
+            let in_use = rig.pool.stats().in_use;
+            space.restore_pages(a, run.clone()).unwrap();
+            assert_eq!(rig.pool.stats().in_use, in_use + 3 * 4, "fresh pages");
+            let up: Vec<CopyDesc> = down
+                .iter()
+                .map(|d| CopyDesc {
+                    dst: d.src,
+                    src: d.dst,
+                    len: d.len,
+                })
+                .collect();
+            copy_between(&space, &rig.backend, &stream, &host, &up);
+            for (&(l, k), &va) in tensors.iter().zip(&ptrs) {
+                assert_eq!(
+                    space.slot_ptr(a, l, k).unwrap() + run.start as u64 * page,
+                    va,
+                    "same VA"
+                );
+            }
+            check_tokens(&space, &rig.backend, a, 20);
+            check_tokens(&space, &rig.backend, b, 8);
+            ok(&space);
+        }
+    }
+}
+
+#[test]
+fn restore_out_of_memory_leaves_the_hole() {
+    let (rig, _) = fake_rig(Some(12));
+    let mut space = KvSpace::new(Arc::clone(&rig.pool), config(rig.page, true)).expect("space");
+    let a = space.admit().unwrap();
+    let b = space.admit().unwrap();
+    space.grow(a, 6).unwrap(); // 3 pages × 4 tensors = the whole limit
+    space.evict_page(a, 1).unwrap();
+    space.grow(b, 1).unwrap(); // takes the 4 freed pages
+    let e = space.restore_page(a, 1).expect_err("pool is full");
+    assert!(e.is_out_of_memory(), "{e}");
+    assert_eq!(space.evicted_pages(a).unwrap(), vec![1]);
+    ok(&space);
+    space.shrink(b, 0).unwrap();
+    space
+        .restore_page(a, 1)
+        .expect("restore after room was made");
+    ok(&space);
+}
+
 #[test]
 fn drop_gives_every_page_back() {
     for rig in all_rigs(None) {
@@ -1004,6 +1272,8 @@ enum Op {
     Free(usize),
     Reclaim,
     UseStale(usize),
+    Evict(usize, usize, usize),
+    Restore(usize, usize, usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -1014,7 +1284,88 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(Op::Free),
         1 => Just(Op::Reclaim),
         1 => any::<usize>().prop_map(Op::UseStale),
+        3 => (any::<usize>(), any::<usize>(), 1usize..4).prop_map(|(i, p, n)| Op::Evict(i, p, n)),
+        3 => (any::<usize>(), any::<usize>(), 1usize..4).prop_map(|(i, p, n)| Op::Restore(i, p, n)),
     ]
+}
+
+/// Byte spans `from..to` of a slot (relative to its start) that avoid the pages in `holes`.
+fn resident_spans(page: u64, from: u64, to: u64, holes: &BTreeSet<usize>) -> Vec<(u64, u64)> {
+    let mut spans: Vec<(u64, u64)> = Vec::new();
+    let mut at = from;
+    while at < to {
+        let p = (at / page) as usize;
+        let end = ((p as u64 + 1) * page).min(to);
+        if !holes.contains(&p) {
+            match spans.last_mut() {
+                Some(last) if last.1 == at => last.1 = end,
+                _ => spans.push((at, end)),
+            }
+        }
+        at = end;
+    }
+    spans
+}
+
+/// [`write_tokens`] that skips the slot's holes.
+fn write_resident(
+    space: &KvSpace,
+    backend: &Arc<dyn Backend>,
+    slot: SlotId,
+    from: u32,
+    to: u32,
+    holes: &BTreeSet<usize>,
+) {
+    let bpt = space.config().bytes_per_token;
+    let spans = resident_spans(
+        space.page_size(),
+        u64::from(from) * bpt,
+        u64::from(to) * bpt,
+        holes,
+    );
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let base = space.slot_ptr(slot, layer, kind).expect("slot ptr");
+            for &(a, b) in &spans {
+                let mut buf = vec![0u8; (b - a) as usize];
+                fill(&mut buf, seed_of(slot, layer, kind), a);
+                backend.write(base + a, &buf).expect("write tokens");
+            }
+        }
+    }
+}
+
+/// [`check_tokens`] over the resident pages; with a zero page, holes must read zeros.
+fn check_resident(
+    space: &KvSpace,
+    backend: &Arc<dyn Backend>,
+    slot: SlotId,
+    tokens: u32,
+    holes: &BTreeSet<usize>,
+) {
+    let bpt = space.config().bytes_per_token;
+    let page = space.page_size();
+    let spans = resident_spans(page, 0, u64::from(tokens) * bpt, holes);
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let base = space.slot_ptr(slot, layer, kind).expect("slot ptr");
+            for &(a, b) in &spans {
+                let buf = read_bytes(backend, base + a, b - a);
+                if let Some(at) = first_mismatch(&buf, seed_of(slot, layer, kind), a) {
+                    panic!(
+                        "slot {slot:?} layer {layer} {kind:?}: mismatch at byte {}",
+                        a + at as u64
+                    );
+                }
+            }
+            if space.config().zero_page {
+                for &p in holes {
+                    let bytes = read_bytes(backend, base + p as u64 * page, page);
+                    assert!(bytes.iter().all(|&x| x == 0), "hole {p} reads zeros");
+                }
+            }
+        }
+    }
 }
 
 fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
@@ -1022,6 +1373,7 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
     // Reference model: live slots and their token counts; ids freed so far.
     let mut live: Vec<(SlotId, u32)> = Vec::new();
     let mut dead: Vec<SlotId> = Vec::new();
+    let mut holes: HashMap<SlotId, BTreeSet<usize>> = HashMap::new();
     for op in ops {
         match *op {
             Op::Admit => match space.admit() {
@@ -1029,6 +1381,7 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
                     assert!(live.iter().all(|(s, _)| s.index() != id.index()));
                     assert!(!dead.contains(&id), "an id was handed out twice");
                     live.push((id, 0));
+                    holes.insert(id, BTreeSet::new());
                 }
                 Err(e) => {
                     assert!(matches!(e, Error::InvalidState(_)), "{e}");
@@ -1042,7 +1395,7 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
                 match space.grow(id, to) {
                     Ok(()) => {
                         assert!(to <= cfg.max_tokens);
-                        write_tokens(&space, &rig.backend, id, len, to);
+                        write_resident(&space, &rig.backend, id, len, to, &holes[&id]);
                         live[k].1 = to;
                     }
                     Err(e) if to > cfg.max_tokens => {
@@ -1053,7 +1406,7 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
                         assert_eq!(space.tokens(id).unwrap(), len);
                     }
                 }
-                check_tokens(&space, &rig.backend, id, live[k].1);
+                check_resident(&space, &rig.backend, id, live[k].1, &holes[&id]);
             }
             Op::Shrink(i, pct) if !live.is_empty() => {
                 let k = i % live.len();
@@ -1061,18 +1414,21 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
                 let to = len * pct / 100;
                 space.shrink(id, to).expect("shrink");
                 live[k].1 = to;
-                check_tokens(&space, &rig.backend, id, to);
+                let need = space.pages_for(to);
+                holes.get_mut(&id).unwrap().retain(|&p| p < need);
+                check_resident(&space, &rig.backend, id, to, &holes[&id]);
             }
             Op::Free(i) if !live.is_empty() => {
                 let (id, _) = live.swap_remove(i % live.len());
                 space.free(id).expect("free");
+                holes.remove(&id);
                 dead.push(id);
             }
             Op::Reclaim => {
                 let deferred_pages = space.stats().pages_mapped
                     - live
                         .iter()
-                        .map(|&(id, _)| space.mapped_pages(id).unwrap() as u64)
+                        .map(|&(id, _)| (space.mapped_pages(id).unwrap() - holes[&id].len()) as u64)
                         .sum::<u64>()
                         * space.tensor_count() as u64;
                 assert_eq!(space.reclaim_deferred() as u64, deferred_pages);
@@ -1083,9 +1439,71 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
                 let e = space.grow(id, 1).expect_err("stale");
                 assert!(matches!(e, Error::StaleId { .. }), "{e}");
             }
+            Op::Evict(i, p, n) if !live.is_empty() => {
+                let (id, t) = live[i % live.len()];
+                let mapped = space.mapped_pages(id).unwrap();
+                let start = p % (mapped + 1);
+                let run = start..start + n;
+                let h = holes.get_mut(&id).unwrap();
+                let valid = run.end <= mapped && run.clone().all(|q| !h.contains(&q));
+                match space.evict_pages(id, run.clone()) {
+                    Ok(()) => {
+                        assert!(valid, "evict of {run:?} (extent {mapped}, holes {h:?})");
+                        h.extend(run);
+                    }
+                    Err(e) => {
+                        assert!(!valid, "{e}");
+                        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+                    }
+                }
+                check_resident(&space, &rig.backend, id, t, &holes[&id]);
+            }
+            Op::Restore(i, p, n) if !live.is_empty() => {
+                let (id, t) = live[i % live.len()];
+                let mapped = space.mapped_pages(id).unwrap();
+                let h = holes.get_mut(&id).unwrap();
+                // Aim at a hole when there is one.
+                let start = if h.is_empty() {
+                    p % (mapped + 1)
+                } else {
+                    *h.iter().nth(p % h.len()).unwrap()
+                };
+                let run = start..start + n;
+                let valid = run.end <= mapped && run.clone().all(|q| h.contains(&q));
+                match space.restore_pages(id, run.clone()) {
+                    Ok(()) => {
+                        assert!(valid, "restore of {run:?} (extent {mapped}, holes {h:?})");
+                        for q in run.clone() {
+                            h.remove(&q);
+                        }
+                        // The engine copies the saved bytes back; here: the pattern.
+                        let bpt = space.config().bytes_per_token;
+                        let page = space.page_size();
+                        let first = (run.start as u64 * page / bpt) as u32;
+                        let last = (run.end as u64 * page).div_ceil(bpt).min(u64::from(t)) as u32;
+                        let others: BTreeSet<usize> =
+                            (0..mapped).filter(|q| !run.contains(q)).collect();
+                        write_resident(&space, &rig.backend, id, first.min(last), last, &others);
+                    }
+                    Err(e) if valid => {
+                        assert!(e.is_out_of_memory(), "{e}");
+                        assert!(run.clone().all(|q| !space.is_resident(id, q).unwrap()));
+                    }
+                    Err(e) => assert!(matches!(e, Error::InvalidArgument(_)), "{e}"),
+                }
+                check_resident(&space, &rig.backend, id, t, &holes[&id]);
+            }
             _ => {}
         }
         ok(&space);
+        for &(id, _) in &live {
+            let want: Vec<usize> = holes[&id].iter().copied().collect();
+            assert_eq!(space.evicted_pages(id).unwrap(), want);
+        }
+        assert_eq!(
+            space.stats().pages_evicted,
+            holes.values().map(|h| h.len() as u64).sum::<u64>()
+        );
         let s = space.stats();
         assert_eq!(s.slots_active as usize, live.len());
         assert_eq!(
@@ -1097,7 +1515,7 @@ fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
         }
     }
     for &(id, t) in &live {
-        check_tokens(&space, &rig.backend, id, t);
+        check_resident(&space, &rig.backend, id, t, &holes[&id]);
     }
     drop(space);
     assert_eq!(rig.pool.stats().in_use, 0);

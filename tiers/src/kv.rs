@@ -8,8 +8,9 @@
 //! releases. Blocks of paused or long-idle requests spill down the tiers and come back ahead of
 //! use. Blocks lost to a revocation are reported per request: the engine recomputes them.
 //!
-//! Not yet wired to `KvSpace`'s virtual tensors: blocks live in the store's own HBM slots. Mapping
-//! a request's blocks into a `KvSpace` slot needs page-range unmapping inside a slot (follow-up).
+//! Not yet wired to `KvSpace`'s virtual tensors: blocks live in the store's own HBM slots. The
+//! page-range residency this needs now exists (`KvSpace::evict_pages` / `KvSpace::restore_pages`:
+//! holes inside a slot at fixed addresses); moving the manager onto it is the follow-up.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -16,7 +16,9 @@ impl KvSpace {
     ///   neither list, has `tokens <= max_tokens` and `pages_for(tokens) <= mapped <=
     ///   pages_per_slot`, with equality unless it was admitted from the deferred list and has not
     ///   been shrunk since (reused capacity);
-    /// - in every tensor, page `p` of slot `s` is a pool page exactly when `p < mapped(s)`;
+    /// - only an active slot has holes, and every hole is below its extent (`p < mapped`);
+    /// - in every tensor, page `p` of slot `s` is a pool page exactly when `p < mapped(s)` and
+    ///   `p` is not a hole of `s`;
     ///   every other page is the zero page (with [`KvConfig::zero_page`](super::KvConfig::zero_page)) or unmapped;
     /// - every mapping is one page at its own address inside its tensor's reservation; pool pages
     ///   are page-sized; no pool page is mapped twice and none is the zero page;
@@ -43,7 +45,20 @@ impl KvSpace {
         if free.len() != self.free.len() || deferred.len() != self.deferred.len() {
             return Err("a slot is listed twice on the free or deferred list".into());
         }
+        if self.holes.len() != self.slots.len() {
+            return Err(format!(
+                "{} hole sets for {} slots",
+                self.holes.len(),
+                self.slots.len()
+            ));
+        }
         for (i, slot) in self.slots.iter().enumerate() {
+            let holes = &self.holes[i];
+            if (slot.state != SlotState::Active && !holes.is_empty())
+                || holes.last().is_some_and(|&p| p >= slot.mapped)
+            {
+                return Err(format!("slot {i} ({slot:?}) has holes {holes:?}"));
+            }
             let index = i as u32;
             let (on_free, on_deferred) = (free.contains(&index), deferred.contains(&index));
             let need = self.pages_for(slot.tokens);
@@ -84,8 +99,9 @@ impl KvSpace {
                 return Err(format!("tensor {t}: {} page entries", tensor.pages.len()));
             }
             for (p, backing) in tensor.pages.iter().enumerate() {
-                let slot = &self.slots[p / self.pages_per_slot];
-                let should_be_real = p % self.pages_per_slot < slot.mapped;
+                let (s, in_slot) = (p / self.pages_per_slot, p % self.pages_per_slot);
+                let should_be_real =
+                    in_slot < self.slots[s].mapped && !self.holes[s].contains(&in_slot);
                 let va = tensor.va(p, self.page);
                 let where_ = || format!("tensor {t} page {p} ({va:#x})");
                 let check_mapping = |m: &Mapping| -> Result<(), String> {

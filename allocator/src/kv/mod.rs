@@ -15,11 +15,25 @@
 //!
 //! # Backing
 //!
-//! Page `p` of slot `s` in a tensor is backed by a real pool page exactly when `p < mapped(s)`,
-//! with the same `mapped(s)` for all `2 × layers` tensors. Everything else is unmapped, or, with
+//! Page `p` of slot `s` in a tensor is backed by a real pool page exactly when `p < mapped(s)`
+//! and `p` is not a hole (see below), with the same `mapped(s)` and holes for all `2 × layers`
+//! tensors. Everything else is unmapped, or, with
 //! [`KvConfig::zero_page`], mapped read-only to one shared zero-filled page, so that padded reads
 //! and CUDA graphs never fault. A grow takes every page it needs from the pool in one call, maps
 //! them and sets access once per tensor over the new contiguous run.
+//!
+//! # Page-granular residency (holes)
+//!
+//! [`KvSpace::evict_pages`] unmaps pages of an active slot below its extent in every tensor and
+//! gives them back to the pool (with a zero page, the zero page goes back behind them, so padded
+//! reads and CUDA graphs still never fault); [`KvSpace::restore_pages`] maps fresh pool pages at
+//! the same addresses (one `set_access` per tensor over the run). Such an evicted page is a
+//! *hole*: the slot's *extent* `mapped(s)` does not change, and page `p` of slot `s` is backed by
+//! a pool page exactly when `p < mapped(s)` and `p` is not a hole of `s`. A restored page's bytes
+//! are whatever the pool page held (moving the bytes down and back is the caller's job, with
+//! backend copies). Grows back only pages past the extent, never holes; a shrink forgets the holes
+//! it cuts off; freeing a slot with holes truncates it to its first hole (unmapping the pages past
+//! it) so that a deferred slot never has holes.
 //!
 //! # Deferred reclamation
 //!
@@ -35,7 +49,8 @@
 //! synchronizes the streams that may still touch the affected slots. Library code never
 //! dereferences device memory.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 
 use strata_vmm::{
@@ -124,6 +139,9 @@ pub struct KvStats {
     pub set_access_calls: u64,
     /// Tokens of all active slots together.
     pub tokens: u64,
+    /// Slot pages (each one page in every tensor) evicted by [`KvSpace::evict_pages`] and not
+    /// restored: the holes of all active slots together.
+    pub pages_evicted: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,6 +178,8 @@ pub struct KvSpace {
     tensors: Vec<Tensor>,
     zero: Option<Arc<PhysicalMemory>>,
     slots: Vec<Slot>,
+    /// Holes (evicted page indices below `mapped`) of each slot; empty unless the slot is active.
+    holes: Vec<BTreeSet<usize>>,
     /// Free slot indices; popped from the end (lowest index first at creation).
     free: Vec<u32>,
     /// Deferred slot indices: admitted from the back (most recently freed), reclaimed from the
@@ -239,6 +259,7 @@ impl KvSpace {
                 };
                 config.max_slots as usize
             ],
+            holes: vec![BTreeSet::new(); config.max_slots as usize],
             free: (0..config.max_slots).rev().collect(),
             deferred: VecDeque::new(),
             counters: Counters::default(),
@@ -348,6 +369,17 @@ impl KvSpace {
             .ptr()
     }
 
+    /// The reservation of the K or V tensor of `layer` (for [`strata_vmm::CopyScope`]: copies
+    /// in and out of a slot's pages name it as their scope).
+    ///
+    /// # Panics
+    ///
+    /// When `layer >= config.layers`.
+    pub fn tensor_reservation(&self, layer: u32, kind: Kind) -> &Arc<Reservation> {
+        assert!(layer < self.config.layers, "kv layer {layer} out of range");
+        &self.tensors[layer as usize * 2 + kind.index()].reservation
+    }
+
     /// Start of `slot` in the K or V tensor of `layer`.
     pub fn slot_ptr(&self, slot: SlotId, layer: u32, kind: Kind) -> Result<DevicePtr> {
         let index = self.active(slot)?;
@@ -369,6 +401,19 @@ impl KvSpace {
     /// when the slot reused a deferred slot's capacity).
     pub fn mapped_pages(&self, slot: SlotId) -> Result<usize> {
         Ok(self.slots[self.active(slot)?].mapped)
+    }
+
+    /// The holes of an active slot: its page indices below its extent that
+    /// [`KvSpace::evict_pages`] unmapped and no restore mapped again, ascending.
+    pub fn evicted_pages(&self, slot: SlotId) -> Result<Vec<usize>> {
+        Ok(self.holes[self.active(slot)?].iter().copied().collect())
+    }
+
+    /// Whether page `page` of an active slot is backed by pool pages (below the extent and not a
+    /// hole).
+    pub fn is_resident(&self, slot: SlotId, page: usize) -> Result<bool> {
+        let index = self.active(slot)?;
+        Ok(page < self.slots[index].mapped && !self.holes[index].contains(&page))
     }
 
     /// Pages per tensor that `tokens` tokens occupy.
@@ -601,6 +646,7 @@ impl KvSpace {
         }
         let need = self.pages_for(tokens);
         let result = self.unback_slot(index, need, current.mapped);
+        self.holes[index].retain(|&p| p < need);
         let slot = &mut self.slots[index];
         slot.tokens = tokens;
         slot.mapped = slot.mapped.min(need);
@@ -610,8 +656,23 @@ impl KvSpace {
 
     /// Frees `slot`: its id becomes stale at once; its pages stay mapped on the deferred list
     /// for the next [`KvSpace::admit`] (a slot with no pages becomes free directly).
+    ///
+    /// A slot with holes is first truncated to its first hole: the pages past it are unmapped and
+    /// given back (with the zero page behind them again), so a deferred slot has none. The id is
+    /// stale even when that unmapping reports an error (returned; the pages whose unmap failed
+    /// are released, never reused).
     pub fn free(&mut self, slot: SlotId) -> Result<()> {
         let index = self.active(slot)?;
+        let mut result = Ok(());
+        if let Some(&first) = self.holes[index].first() {
+            let mapped = self.slots[index].mapped;
+            result = self
+                .unback_slot(index, first, mapped)
+                .map(drop)
+                .map_err(|(_, e)| e);
+            self.holes[index].clear();
+            self.slots[index].mapped = first;
+        }
         let s = &mut self.slots[index];
         s.generation = s.generation.wrapping_add(1);
         s.tokens = 0;
@@ -623,7 +684,71 @@ impl KvSpace {
             s.state = SlotState::Free;
             self.free.push(index as u32);
         }
+        result
+    }
+
+    /// Checks that `pages` is a non-empty run below the extent of active slot `slot`, every page
+    /// of which is a hole (`holes`) or none of which is (`!holes`); returns the slot's index.
+    fn check_run(&self, slot: SlotId, pages: &Range<usize>, holes: bool) -> Result<usize> {
+        let index = self.active(slot)?;
+        let mapped = self.slots[index].mapped;
+        if pages.start >= pages.end || pages.end > mapped {
+            return Err(invalid(format!(
+                "kv pages {pages:?} are not a non-empty run below the slot's extent of {mapped} pages"
+            )));
+        }
+        let set = &self.holes[index];
+        if let Some(p) = pages.clone().find(|p| set.contains(p) != holes) {
+            let what = if holes { "resident" } else { "already evicted" };
+            return Err(invalid(format!(
+                "kv page {p} of the run {pages:?} is {what}"
+            )));
+        }
+        Ok(index)
+    }
+
+    /// Evicts pages `pages` (a run of resident pages below the extent) of active slot `slot` in
+    /// every tensor: unmaps them, gives the pool pages back and, with a zero page, maps it behind
+    /// them again (read-only, one `set_access` per tensor). Their bytes are gone: copy them out
+    /// first and synchronize the streams that may still touch them. The extent and the tokens do
+    /// not change; the pages become holes until [`KvSpace::restore_pages`].
+    ///
+    /// A run that is empty, reaches past the extent or holds a hole is
+    /// [`Error::InvalidArgument`] and changes nothing. A backend error is returned after the
+    /// whole run was processed; the pages are holes then too (a page whose unmap failed is
+    /// released, never reused).
+    pub fn evict_pages(&mut self, slot: SlotId, pages: Range<usize>) -> Result<()> {
+        let index = self.check_run(slot, &pages, false)?;
+        let result = self.unback_slot(index, pages.start, pages.end);
+        self.holes[index].extend(pages);
+        result.map(drop).map_err(|(_, e)| e)
+    }
+
+    /// [`KvSpace::evict_pages`] of the single page `page`.
+    pub fn evict_page(&mut self, slot: SlotId, page: usize) -> Result<()> {
+        self.evict_pages(slot, page..page + 1)
+    }
+
+    /// Restores pages `pages` (a run of holes) of active slot `slot`: maps fresh pool pages at
+    /// the same addresses in every tensor (unmapping the zero page first), all taken from the pool
+    /// in one call (reclaiming deferred slots once if it is out of memory), with one
+    /// read-write `set_access` per tensor over the run. The new pages' bytes are whatever the pool
+    /// pages held: copy the saved bytes back with backend copies.
+    ///
+    /// All or nothing: on any error (out of memory included) the pages stay holes. A run that is
+    /// empty, reaches past the extent or holds a resident page is [`Error::InvalidArgument`].
+    pub fn restore_pages(&mut self, slot: SlotId, pages: Range<usize>) -> Result<()> {
+        let index = self.check_run(slot, &pages, true)?;
+        self.back_slot(index, pages.start, pages.end)?;
+        for p in pages {
+            self.holes[index].remove(&p);
+        }
         Ok(())
+    }
+
+    /// [`KvSpace::restore_pages`] of the single page `page`.
+    pub fn restore_page(&mut self, slot: SlotId, page: usize) -> Result<()> {
+        self.restore_pages(slot, page..page + 1)
     }
 
     /// Unmaps the pages of every deferred slot and gives them back to the pool; returns how many.
@@ -643,6 +768,7 @@ impl KvSpace {
             set_access_calls: self.counters.set_access_calls,
             ..KvStats::default()
         };
+        stats.pages_evicted = self.holes.iter().map(|h| h.len() as u64).sum();
         for slot in &self.slots {
             match slot.state {
                 SlotState::Active => {
