@@ -502,6 +502,74 @@ fn tags_never_share_pages() {
 }
 
 #[test]
+fn every_small_class_of_a_tag_shares_a_few_pages() {
+    // One block of every size class (256 B .. 1 MiB) under each of two tags: runs of chunks in
+    // shared pages, not a page per class (44 classes would take 44 pages per tag).
+    let e = env();
+    let a = &e.alloc;
+    let mut sizes = vec![1u64];
+    while let Some(&last) = sizes.last() {
+        let next =
+            strata_allocator::caching::class_size(strata_allocator::caching::class_index(last)) + 1;
+        if next >= a.small_threshold() {
+            break;
+        }
+        sizes.push(next);
+    }
+    assert_eq!(sizes.len(), 44);
+    let mut live = Vec::new();
+    for tag in [1u32, 2] {
+        for (i, &size) in sizes.iter().enumerate() {
+            let p = a.allocate_tagged(size, S0, tag).unwrap();
+            assert_eq!(p % 256, 0);
+            fill(&e.backend, p, size, i as u64 + 100 * tag as u64);
+            live.push((p, size, i as u64 + 100 * tag as u64, tag));
+        }
+        ok(a);
+    }
+    let st = a.stats();
+    for tag in [1u32, 2] {
+        let reserved = st.tag(tag).unwrap().reserved_bytes;
+        assert!(reserved <= 5 * PAGE, "tag {tag}: {reserved} bytes reserved");
+    }
+    // No two tags on one page, and no two live blocks overlap.
+    let mut pages = std::collections::HashMap::new();
+    let mut ranges: Vec<(u64, u64)> = live.iter().map(|&(p, s, _, _)| (p, p + s)).collect();
+    ranges.sort_unstable();
+    assert!(ranges.windows(2).all(|w| w[0].1 <= w[1].0), "overlap");
+    for &(p, size, seed, tag) in &live {
+        for page in [p / PAGE, (p + size - 1) / PAGE] {
+            assert_eq!(
+                *pages.entry(page).or_insert(tag),
+                tag,
+                "page {page:#x} shared"
+            );
+        }
+        check(&e.backend, p, size, seed);
+    }
+    // Freed and emptied, every shared page goes back, and sleep/wake of a tag keeps the rest.
+    for &(p, _, _, tag) in &live {
+        if tag == 1 {
+            a.deallocate(p, S0).unwrap();
+        }
+    }
+    a.sleep(2, true).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes, 0);
+    ok(a);
+    a.wake(2).unwrap();
+    for &(p, size, seed, tag) in &live {
+        if tag == 2 {
+            check(&e.backend, p, size, seed);
+            a.deallocate(p, S0).unwrap();
+        }
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes, 0);
+    ok(a);
+}
+
+#[test]
 fn freed_block_moves_to_another_stream_after_an_event() {
     // Device-to-device copies take 300 ms: work queued on a stream is really in flight.
     let link = slow_device_copies();

@@ -3,8 +3,14 @@
 //!
 //! Classes are multiples of [`MIN_ALIGN`] (256 B): 256, 512, 768 and 1024 B, then four
 //! geometric sub-steps per power of two (1280, 1536, 1792, 2048, 2560, ...), so a small block
-//! wastes at most a quarter of its size. Each class carves its blocks from segments of one or a
-//! few pages; [`segment_pages`] picks a page count whose tail waste is at most 1/8.
+//! wastes at most a quarter of its size.
+//!
+//! Where blocks come from: a page is cut into [`CHUNKS_PER_PAGE`] chunks, and each class whose
+//! blocks fit in a page carves them from a *run* of a few contiguous chunks ([`run_units`]
+//! picks a count whose tail waste is at most 1/8) inside a page shared by every class of the
+//! tag. So a class in use costs one run (a 64 KiB chunk for classes up to 64 KiB, with 2 MiB
+//! pages), not a page. Only classes larger than a page (small pages) get segments of their own,
+//! of a few pages ([`segment_pages`]).
 
 use strata_vmm::StreamHandle;
 
@@ -40,13 +46,24 @@ pub fn class_size(index: usize) -> u64 {
     ((1u64 << k) + sub * (1u64 << (k - 2))) * MIN_ALIGN
 }
 
+/// Chunks a shared page is cut into (the granule of the runs classes carve blocks from).
+pub const CHUNKS_PER_PAGE: u64 = 32;
+
 /// Pages of a segment for blocks of `class_bytes`: the fewest pages (at least enough for one
 /// block) whose unusable tail is at most 1/8 of the segment, else the least wasteful of the
 /// first few candidates.
 pub fn segment_pages(class_bytes: u64, page: u64) -> u64 {
-    let min = class_bytes.div_ceil(page).max(1);
+    run_units(class_bytes, page, MAX_SEGMENT_PAGES)
+}
+
+/// Units of `unit` bytes for a run of blocks of `class_bytes`: the fewest (at least enough for
+/// one block, at most `max` unless one block needs more) whose unusable tail is at most 1/8 of
+/// the run, else the least wasteful of the first few candidates.
+pub fn run_units(class_bytes: u64, unit: u64, max: u64) -> u64 {
+    let min = class_bytes.div_ceil(unit).max(1);
+    let page = unit;
     let mut best = (u64::MAX, min);
-    for pages in min..=(min * 4).min(MAX_SEGMENT_PAGES).max(min) {
+    for pages in min..=(min * 4).min(max).max(min) {
         let bytes = pages * page;
         let waste = bytes % class_bytes;
         if waste * 8 <= bytes {
@@ -63,12 +80,15 @@ pub fn segment_pages(class_bytes: u64, page: u64) -> u64 {
     best.1
 }
 
-/// The size classes below a threshold, with their segment sizes.
+/// The size classes below a threshold, with their run (or segment) sizes.
 #[derive(Clone, Debug)]
 pub struct SizeClasses {
     threshold: u64,
     sizes: Vec<u64>,
     seg_pages: Vec<u64>,
+    chunk: u64,
+    /// Chunks of a run in a shared page; 0 for a class that needs segments of its own.
+    run_chunks: Vec<u64>,
 }
 
 impl SizeClasses {
@@ -82,11 +102,40 @@ impl SizeClasses {
         };
         let sizes: Vec<u64> = (0..count).map(class_size).collect();
         let seg_pages = sizes.iter().map(|&s| segment_pages(s, page)).collect();
+        // Chunks are whole multiples of the block alignment; pages too small for that are not
+        // shared (every class gets segments of its own).
+        let chunk = page / CHUNKS_PER_PAGE;
+        let shareable = chunk >= MIN_ALIGN && chunk % MIN_ALIGN == 0;
+        let run_chunks = sizes
+            .iter()
+            .map(|&s| {
+                if shareable && s <= page {
+                    run_units(s, chunk, CHUNKS_PER_PAGE)
+                } else {
+                    0
+                }
+            })
+            .collect();
         SizeClasses {
             threshold,
             sizes,
             seg_pages,
+            chunk,
+            run_chunks,
         }
+    }
+
+    /// Bytes of one chunk of a shared page.
+    #[inline]
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk
+    }
+
+    /// Chunks of one run of a class in a shared page, or `None` when the class needs segments
+    /// of its own (blocks larger than a page, or pages too small to cut).
+    #[inline]
+    pub fn run_chunks(&self, class: usize) -> Option<u64> {
+        Some(self.run_chunks[class]).filter(|&c| c > 0)
     }
 
     /// Sizes below this are small.
@@ -278,6 +327,37 @@ mod tests {
         assert!(SizeClasses::new(1, page).is_empty());
         assert_eq!(SizeClasses::new(257, page).len(), 1);
         assert_eq!(SizeClasses::new(258, page).len(), 2);
+    }
+
+    #[test]
+    fn runs_share_pages_with_bounded_waste() {
+        let page = 2 << 20;
+        let c = SizeClasses::new(1 << 20, page);
+        assert_eq!(c.chunk_size(), 64 << 10);
+        let mut fixed = 0;
+        for i in 0..c.len() {
+            let k = c.run_chunks(i).expect("every class fits a page");
+            assert!((1..=CHUNKS_PER_PAGE).contains(&k), "class {i}: {k} chunks");
+            let bytes = k * c.chunk_size();
+            assert!(bytes >= c.size(i));
+            assert!(
+                (bytes % c.size(i)) * 8 <= bytes,
+                "class {} waste",
+                c.size(i)
+            );
+            fixed += bytes;
+        }
+        // One run of every class costs a few pages, not one page per class.
+        assert_eq!(c.run_chunks(0), Some(1));
+        assert_eq!(c.run_chunks(c.len() - 1), Some(16));
+        assert!(fixed <= 5 * page, "{fixed} bytes for one run of each class");
+        // 64 KiB pages with a 1 MiB threshold: classes above a page get segments of their own.
+        let tiny = SizeClasses::new(1 << 20, 64 << 10);
+        assert_eq!(tiny.chunk_size(), 2 << 10);
+        assert_eq!(tiny.run_chunks(0), Some(1));
+        assert_eq!(tiny.run_chunks(tiny.len() - 1), None);
+        // Pages too small to cut into 256-byte-aligned chunks are not shared.
+        assert_eq!(SizeClasses::new(4096, 4096).run_chunks(0), None);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The slow paths of allocation: new small segments, whole-page runs (cache hits by split,
+//! The slow paths of allocation: new runs of small blocks (in shared pages or segments), whole-page runs (cache hits by split,
 //! misses by mapping cached and pool pages behind a new VA range), and where pages come from
 //! and go to.
 
@@ -7,8 +7,8 @@ use std::sync::Arc;
 use strata_vmm::{Access, DevicePtr, Error, Location, Mapping, Result, StreamHandle};
 
 use super::{
-    internal, Block, BlockState, CachedRun, CachingAllocator, MappedPage, Segment, State, TagId,
-    LARGE, NO_SEGMENT,
+    internal, Block, BlockState, CachedRun, CachingAllocator, Carve, MappedPage, Segment, State,
+    TagId, LARGE, NO_SEGMENT,
 };
 use crate::pool::Page;
 
@@ -57,7 +57,9 @@ impl CachingAllocator {
             .ok_or_else(|| Error::InvalidState("new small segment has no block".into()))
     }
 
-    /// Maps a new segment for `class` under tag index `ti`; its blocks join `stream`'s bin.
+    /// Carves a new run of blocks of `class` under tag index `ti` (in a shared page of the tag
+    /// with room, else a new one; a segment of its own for classes above a page); its blocks
+    /// join `stream`'s bin.
     #[cold]
     #[inline(never)]
     pub(super) fn grow_small(
@@ -68,7 +70,49 @@ impl CachingAllocator {
         requested: u64,
         stream: StreamHandle,
     ) -> Result<()> {
-        let pages = self.classes.segment_pages(class);
+        let (seg_id, offset, len) = match self.classes.run_chunks(class) {
+            Some(chunks) => {
+                let len = chunks * self.classes.chunk_size();
+                match self.find_room(st, ti, len) {
+                    Some((id, offset)) => (id, offset, len),
+                    None => (self.new_segment(st, ti, 1, true, requested)?, 0, len),
+                }
+            }
+            None => {
+                let pages = self.classes.segment_pages(class);
+                let id = self.new_segment(st, ti, pages, false, requested)?;
+                (id, 0, pages * self.page)
+            }
+        };
+        self.carve(st, seg_id, offset, len, class, stream);
+        Ok(())
+    }
+
+    /// The first shared page of tag index `ti` with `len` free bytes: (segment, offset).
+    fn find_room(&self, st: &State, ti: usize, len: u64) -> Option<(u32, u64)> {
+        st.iter_segments()
+            .filter(|(_, s)| s.shared && s.tag as usize == ti && !s.mapped.is_empty())
+            .find_map(|(id, s)| {
+                let mut at = 0;
+                for r in &s.runs {
+                    if r.offset - at >= len {
+                        return Some((id, at));
+                    }
+                    at = r.offset + r.len;
+                }
+                (s.pages * self.page - at >= len).then_some((id, at))
+            })
+    }
+
+    /// Maps a new segment of `pages` pages, with no blocks yet, under tag index `ti`.
+    fn new_segment(
+        &self,
+        st: &mut State,
+        ti: usize,
+        pages: u64,
+        shared: bool,
+        requested: u64,
+    ) -> Result<u32> {
         let got = self.obtain_pages(st, pages, requested)?;
         let Some(start) = st.va.alloc(pages) else {
             self.pool.give(got);
@@ -81,9 +125,7 @@ impl CachingAllocator {
                 return Err(e);
             }
         };
-        let base = self.va_of(start);
-        let bytes = pages * self.page;
-        st.freed.invalidate(base, bytes);
+        st.freed.invalidate(self.va_of(start), pages * self.page);
         let seg_id = match st.free_segments.pop() {
             Some(id) => id,
             None => {
@@ -91,8 +133,39 @@ impl CachingAllocator {
                 (st.segments.len() - 1) as u32
             }
         };
+        st.segments[seg_id as usize] = Some(Segment {
+            start,
+            pages,
+            shared,
+            runs: Vec::new(),
+            tag: ti as u32,
+            blocks: Vec::new(),
+            live: 0,
+            mapped,
+        });
+        st.totals.add_pages(pages);
+        st.tags[ti].totals.mapped_pages += pages;
+        st.totals.counts.segments_created += 1;
+        Ok(seg_id)
+    }
+
+    /// Cuts `len` bytes at `offset` of segment `seg_id` into blocks of `class`, freed on
+    /// `stream` (lowest address pops first).
+    fn carve(
+        &self,
+        st: &mut State,
+        seg_id: u32,
+        offset: u64,
+        len: u64,
+        class: usize,
+        stream: StreamHandle,
+    ) {
+        let Some(seg) = st.segments[seg_id as usize].as_ref() else {
+            return;
+        };
+        let (base, ti) = (self.va_of(seg.start) + offset, seg.tag);
         let class_bytes = self.classes.size(class);
-        let count = bytes / class_bytes;
+        let count = len / class_bytes;
         let mut ids = Vec::with_capacity(count as usize);
         for i in 0..count {
             let ptr = base + i * class_bytes;
@@ -100,7 +173,7 @@ impl CachingAllocator {
                 ptr,
                 size: class_bytes,
                 requested: 0,
-                tag: ti as u32,
+                tag: ti,
                 segment: seg_id,
                 class: class as u16,
                 state: BlockState::Free,
@@ -111,24 +184,20 @@ impl CachingAllocator {
             st.by_ptr.insert(ptr, id);
             ids.push(id);
         }
-        // Lowest address pops first.
-        let bin = &mut st.tags[ti].bins[class];
+        let bin = &mut st.tags[ti as usize].bins[class];
         for &id in ids.iter().rev() {
             bin.push(stream, id);
         }
-        st.segments[seg_id as usize] = Some(Segment {
-            start,
-            pages,
-            class: class as u16,
-            tag: ti as u32,
-            blocks: ids,
-            live: 0,
-            mapped,
-        });
-        st.totals.add_pages(pages);
-        st.tags[ti].totals.mapped_pages += pages;
-        st.totals.counts.segments_created += 1;
-        Ok(())
+        if let Some(seg) = st.segments[seg_id as usize].as_mut() {
+            let carve = Carve {
+                offset,
+                len,
+                class: class as u16,
+            };
+            let at = seg.runs.partition_point(|r| r.offset < offset);
+            seg.runs.insert(at, carve);
+            seg.blocks.extend(ids);
+        }
     }
 
     /// Whole pages: a cached run (split to size), else pages from the cache and the pool
@@ -412,8 +481,13 @@ impl CachingAllocator {
         };
         st.free_segments.push(id);
         let blocks = &st.blocks;
-        st.tags[seg.tag as usize].bins[seg.class as usize]
-            .retain(|b| blocks[b as usize].segment != id);
+        let bins = &mut st.tags[seg.tag as usize].bins;
+        let mut classes: Vec<u16> = seg.runs.iter().map(|r| r.class).collect();
+        classes.sort_unstable();
+        classes.dedup();
+        for class in classes {
+            bins[class as usize].retain(|b| blocks[b as usize].segment != id);
+        }
         for &b in &seg.blocks {
             let ptr = st.blocks[b as usize].ptr;
             st.by_ptr.remove(&ptr);
@@ -422,11 +496,13 @@ impl CachingAllocator {
             blk.used_on = Vec::new();
             st.free_ids.push(b);
         }
-        st.freed.record(
-            self.va_of(seg.start),
-            seg.pages * self.page,
-            self.classes.size(seg.class as usize),
-        );
+        for r in &seg.runs {
+            st.freed.record(
+                self.va_of(seg.start) + r.offset,
+                r.len,
+                self.classes.size(r.class as usize),
+            );
+        }
         st.va.free(seg.start, seg.pages).map_err(internal)?;
         if !seg.mapped.is_empty() {
             st.totals.sub_pages(seg.pages);

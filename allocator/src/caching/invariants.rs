@@ -258,9 +258,16 @@ impl CachingAllocator {
                 {
                     return Err(format!("small block {id} does not fit its segment"));
                 }
-                if b.tag != seg.tag || b.class != seg.class {
+                let off = b.ptr - lo;
+                let run = seg
+                    .runs
+                    .iter()
+                    .find(|r| r.offset <= off && off + b.size <= r.offset + r.len);
+                if b.tag != seg.tag
+                    || run.is_none_or(|r| r.class != b.class || (off - r.offset) % b.size != 0)
+                {
                     return Err(format!(
-                        "small block {id} disagrees with its segment's tag/class"
+                        "small block {id} disagrees with its segment's tag or runs"
                     ));
                 }
                 if b.state != BlockState::Free {
@@ -287,6 +294,38 @@ impl CachingAllocator {
             return Err(format!("{alive} blocks, {} pointers", st.by_ptr.len()));
         }
         for (id, seg) in st.iter_segments() {
+            let mut at = 0u64;
+            for r in &seg.runs {
+                let class_bytes = self.classes.size(r.class as usize);
+                if r.offset < at
+                    || r.offset + r.len > seg.pages * page
+                    || r.offset % super::MIN_ALIGN != 0
+                    || r.len < class_bytes
+                {
+                    return Err(format!("segment {id}: run {r:?} overlaps or overflows"));
+                }
+                at = r.offset + r.len;
+            }
+            if seg.shared && seg.pages != 1 {
+                return Err(format!("shared segment {id} spans {} pages", seg.pages));
+            }
+            if !seg.shared && seg.runs.len() != 1 && !seg.blocks.is_empty() {
+                return Err(format!(
+                    "segment {id} of one class has {} runs",
+                    seg.runs.len()
+                ));
+            }
+            let carved: u64 = seg
+                .runs
+                .iter()
+                .map(|r| r.len / self.classes.size(r.class as usize))
+                .sum();
+            if carved != seg.blocks.len() as u64 {
+                return Err(format!(
+                    "segment {id}: runs hold {carved} blocks, {} listed",
+                    seg.blocks.len()
+                ));
+            }
             let n = seg_live.get(&id).copied().unwrap_or(0);
             if n != seg.live {
                 return Err(format!(

@@ -2,8 +2,9 @@
 //!
 //! - **Small sizes** (below [`CachingConfig::small_threshold`], 1 MiB by default) are rounded to
 //!   a size class (multiples of 256 B, four geometric sub-steps per power of two) and carved from
-//!   small segments of one or a few pages. Freed blocks go back to their class's free list. Bins
-//!   are per tag, so blocks of two tags never share a page.
+//!   runs of a few 1/32-page chunks inside pages shared by all classes of a tag (classes larger
+//!   than a page: segments of their own). Freed blocks go back to their class's free list. Pages
+//!   and bins are per tag, so blocks of two tags never share a page.
 //! - **Large sizes** are rounded to whole pages and mapped, page by page, behind a range of one
 //!   VA arena reserved once; access is set over the whole run in one call. Physical pages need
 //!   not be contiguous. Freed large blocks stay mapped in a cache and are reused by splitting
@@ -48,7 +49,9 @@ use crate::pool::{Page, PagePool};
 use crate::resource::MemoryResource;
 
 pub use arena::VaArena;
-pub use bins::{class_index, class_size, ClassBin, SizeClasses, MAX_SEGMENT_PAGES, MIN_ALIGN};
+pub use bins::{
+    class_index, class_size, ClassBin, SizeClasses, CHUNKS_PER_PAGE, MAX_SEGMENT_PAGES, MIN_ALIGN,
+};
 pub use cache::{CachedRun, RangeCache, Run};
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
 
@@ -148,12 +151,24 @@ struct Block {
     pages: Vec<MappedPage>,
 }
 
-/// Pages carved into blocks of one class and tag.
+/// Blocks of one class carved from `len` bytes at `offset` in a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Carve {
+    offset: u64,
+    len: u64,
+    class: u16,
+}
+
+/// Pages of one tag carved into blocks: a shared page (one page, runs of chunks for any class
+/// of the tag) or a segment of its own for one class whose blocks exceed a page.
 struct Segment {
     /// First page of the segment in the arena.
     start: u64,
     pages: u64,
-    class: u16,
+    /// Whether further runs may be carved from it (shared page).
+    shared: bool,
+    /// Carved runs, by offset; they never overlap.
+    runs: Vec<Carve>,
     tag: u32,
     blocks: Vec<u32>,
     /// Blocks not in a bin (live or pending).
