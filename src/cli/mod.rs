@@ -3,6 +3,7 @@ pub mod demo;
 pub mod info;
 pub mod sim;
 pub mod sim_kvpr;
+pub mod sim_mirage;
 pub mod sim_pie;
 
 /// Human-readable binary size (`1.5 GiB`).

@@ -1,4 +1,4 @@
-//! `strata sim`: the discrete-event simulator (TierKV, KVPR, Pie).
+//! `strata sim`: the discrete-event simulator (TierKV, KVPR, Pie, MIRAGE, Harvest).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,6 +20,37 @@ pub enum SimCommand {
     Kvpr(KvprArgs),
     /// Pie: throughput and compute latency against expansion; the adaptive controller.
     Pie(PieArgs),
+    /// MIRAGE Figure 15: throughput with m = α+1, α+2 and the dynamic choice as α grows.
+    Mirage(MirageArgs),
+    /// Harvest Figures 3 and 7: fetch latency of expert- and KV-sized chunks, peer vs host.
+    Harvest(HarvestArgs),
+}
+
+#[derive(clap::Args)]
+pub struct MirageArgs {
+    /// Hardware profile: h100, gh200, h100x2, a100.
+    #[arg(long, default_value = "gh200")]
+    hw: String,
+    /// Decode batch (sets T_c with the 1024-token context).
+    #[arg(long, default_value_t = 64)]
+    batch: u64,
+    /// Largest α to sweep.
+    #[arg(long, default_value_t = 16)]
+    max_alpha: u32,
+    #[arg(long)]
+    json: bool,
+    /// Write throughput against α as an SVG chart.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct HarvestArgs {
+    /// Seed for the peers' harvestable bytes.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -99,6 +130,12 @@ pub fn run(cmd: SimCommand) -> Result<ExitCode, strata::Error> {
             let w = Workload::by_key(&a.workload).ok_or_else(|| bad("workload", &a.workload))?;
             super::sim_pie::run(w, a.seed, a.json, a.plot)
         }
+        SimCommand::Mirage(a) => {
+            let hw =
+                HardwareProfile::by_key(&a.hw).ok_or_else(|| bad("hardware profile", &a.hw))?;
+            super::sim_mirage::run_mirage(hw, a.batch, a.max_alpha, a.json, a.plot)
+        }
+        SimCommand::Harvest(a) => super::sim_mirage::run_harvest(a.seed, a.json),
     }
 }
 

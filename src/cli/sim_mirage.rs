@@ -1,0 +1,153 @@
+//! `strata sim mirage`: MIRAGE Figure 15 setup, throughput with m = α+1, α+2 and the dynamic
+//! choice as α grows; `strata sim harvest`: Harvest Figures 3 and 7, peer vs host fetch latency.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use strata::sim::harvest::{self, HarvestConfig};
+use strata::sim::hw::HardwareProfile;
+use strata::sim::mirage::{self, Choice, MirageConfig};
+use strata::tiered::{write_chart, Series};
+
+pub fn run_mirage(
+    hw: HardwareProfile,
+    batch: u64,
+    max_alpha: u32,
+    json: bool,
+    plot: Option<PathBuf>,
+) -> Result<ExitCode, strata::Error> {
+    let mut cfg = MirageConfig::opt13b(hw);
+    cfg.batch = batch;
+    let alphas: Vec<u32> = (1..=max_alpha.min(cfg.layers - 1)).collect();
+    let rows = mirage::sweep(&cfg, &alphas);
+    let buf = |r: &mirage::MirageRow| match r.buffering {
+        Some(b) => b.beta(),
+        None => 0,
+    };
+    if json {
+        let recs: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"alpha\":{},\"choice\":\"{}\",\"beta\":{},\"m\":{},\"throughput_tok_s\":{:.1},\"step_ms\":{:.4},\"stall_share\":{:.4},\"link_gb_per_step\":{:.3}}}",
+                    r.alpha, r.choice.name(), buf(r), r.m, r.throughput, r.step_ms, r.stall_share, r.link_gb_per_step
+                )
+            })
+            .collect();
+        println!("[{}]", recs.join(",\n "));
+    } else {
+        println!(
+            "strata sim mirage: {}, {} (n = {}), batch {}, context {}; T_T = {:.3} ms, T_c = {:.3} ms; all layers resident: {:.0} tok/s\n",
+            hw.name,
+            cfg.model,
+            cfg.layers,
+            cfg.batch,
+            cfg.context,
+            cfg.t_t() * 1e3,
+            cfg.t_c() * 1e3,
+            mirage::resident_throughput(&cfg)
+        );
+        println!(
+            "| α | m = α+1 (tok/s) | stall | m = α+2 (tok/s) | stall | dynamic | dynamic (tok/s) |"
+        );
+        println!("|---:|---:|---:|---:|---:|---|---:|");
+        for &a in &alphas {
+            let get = |c: Choice| rows.iter().find(|r| r.alpha == a && r.choice == c);
+            let cell = |c: Choice| {
+                get(c).map_or_else(
+                    || ("-".to_string(), "-".to_string()),
+                    |r| {
+                        (
+                            format!("{:.0}", r.throughput),
+                            format!("{:.1}%", 100.0 * r.stall_share),
+                        )
+                    },
+                )
+            };
+            let (s, ss) = cell(Choice::Single);
+            let (d, ds) = cell(Choice::Double);
+            let (dyn_m, dyn_t) = get(Choice::Dynamic).map_or_else(
+                || ("none (Eq. 4, 5 fail)".to_string(), "-".to_string()),
+                |r| (format!("m = α+{}", buf(r)), format!("{:.0}", r.throughput)),
+            );
+            println!("| {a} | {s} | {ss} | {d} | {ds} | {dyn_m} | {dyn_t} |");
+        }
+    }
+    if let Some(path) = &plot {
+        let colors = ["#d62728", "#1f77b4", "#2ca02c"];
+        let series: Vec<Series<'_>> = Choice::ALL
+            .iter()
+            .zip(colors)
+            .map(|(&c, color)| Series {
+                name: c.name(),
+                color,
+                points: rows
+                    .iter()
+                    .filter(|r| r.choice == c)
+                    .map(|r| (f64::from(r.alpha), r.throughput))
+                    .collect(),
+            })
+            .collect();
+        write_chart(
+            path,
+            "strata sim mirage: throughput vs α (remapped layers)",
+            "α",
+            "tok/s",
+            &series,
+        )
+        .map_err(|source| strata::Error::Os {
+            call: "write plot",
+            source,
+        })?;
+        if !json {
+            println!("\nplot: {}", path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn run_harvest(seed: u64, json: bool) -> Result<ExitCode, strata::Error> {
+    let cfg = HarvestConfig::paper(seed);
+    let rows = harvest::run(&cfg);
+    if json {
+        let recs: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"chunk\":\"{}\",\"bytes\":{},\"host_us\":{:.3},\"peer_us\":{:.3},\"speedup\":{:.3},\"on_peer\":{},\"count\":{},\"placed_mean_us\":{:.3}}}",
+                    r.chunk.name, r.chunk.bytes, r.host_us, r.peer_us, r.speedup(), r.on_peer, r.count, r.placed_mean_us
+                )
+            })
+            .collect();
+        println!("[{}]", recs.join(",\n "));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "strata sim harvest: peer HBM over {} ({:.0} GB/s), host DRAM over {} ({:.0} GB/s); {} peers with {}–{} MiB harvestable (seed {}), {} chunks of each kind placed by fit::rank\n",
+        cfg.peer_hw.name,
+        cfg.peer_hw.host_link_bw / 1e9,
+        cfg.host_hw.name,
+        cfg.host_hw.host_link_bw / 1e9,
+        cfg.peers,
+        cfg.harvestable.0 >> 20,
+        cfg.harvestable.1 >> 20,
+        seed,
+        cfg.count
+    );
+    println!("| chunk | size (MiB) | host PCIe (µs) | peer NVLink (µs) | speedup | placed on peer | placed mean (µs) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {:.3} | {:.1} | {:.1} | {:.2}× | {}/{} | {:.1} |",
+            r.chunk.name,
+            r.chunk.bytes as f64 / 1048576.0,
+            r.host_us,
+            r.peer_us,
+            r.speedup(),
+            r.on_peer,
+            r.count,
+            r.placed_mean_us
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
