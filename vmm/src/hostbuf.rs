@@ -104,40 +104,7 @@ impl HostBuffer {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        let n = usize::try_from(len).map_err(|_| Error::Overflow("file read length"))?;
-        let p = self.range(offset, n)?;
-        let mut done = 0usize;
-        while done < n {
-            let off = libc::off_t::try_from(file_offset + done as u64)
-                .map_err(|_| Error::Overflow("file offset"))?;
-            // SAFETY: `p+done..p+n` lies inside this live allocation (checked by `range`) and no
-            // Rust reference points into it; the descriptor is open for the borrow of `file`.
-            let r = unsafe {
-                libc::pread(
-                    file.as_raw_fd(),
-                    p.add(done) as *mut libc::c_void,
-                    n - done,
-                    off,
-                )
-            };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::Os {
-                    call: "pread",
-                    source: e,
-                });
-            }
-            if r == 0 {
-                return Err(Error::InvalidState(format!(
-                    "file ended after {done} of {n} bytes at offset {file_offset:#x}"
-                )));
-            }
-            done += r as usize;
-        }
-        Ok(())
+        self.file_io(file, file_offset, offset, len, FileIo::Read)
     }
 
     /// Writes `len` bytes of the buffer at `offset` to `file` at `file_offset` (`pwrite`,
@@ -149,21 +116,42 @@ impl HostBuffer {
         offset: u64,
         len: u64,
     ) -> Result<()> {
-        let n = usize::try_from(len).map_err(|_| Error::Overflow("file write length"))?;
+        self.file_io(file, file_offset, offset, len, FileIo::Write)
+    }
+
+    /// `pread`/`pwrite` of `len` bytes between the buffer at `offset` and `file` at `file_offset`,
+    /// looping over short transfers and `EINTR`.
+    fn file_io(
+        &self,
+        file: &File,
+        file_offset: u64,
+        offset: u64,
+        len: u64,
+        io: FileIo,
+    ) -> Result<()> {
+        let n = usize::try_from(len).map_err(|_| Error::Overflow("file I/O length"))?;
         let p = self.range(offset, n)?;
         let mut done = 0usize;
         while done < n {
-            let off = libc::off_t::try_from(file_offset + done as u64)
-                .map_err(|_| Error::Overflow("file offset"))?;
-            // SAFETY: `p+done..p+n` lies inside this live allocation (checked by `range`); pwrite
-            // only reads it; the descriptor is open for the borrow of `file`.
+            let off = file_offset
+                .checked_add(done as u64)
+                .and_then(|o| libc::off_t::try_from(o).ok())
+                .ok_or(Error::Overflow("file offset"))?;
+            // SAFETY: `p+done..p+n` lies inside this live allocation (checked by `range`) and no
+            // Rust reference points into it (pread writes it, pwrite only reads it); the
+            // descriptor stays open for the borrow of `file`.
             let r = unsafe {
-                libc::pwrite(
-                    file.as_raw_fd(),
-                    p.add(done) as *const libc::c_void,
-                    n - done,
-                    off,
-                )
+                match io {
+                    FileIo::Read => {
+                        libc::pread(file.as_raw_fd(), p.add(done).cast(), n - done, off)
+                    }
+                    FileIo::Write => libc::pwrite(
+                        file.as_raw_fd(),
+                        p.add(done).cast_const().cast(),
+                        n - done,
+                        off,
+                    ),
+                }
             };
             if r < 0 {
                 let e = std::io::Error::last_os_error();
@@ -171,16 +159,34 @@ impl HostBuffer {
                     continue;
                 }
                 return Err(Error::Os {
-                    call: "pwrite",
+                    call: io.call(),
                     source: e,
                 });
             }
             if r == 0 {
-                return Err(Error::InvalidState("pwrite wrote nothing".into()));
+                return Err(Error::InvalidState(format!(
+                    "{} moved nothing after {done} of {n} bytes at file offset {file_offset:#x}",
+                    io.call()
+                )));
             }
             done += r as usize;
         }
         Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum FileIo {
+    Read,
+    Write,
+}
+
+impl FileIo {
+    fn call(self) -> &'static str {
+        match self {
+            FileIo::Read => "pread",
+            FileIo::Write => "pwrite",
+        }
     }
 }
 
