@@ -391,6 +391,18 @@ impl CudaBackend {
 
     /// For the default stream: the first device whose grants allow every copy; else the error
     /// device 0 would get.
+    /// The device a created stream belongs to.
+    fn stream_device(state: &State, stream: StreamHandle) -> Result<u32> {
+        state
+            .streams
+            .get(&stream.0)
+            .map(|s| s.device)
+            .ok_or(Error::InvalidHandle {
+                kind: "stream",
+                id: stream.0,
+            })
+    }
+
     fn default_copy_device(&self, table: &VaTable, copies: &[CopyDesc]) -> Result<u32> {
         for d in 0..self.devices.len() as u32 {
             let accessor = Accessor::Location(Location::Device(d));
@@ -1007,14 +1019,7 @@ impl Backend for CudaBackend {
             let device = if stream == StreamHandle::DEFAULT {
                 self.default_copy_device(&state.table, copies)?
             } else {
-                state
-                    .streams
-                    .get(&stream.0)
-                    .map(|s| s.device)
-                    .ok_or(Error::InvalidHandle {
-                        kind: "stream",
-                        id: stream.0,
-                    })?
+                Self::stream_device(&state, stream)?
             };
             let accessor = Accessor::Location(Location::Device(device));
             (Self::plan_copies(&state.table, accessor, copies)?, device)
@@ -1057,14 +1062,7 @@ impl Backend for CudaBackend {
                 }
                 found.unwrap_or(0)
             } else {
-                state
-                    .streams
-                    .get(&stream.0)
-                    .map(|s| s.device)
-                    .ok_or(Error::InvalidHandle {
-                        kind: "stream",
-                        id: stream.0,
-                    })?
+                Self::stream_device(&state, stream)?
             };
             let acc = Accessor::Location(Location::Device(device));
             match state.table.translate(dst, len, acc, Access::ReadWrite)? {
