@@ -206,6 +206,26 @@ struct State {
     pages_revoked: u64,
 }
 
+impl State {
+    /// Gives back the HBM slots reserved for `ids` by a submission that failed (they hold no data).
+    fn unreserve_hbm(&mut self, ids: &[u32]) {
+        for &i in ids {
+            if let Some(s) = self.objs[i as usize].res.hbm.take() {
+                self.hbm.put_back(s, None);
+            }
+        }
+    }
+
+    /// Gives back the host slots reserved for `ids` by a submission that failed.
+    fn unreserve_host(&mut self, ids: &[u32]) {
+        for &i in ids {
+            if let Some(h) = self.objs[i as usize].res.host.take() {
+                self.host.put_back(h, None);
+            }
+        }
+    }
+}
+
 /// Objects of one fixed size across HBM, host memory and disk. See the module documentation.
 pub struct TierStore {
     config: StoreConfig,
@@ -793,11 +813,7 @@ impl TierStore {
             ) {
                 Ok(ev) => ev,
                 Err(e) => {
-                    for &i in &to_host {
-                        if let Some(h) = st.objs[i as usize].res.host.take() {
-                            st.host.put_back(h, None);
-                        }
-                    }
+                    st.unreserve_host(&to_host);
                     return Err(e);
                 }
             };
@@ -987,11 +1003,7 @@ impl TierStore {
             let ev = match r {
                 Ok(ev) => ev,
                 Err(e) => {
-                    for &i in &from_host {
-                        if let Some(s) = st.objs[i as usize].res.hbm.take() {
-                            st.hbm.put_back(s, None);
-                        }
-                    }
+                    st.unreserve_hbm(&from_host);
                     return Err(e);
                 }
             };
@@ -1059,11 +1071,7 @@ impl TierStore {
                 Ok(ev) => ev,
                 Err(e) => {
                     // Nothing of this chunk was queued: its HBM slots hold no data.
-                    for &i in chunk {
-                        if let Some(s) = st.objs[i as usize].res.hbm.take() {
-                            st.hbm.put_back(s, None);
-                        }
-                    }
+                    st.unreserve_hbm(chunk);
                     return Err(e);
                 }
             };
