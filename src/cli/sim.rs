@@ -79,6 +79,10 @@ pub struct TierKvArgs {
     /// K, the lookahead window of the prefetch policy.
     #[arg(long, default_value_t = 1)]
     lookahead: usize,
+    /// Run TierKV-Prefetch as Algorithm 1 plus lookahead eviction only, without warming the
+    /// head of the waiting queue with spare link time.
+    #[arg(long)]
+    no_queue_warming: bool,
     /// Print a JSON array of records instead of tables.
     #[arg(long)]
     json: bool,
@@ -176,6 +180,7 @@ fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
                 cfg.model = model;
                 cfg.workload = workload;
                 cfg.lookahead = a.lookahead;
+                cfg.queue_warming = !a.no_queue_warming;
                 let r = tierkv::run(&cfg, &Policy::ALL);
                 if let Ok(mut o) = out.lock() {
                     o.push((j, r));
@@ -219,11 +224,12 @@ fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
         println!("[{}]", recs.join(",\n "));
     } else {
         println!(
-            "strata sim tierkv: {}, {}, {} workload, batch 32, 16-token blocks, K = {}, {} seed(s) per level, {:.1} s",
+            "strata sim tierkv: {}, {}, {} workload, batch 32, 16-token blocks, K = {}, queue warming {}, {} seed(s) per level, {:.1} s",
             hw.name,
             model.name,
             a.workload,
             a.lookahead,
+            if a.no_queue_warming { "off" } else { "on" },
             a.seeds,
             start.elapsed().as_secs_f64()
         );

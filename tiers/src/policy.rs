@@ -4,7 +4,7 @@
 //! (a request). Policies see no pointers and call no backend.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::time::Duration;
 
 /// An eviction policy for one tier.
@@ -19,6 +19,9 @@ pub trait EvictionPolicy: Send {
     fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64>;
     /// Scheduler lookahead: the owners that run in each of the next K steps (index 0: next).
     fn schedule(&mut self, _next_steps: &[Vec<u64>]) {}
+    /// Scheduler queue: owners waiting to be admitted, in admission order. They run after the
+    /// [`schedule`](Self::schedule) window, the first one first.
+    fn queue(&mut self, _waiting: &[u64]) {}
     /// The engine moved to step `step`.
     fn advance(&mut self, _step: u64) {}
 }
@@ -118,19 +121,48 @@ impl EvictionPolicy for Frequency {
     }
 }
 
-/// Scheduler lookahead (TierKV §3.4): evict the block whose owner runs furthest away; owners
-/// not in the lookahead window run "never" (furthest); ties go to the least recently used.
+/// Scheduler lookahead (TierKV §3.4): evict the block whose owner has the longest time until
+/// its next execution. The scheduler tells the policy which owners run in each of the next K
+/// steps ([`EvictionPolicy::schedule`]) and, beyond that window, the order in which waiting
+/// owners will be admitted ([`EvictionPolicy::queue`]: FCFS, so the queue's tail runs last).
+/// Owners in neither run "never" (furthest). Ties go to the least recently used block.
+///
+/// Blocks are grouped by owner, so a victim costs O(owners · log owners) plus the blocks
+/// `evictable` rejects, not a scan of every block.
 #[derive(Default, Debug)]
 pub struct Lookahead {
-    lru: Lru,
+    stamps: Lru,
     owner: HashMap<u64, u64>,
+    /// Per owner, its blocks in LRU order: `(stamp, key)`.
+    blocks: HashMap<u64, BTreeSet<(u64, u64)>>,
     next_run: HashMap<u64, usize>,
+    window: usize,
+    queue_rank: HashMap<u64, usize>,
 }
 
 impl Lookahead {
-    /// Steps until `owner` runs (`usize::MAX`: not within the window).
+    /// Steps until `owner` runs: its step within the window; `K + position` for a waiting
+    /// owner; `usize::MAX` for an owner the scheduler did not mention.
     pub fn distance(&self, owner: u64) -> usize {
-        self.next_run.get(&owner).copied().unwrap_or(usize::MAX)
+        if let Some(&d) = self.next_run.get(&owner) {
+            return d;
+        }
+        self.queue_rank
+            .get(&owner)
+            .map_or(usize::MAX, |&p| self.window.saturating_add(p))
+    }
+
+    fn forget(&mut self, key: u64) {
+        let Some(o) = self.owner.remove(&key) else {
+            return;
+        };
+        let stamp = self.stamps.last.get(&key).copied();
+        if let (Some(set), Some(t)) = (self.blocks.get_mut(&o), stamp) {
+            set.remove(&(t, key));
+            if set.is_empty() {
+                self.blocks.remove(&o);
+            }
+        }
     }
 }
 
@@ -139,33 +171,53 @@ impl EvictionPolicy for Lookahead {
         "lookahead"
     }
     fn touch(&mut self, key: u64, owner: u64, now: u64) {
+        self.forget(key);
+        self.stamps.touch(key, owner, now);
+        let t = self.stamps.last[&key];
         self.owner.insert(key, owner);
-        self.lru.touch(key, owner, now);
+        self.blocks.entry(owner).or_default().insert((t, key));
     }
     fn remove(&mut self, key: u64) {
-        self.owner.remove(&key);
-        self.lru.remove(key);
+        self.forget(key);
+        self.stamps.remove(key);
     }
     fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
-        let mut best: Option<(usize, u64)> = None;
-        // LRU order first, so a strictly larger distance is needed to displace an older key.
-        for &(_, k) in &self.lru.order {
-            let d = self.owner.get(&k).map_or(usize::MAX, |o| self.distance(*o));
-            if best.is_none_or(|(bd, _)| d > bd) && evictable(k) {
-                best = Some((d, k));
-                if d == usize::MAX {
-                    break;
+        let mut owners: Vec<(usize, u64)> =
+            self.blocks.keys().map(|&o| (self.distance(o), o)).collect();
+        owners.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        for group in owners.chunk_by(|a, b| a.0 == b.0) {
+            // Owners at the same distance: their blocks merged in LRU order.
+            let mut heads = BinaryHeap::new();
+            let mut iters: Vec<_> = group.iter().map(|(_, o)| self.blocks[o].iter()).collect();
+            for (i, it) in iters.iter_mut().enumerate() {
+                if let Some(&(t, k)) = it.next() {
+                    heads.push(Reverse((t, k, i)));
+                }
+            }
+            while let Some(Reverse((_, k, i))) = heads.pop() {
+                if evictable(k) {
+                    return Some(k);
+                }
+                if let Some(&(t, k)) = iters[i].next() {
+                    heads.push(Reverse((t, k, i)));
                 }
             }
         }
-        best.map(|(_, k)| k)
+        None
     }
     fn schedule(&mut self, next_steps: &[Vec<u64>]) {
         self.next_run.clear();
+        self.window = next_steps.len();
         for (i, owners) in next_steps.iter().enumerate() {
             for &o in owners {
                 self.next_run.entry(o).or_insert(i);
             }
+        }
+    }
+    fn queue(&mut self, waiting: &[u64]) {
+        self.queue_rank.clear();
+        for (p, &o) in waiting.iter().enumerate() {
+            self.queue_rank.entry(o).or_insert(p);
         }
     }
 }
@@ -401,6 +453,31 @@ mod tests {
         // Owners 1 and 2 both run next: the least recently used of them goes.
         assert_eq!(p.victim(&mut all), Some(30));
         assert_eq!(p.victim(&mut |k| k != 30), Some(10));
+    }
+
+    #[test]
+    fn lookahead_evicts_the_queue_tail_before_the_queue_head() {
+        let mut p = Lookahead::default();
+        p.touch(10, 1, 0); // owner 1 runs next
+        p.touch(20, 2, 1); // owner 2: head of the waiting queue
+        p.touch(30, 3, 2); // owner 3: behind owner 2
+        p.touch(40, 4, 3); // owner 4: unknown to the scheduler
+        p.schedule(&[vec![1]]);
+        p.queue(&[2, 3]);
+        assert_eq!(p.distance(1), 0);
+        assert_eq!(p.distance(2), 1);
+        assert_eq!(p.distance(3), 2);
+        assert_eq!(p.victim(&mut all), Some(40));
+        assert_eq!(p.victim(&mut |k| k != 40), Some(30));
+        assert_eq!(p.victim(&mut |k| k != 40 && k != 30), Some(20));
+        // Plain LRU would have evicted the queue's head (the oldest waiting block) first.
+        p.remove(40);
+        p.remove(30);
+        assert_eq!(p.victim(&mut all), Some(20));
+        p.remove(20);
+        assert_eq!(p.victim(&mut all), Some(10));
+        p.remove(10);
+        assert_eq!(p.victim(&mut all), None);
     }
 
     #[test]
