@@ -258,6 +258,9 @@ fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
         table("Demand-fetched / prefetched blocks", &|r| {
             format!("{} / {}", r.demand_blocks, r.prefetched_blocks)
         });
+        if a.hw == "h100" && a.workload == "mixed" {
+            print_tierkv_vs_paper(&a, &rows);
+        }
     }
     if let Some(path) = &a.plot {
         let colors = ["#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#1f77b4"];
@@ -287,4 +290,88 @@ fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Ours next to TierKV's published tables, for the paper's setup (H100, mixed workload).
+fn print_tierkv_vs_paper(a: &TierKvArgs, rows: &[TierKvResult]) {
+    let ours = |p: Policy, level: f64| {
+        rows.iter()
+            .find(|r| r.policy == p && r.oversubscription == level)
+    };
+    let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+    let compare = |title: &str,
+                   levels: &[f64],
+                   paper: &dyn Fn(Policy, f64) -> Option<f64>,
+                   mine: &dyn Fn(&TierKvResult) -> f64,
+                   digits: usize| {
+        let shown: Vec<f64> = levels
+            .iter()
+            .copied()
+            .filter(|&l| Policy::ALL.iter().any(|&p| paper(p, l).is_some()))
+            .collect();
+        if shown.is_empty() {
+            return;
+        }
+        println!("\n{title} (ours / paper)\n");
+        println!("| ρ | {} |", names.join(" | "));
+        println!("|---|{}", "---:|".repeat(names.len()));
+        for l in shown {
+            let cells: Vec<String> = Policy::ALL
+                .iter()
+                .map(|&p| match (ours(p, l), paper(p, l)) {
+                    (Some(r), Some(q)) => format!("{:.*} / {:.*}", digits, mine(r), digits, q),
+                    _ => "-".into(),
+                })
+                .collect();
+            println!("| {l}× | {} |", cells.join(" | "));
+        }
+    };
+    println!("\nAgainst TierKV (seed 002), as published:");
+    if a.model == "7b" {
+        compare(
+            "Mean TPOT, ms, Table 5",
+            &a.levels,
+            &tierkv::paper::mean_tpot_ms,
+            &|r| r.mean_tpot_ms,
+            2,
+        );
+        compare(
+            "Throughput, tokens/s, Table 7",
+            &a.levels,
+            &tierkv::paper::throughput,
+            &|r| r.throughput_tok_s,
+            0,
+        );
+    }
+    compare(
+        &format!("Mean TPOT at 3x, ms, Table 4 ({})", a.model),
+        &a.levels,
+        &|p, l| {
+            if l == 3.0 {
+                tierkv::paper::model_scaling_ms(p, &a.model)
+            } else {
+                None
+            }
+        },
+        &|r| r.mean_tpot_ms,
+        2,
+    );
+    let target = |p: Policy| ours(p, 5.0).map(|r| r.mean_tpot_ms);
+    if let (Some(lru), Some(pre), Some(orc)) = (
+        target(Policy::Lru),
+        target(Policy::Prefetch),
+        target(Policy::Oracle),
+    ) {
+        println!(
+            "\nAt 5x: prefetch / oracle = {:.3} (paper {:.3}); LRU / prefetch = {:.2}x (paper {:.1}x).",
+            pre / orc,
+            4.07 / 4.03,
+            lru / pre,
+            192.47 / 4.07
+        );
+    }
+    println!("Why they differ (SIMULATION.md has the details):");
+    for w in tierkv::paper::WHY {
+        println!("- {w}");
+    }
 }

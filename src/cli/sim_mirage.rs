@@ -72,6 +72,7 @@ pub fn run_mirage(
             );
             println!("| {a} | {s} | {ss} | {d} | {ds} | {dyn_m} | {dyn_t} |");
         }
+        print_mirage_vs_paper(&rows);
     }
     if let Some(path) = &plot {
         let colors = ["#d62728", "#1f77b4", "#2ca02c"];
@@ -104,6 +105,44 @@ pub fn run_mirage(
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Ours next to MIRAGE's Figure 15 and §5.4.
+fn print_mirage_vs_paper(rows: &[mirage::MirageRow]) {
+    let switch = rows
+        .iter()
+        .find(|r| r.choice == Choice::Dynamic && r.buffering.is_some_and(|b| b.beta() == 2))
+        .map(|r| r.alpha);
+    let worst = rows
+        .iter()
+        .filter(|r| r.choice == Choice::Single)
+        // Only where the planner accepts α (beyond it both fixed choices stall).
+        .filter(|s| {
+            rows.iter()
+                .any(|d| d.alpha == s.alpha && d.choice == Choice::Dynamic)
+        })
+        .filter_map(|s| {
+            rows.iter()
+                .find(|d| d.alpha == s.alpha && d.choice == Choice::Double)
+                .map(|d| (s.alpha, 1.0 - s.throughput / d.throughput))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1));
+    println!("\nAgainst MIRAGE (seed 001), as published:");
+    match switch {
+        Some(a) => println!(
+            "- the dynamic choice switches to m = α+2 at α = {a}; paper: m = α+2 is better \"when α ≥ 9\" for n = 40 (§5.4)."
+        ),
+        None => println!(
+            "- the dynamic choice never switches to m = α+2 in this range; paper: from α ≥ 9 for n = 40 (§5.4)."
+        ),
+    }
+    if let Some((a, loss)) = worst {
+        println!(
+            "- always m = α+1 loses up to {:.1}% against m = α+2 where the planner accepts α (at α = {a}); paper: 12.7% (Fig. 15).",
+            100.0 * loss
+        );
+    }
+    println!("- why: our batch is fixed (a larger α buys no KV capacity) and the link carries only reloads; the paper's T_T and T_c are not given (SIMULATION.md).");
 }
 
 pub fn run_harvest(seed: u64, json: bool) -> Result<ExitCode, strata::Error> {
@@ -149,5 +188,24 @@ pub fn run_harvest(seed: u64, json: bool) -> Result<ExitCode, strata::Error> {
             r.placed_mean_us
         );
     }
+    let range = |pick: &dyn Fn(&harvest::HarvestRow) -> bool| {
+        rows.iter()
+            .filter(|r| pick(r))
+            .map(harvest::HarvestRow::speedup)
+            .fold(None, |acc: Option<(f64, f64)>, x| {
+                Some(acc.map_or((x, x), |(lo, hi)| (lo.min(x), hi.max(x))))
+            })
+    };
+    println!("\nAgainst Harvest (seed 000), as published:");
+    if let Some((lo, hi)) = range(&|r| r.chunk.name.starts_with("expert")) {
+        println!("- expert chunks, peer over host: ours {lo:.2}x-{hi:.2}x; paper 7.5x (Tiny Phi) to 9.5x (Mixtral 8x7B) (Fig. 3).");
+    }
+    if let Some((lo, hi)) = range(&|r| r.chunk.name.contains("entries")) {
+        println!("- MLA KV entries: ours {lo:.2}x-{hi:.2}x; paper 5.42x (100 entries) to 5.68x (8000) for Kimi-K2 (Fig. 7).");
+    }
+    println!(
+        "- why: ours is bounded by the bandwidth ratio ({:.2}x); the paper's expert speedups exceed the nominal ratio (a slower measured PCIe path), and its KV speedups suggest per-copy overheads our 1 µs latencies understate (SIMULATION.md).",
+        cfg.peer_hw.host_link_bw / cfg.host_hw.host_link_bw
+    );
     Ok(ExitCode::SUCCESS)
 }
