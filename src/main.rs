@@ -16,8 +16,8 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Backend, devices, granularity and capacities.
-    Info,
+    /// Backend, devices, granularity and capacities, and the tier links measured now.
+    Info(cli::info::InfoArgs),
     /// The main job: an oversubscribed KV-serving workload across HBM, host memory and disk
     /// (`--classic`: the single-tier KvSpace and caching-allocator workload).
     Demo(cli::demo::DemoArgs),
@@ -32,7 +32,7 @@ enum Command {
 fn main() -> ExitCode {
     let args = Args::parse();
     let outcome = match args.command {
-        Command::Info => cli::info::run(),
+        Command::Info(info) => cli::info::run(info),
         Command::Demo(demo) => cli::demo::run(demo),
         Command::Bench(b) => cli::bench::run(b),
         Command::Sim(s) => cli::sim::run(s),

@@ -14,7 +14,11 @@
 
 /// CUDA C source of the kernel, compiled at run time with NVRTC. One thread block per pair;
 /// its threads copy 16-byte words when both ends are 16-byte aligned, bytes otherwise.
+/// Self-contained: it names no type from CUDA's headers (its 16-byte word is a local `alignas`
+/// struct), so it compiles under NVRTC with no include path.
 pub const CUDA_SOURCE: &str = r#"
+struct alignas(16) strata_word16 { unsigned long long lo, hi; };
+
 extern "C" __global__ void strata_copy_blocks(const unsigned long long* __restrict__ src,
                                               const unsigned long long* __restrict__ dst,
                                               unsigned long long len,
@@ -24,8 +28,8 @@ extern "C" __global__ void strata_copy_blocks(const unsigned long long* __restri
     const unsigned char* s = (const unsigned char*)src[pair];
     unsigned char* d = (unsigned char*)dst[pair];
     if ((((unsigned long long)s | (unsigned long long)d | len) & 15ull) == 0ull) {
-        const uint4* s4 = (const uint4*)s;
-        uint4* d4 = (uint4*)d;
+        const strata_word16* s4 = (const strata_word16*)s;
+        strata_word16* d4 = (strata_word16*)d;
         unsigned long long words = len >> 4;
         for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) d4[w] = s4[w];
     } else {

@@ -1,13 +1,27 @@
-//! `strata info`: what the selected backend sees.
+//! `strata info`: what the selected backend sees, and its tier links measured now.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::Args;
 use comfy_table::Table;
+use strata::tiers::calibrate::{self, CalibrationConfig, LinkFit};
 use strata::vmm::{self, Location};
 
 use super::size;
 
-pub fn run() -> Result<ExitCode, strata::Error> {
+#[derive(Args)]
+pub struct InfoArgs {
+    /// Directory in which to time the disk tier (a scratch file, removed afterwards); the
+    /// system's temporary directory by default.
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+    /// Skip measuring the links (host↔HBM, disk).
+    #[arg(long)]
+    pub no_measure: bool,
+}
+
+pub fn run(args: InfoArgs) -> Result<ExitCode, strata::Error> {
     let backend = vmm::from_env()?;
     println!("backend: {}", backend.kind());
     println!("devices: {}", backend.device_count());
@@ -29,5 +43,49 @@ pub fn run() -> Result<ExitCode, strata::Error> {
         Ok(g) => println!("host memory granularity: {}", size(g)),
         Err(e) => println!("host memory as VMM allocations: unavailable ({e})"),
     }
+    if args.no_measure || backend.device_count() == 0 {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let config = CalibrationConfig {
+        disk_dir: Some(args.disk_dir.unwrap_or_else(std::env::temp_dir)),
+        ..CalibrationConfig::default()
+    };
+    let sizes: Vec<String> = config.sizes.iter().map(|&s| size(s)).collect();
+    println!(
+        "tier links of device 0, measured now (backend copies of {}, median of {}, least squares):",
+        sizes.join(", "),
+        config.repetitions
+    );
+    match calibrate::measure(&backend, 0, &config) {
+        Ok(links) => {
+            let mut table = Table::new();
+            table.set_header(["link", "bandwidth", "latency"]);
+            let disk = if links.disk_direct {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            };
+            let rows = [
+                ("host → HBM".to_string(), Some(links.host_to_hbm)),
+                ("HBM → host".to_string(), Some(links.hbm_to_host)),
+                (format!("disk → host ({disk})"), links.disk_read),
+                (format!("host → disk ({disk})"), links.disk_write),
+            ];
+            for (name, link) in rows {
+                if let Some(link) = link {
+                    table.add_row([name, rate(&link), format!("{:.1?}", link.latency)]);
+                }
+            }
+            println!("{table}");
+            if let Some(dir) = &config.disk_dir {
+                println!("disk measured in {}", dir.display());
+            }
+        }
+        Err(e) => println!("  not measured: {e}"),
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+fn rate(link: &LinkFit) -> String {
+    format!("{:.2} GB/s", link.bandwidth / 1e9)
 }

@@ -5,6 +5,7 @@
 //! MIRAGE's parameter remapping ([`mirage`]).
 #![deny(unsafe_code)]
 
+pub mod calibrate;
 pub mod disk;
 pub mod harvest;
 pub mod kv;
@@ -16,6 +17,7 @@ pub mod policy;
 pub mod store;
 pub mod transfer;
 
+pub use calibrate::{CalibrationConfig, LinkFit, MeasuredLinks};
 pub use harvest::{HarvestConfig, HarvestController, HarvestHandle, HarvestHints};
 pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, RequestId};
 pub use mirage::Mirage;

@@ -30,7 +30,8 @@ use crate::object::{Durability, Notice, ObjectId, Residency};
 use crate::policy::{EvictionPolicy, PolicyKind, Tier};
 use crate::transfer::{Direction, Submission, TransferEngine, TransferStats};
 
-/// Capacity, bandwidth and latency of a tier, as configured (measuring them at start is not built yet).
+/// Capacity, bandwidth and latency of a tier: configured, or measured at start
+/// ([`crate::calibrate`], [`StoreConfig::with_measured_links`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TierSpec {
     /// Bytes.

@@ -184,7 +184,7 @@ impl TransferEngine {
                 {
                     match self.launch(stream, pairs, len, scope) {
                         Err(Error::Unsupported(_)) => {
-                            // CUDA: the NVRTC launch is not wired yet; DMA from now on.
+                            // CUDA without NVRTC (or a kernel it cannot build): DMA from now on.
                             self.kernel_ok.store(false, Ordering::Relaxed);
                         }
                         other => return other,

@@ -578,6 +578,82 @@ impl VaTable {
         Ok(Translation::Device(pieces))
     }
 
+    /// Checks one launch of the block-copy kernel (`Backend::copy_blocks_async`) for `accessor`:
+    /// the rule both backends share, so they report the same typed errors before anything is
+    /// queued.
+    ///
+    /// - `len` fits `usize`, `len × pairs` fits `u64`, every `address + len` fits
+    ///   ([`Error::Overflow`]);
+    /// - every source is readable and every destination writable by `accessor` (precondition 8:
+    ///   [`Error::IllegalAccess`]), host pointers are not null ([`Error::InvalidArgument`]);
+    /// - destinations are pairwise disjoint and disjoint from every source
+    ///   ([`Error::InvalidArgument`]), compared on the memory itself: device ranges as
+    ///   `(handle, offset)` pieces, so two VAs of one handle alias, host ranges as addresses.
+    ///
+    /// Returns the host (non-device) ranges `(address, len)` of the launch, sources first.
+    pub(crate) fn check_blocks(
+        &self,
+        accessor: Accessor,
+        len: u64,
+        pairs: &[(DevicePtr, DevicePtr)],
+    ) -> Result<Vec<(u64, u64)>> {
+        usize::try_from(len).map_err(|_| Error::Overflow("block length"))?;
+        let count = u64::try_from(pairs.len()).map_err(|_| Error::Overflow("block count"))?;
+        len.checked_mul(count)
+            .ok_or(Error::Overflow("block length × count"))?;
+        for &(src, dst) in pairs {
+            range_end(src, len, "copy address + length")?;
+            range_end(dst, len, "copy address + length")?;
+        }
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        // Ranges per memory space: `None` is host memory, `Some(handle)` a physical handle.
+        type Spaces = BTreeMap<Option<u64>, (Vec<(u64, u64)>, Vec<(u64, u64)>)>;
+        let mut spaces = Spaces::new();
+        let mut host = Vec::new();
+        for (is_dst, need) in [(false, Access::Read), (true, Access::ReadWrite)] {
+            for &(src, dst) in pairs {
+                let addr = if is_dst { dst } else { src };
+                let mut push = |key: Option<u64>, range: (u64, u64)| {
+                    let entry = spaces.entry(key).or_default();
+                    if is_dst {
+                        entry.1.push(range);
+                    } else {
+                        entry.0.push(range);
+                    }
+                };
+                match self.translate(addr, len, accessor, need)? {
+                    Translation::Host if addr == 0 => {
+                        return Err(Error::InvalidArgument("null host pointer in a copy".into()))
+                    }
+                    Translation::Host => {
+                        push(None, (addr, len));
+                        host.push((addr, len));
+                    }
+                    Translation::Device(pieces) => {
+                        for p in pieces {
+                            push(Some(p.handle.0), (p.offset, p.len));
+                        }
+                    }
+                }
+            }
+        }
+        for (space, (srcs, dsts)) in &spaces {
+            if let Err((a, b)) = strata_kernels::blockcopy::check_disjoint(srcs, dsts) {
+                let at = match space {
+                    None => "host memory".to_string(),
+                    Some(h) => format!("physical handle {h:#x} (offsets)"),
+                };
+                return Err(Error::InvalidArgument(format!(
+                    "block-copy ranges overlap in {at}: {:#x}+{:#x} and {:#x}+{:#x}",
+                    a.0, a.1, b.0, b.1
+                )));
+            }
+        }
+        Ok(host)
+    }
+
     /// Checks the table's invariants (tests): mappings inside their reservation, disjoint,
     /// access runs covering each mapping exactly, the mapping count right.
     #[cfg(test)]
@@ -898,5 +974,63 @@ mod tests {
             t.translate(u64::MAX, 2, Accessor::Any, Access::Read),
             Err(Error::Overflow(_))
         ));
+    }
+
+    #[test]
+    fn block_launch_rule_compares_the_memory_itself() {
+        let mut t = table();
+        let (a, b) = (0x10_0000u64, 0x10_0000 + 4 * G);
+        // One handle mapped at two VAs: `a` and `b` show the same bytes.
+        t.insert_mapping(a, 2 * G, H, 0, 2 * G, G).unwrap();
+        t.insert_mapping(b, 2 * G, H, 0, 2 * G, G).unwrap();
+        t.set_access(a, 2 * G, &[(D0, Access::ReadWrite)], G)
+            .unwrap();
+        t.set_access(b, 2 * G, &[(D0, Access::ReadWrite)], G)
+            .unwrap();
+        let d0 = Accessor::Location(D0);
+        let host = 0x7f00_0000_0000u64;
+        // Disjoint device ranges and host ranges: fine; the host ranges come back.
+        let got = t
+            .check_blocks(d0, 64, &[(a, a + G), (host, a + 64)])
+            .unwrap();
+        assert_eq!(got, vec![(host, 64)]);
+        // A destination over another destination, over a source, and over a source seen
+        // through the second VA of the same handle.
+        for pairs in [
+            [(host, a), (host + 64, a + 32)],
+            [(a, a + 32), (host, a + G)],
+            [(a, b + 16), (host, a + G)],
+        ] {
+            assert!(
+                matches!(
+                    t.check_blocks(d0, 64, &pairs),
+                    Err(Error::InvalidArgument(_))
+                ),
+                "{pairs:x?}"
+            );
+        }
+        // Host destinations overlap in host memory too.
+        assert!(matches!(
+            t.check_blocks(d0, 64, &[(a, host), (a + 64, host + 8)]),
+            Err(Error::InvalidArgument(_))
+        ));
+        // Access, null host pointers, overflow; zero length is nothing to check.
+        assert!(matches!(
+            t.check_blocks(Accessor::Location(D1), 64, &[(a, host)]),
+            Err(Error::IllegalAccess { .. })
+        ));
+        assert!(matches!(
+            t.check_blocks(d0, 64, &[(0, a)]),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            t.check_blocks(d0, 64, &[(u64::MAX - 8, a)]),
+            Err(Error::Overflow(_))
+        ));
+        assert!(matches!(
+            t.check_blocks(d0, u64::MAX, &[(a, host), (host, a)]),
+            Err(Error::Overflow(_))
+        ));
+        assert_eq!(t.check_blocks(d0, 0, &[(a, a)]).unwrap(), vec![]);
     }
 }

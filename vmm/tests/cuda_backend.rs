@@ -442,3 +442,172 @@ fn host_numa_memory_when_supported() {
     b.free_va(va, round_up(g, b.granularity(D0).unwrap()).unwrap())
         .unwrap();
 }
+
+/// Queues one block-copy launch; `None` (after saying why) where this machine has a driver but
+/// no NVRTC, the one reason the kernel may be unsupported on a GPU.
+fn launch_blocks(
+    b: &Arc<dyn Backend>,
+    stream: StreamHandle,
+    len: u64,
+    pairs: &[(u64, u64)],
+) -> Option<()> {
+    // SAFETY: the tests pass device ranges, or host memory they keep alive and untouched until
+    // they synchronize the stream.
+    match unsafe { b.copy_blocks_async(stream, len, pairs) } {
+        Ok(()) => Some(()),
+        Err(Error::Unsupported(why))
+            if strata_vmm::cuda::result::nvrtc::check_present().is_err() =>
+        {
+            println!("skipped: block-copy kernel unavailable ({why})");
+            None
+        }
+        Err(other) => panic!("block-copy launch failed: {other}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run with --include-ignored on a GPU machine"]
+fn block_copy_kernel_gathers_and_scatters() {
+    let Some(b) = backend() else { return };
+    let before = b.live_counts();
+    let (va, size, h) = mapped(&b, 4);
+    let half = size / 2;
+    let s = b.stream_create(0).unwrap();
+    // Aligned blocks (16-byte words) and odd-sized ones (the byte loop), 512 of each.
+    for (len, count, seed) in [(4096u64, 512u64, 3u8), (100, 512, 9)] {
+        let src = pattern((len * count) as usize, seed);
+        b.write(va, &src).unwrap();
+        // Scatter: block i to slot (count - 1 - i) * 2 of the other half (reversed, with gaps).
+        let stride = round_up(len, 16).unwrap() * 2;
+        let scatter: Vec<(u64, u64)> = (0..count)
+            .map(|i| (va + i * len, va + half + (count - 1 - i) * stride))
+            .collect();
+        if launch_blocks(&b, s, len, &scatter).is_none() {
+            break;
+        }
+        b.stream_synchronize(s).unwrap();
+        for i in [0, 1, count / 2, count - 1] {
+            let mut got = vec![0u8; len as usize];
+            b.read(va + half + (count - 1 - i) * stride, &mut got)
+                .unwrap();
+            assert_eq!(
+                got,
+                src[(i * len) as usize..((i + 1) * len) as usize],
+                "block {i}"
+            );
+        }
+        // Gather them back, contiguous, after a clear of the first half.
+        b.memset_async(s, va, 0, half).unwrap();
+        let gather: Vec<(u64, u64)> = scatter.iter().map(|&(a, d)| (d, a)).collect();
+        launch_blocks(&b, s, len, &gather).unwrap();
+        b.stream_synchronize(s).unwrap();
+        let mut got = vec![0u8; src.len()];
+        b.read(va, &mut got).unwrap();
+        assert_eq!(got, src, "gather of {count} × {len} bytes");
+    }
+
+    // Pinned host memory as the source (the kernel reads it over the link) and pageable host
+    // memory as the destination (the backend falls back to DMA for it): same bytes either way.
+    let len = 256u64;
+    let count = 64u64;
+    let pinned = b.host_alloc(len * count).unwrap();
+    let data = pattern((len * count) as usize, 77);
+    // SAFETY: `pinned` is a fresh host allocation of `len * count` bytes; nothing else uses it.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), pinned as *mut u8, data.len()) };
+    let to_device: Vec<(u64, u64)> = (0..count)
+        .map(|i| (pinned + i * len, va + (count - 1 - i) * len))
+        .collect();
+    if launch_blocks(&b, s, len, &to_device).is_some() {
+        let mut pageable = vec![0u8; data.len()];
+        let to_host: Vec<(u64, u64)> = (0..count)
+            .map(|i| {
+                (
+                    va + (count - 1 - i) * len,
+                    pageable.as_mut_ptr() as u64 + i * len,
+                )
+            })
+            .collect();
+        launch_blocks(&b, s, len, &to_host).unwrap();
+        b.stream_synchronize(s).unwrap();
+        assert_eq!(pageable, data);
+    }
+    b.stream_synchronize(s).unwrap();
+    // SAFETY: from `host_alloc` above; the stream that used it is synchronized.
+    unsafe { b.host_free(pinned, len * count).unwrap() };
+
+    b.stream_destroy(s).unwrap();
+    teardown(&b, va, size, h);
+    assert_eq!(b.live_counts(), before);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run with --include-ignored on a GPU machine"]
+fn block_copy_kernel_handles_more_pairs_than_one_grid_chunk() {
+    let Some(b) = backend() else { return };
+    let before = b.live_counts();
+    // 3 × 65535 + 8 pairs of 16 bytes: several staging chunks (one granule stages
+    // granularity / 16 pairs), and more than a 65535-block grid.
+    let count = 3 * 65535 + 8u64;
+    let len = 16u64;
+    let g = b.granularity(D0).unwrap();
+    let units = (2 * count * len).div_ceil(g) + 1;
+    let (va, size, h) = mapped(&b, units);
+    let dst_base = round_up(count * len, g).unwrap();
+    let src = pattern((count * len) as usize, 5);
+    b.write(va, &src).unwrap();
+    // Reversed order on the default stream.
+    let pairs: Vec<(u64, u64)> = (0..count)
+        .map(|i| (va + i * len, va + dst_base + (count - 1 - i) * len))
+        .collect();
+    if launch_blocks(&b, StreamHandle::DEFAULT, len, &pairs).is_some() {
+        b.stream_synchronize(StreamHandle::DEFAULT).unwrap();
+        let mut got = vec![0u8; src.len()];
+        b.read(va + dst_base, &mut got).unwrap();
+        for i in 0..count as usize {
+            let j = count as usize - 1 - i;
+            assert_eq!(
+                got[j * 16..(j + 1) * 16],
+                src[i * 16..(i + 1) * 16],
+                "pair {i}"
+            );
+        }
+    }
+    teardown(&b, va, size, h);
+    assert_eq!(b.live_counts(), before);
+}
+
+#[test]
+#[ignore = "needs a CUDA device: run with --include-ignored on a GPU machine"]
+fn block_copy_kernel_rejects_what_the_host_twin_rejects() {
+    let Some(b) = backend() else { return };
+    let (va, size, h) = mapped(&b, 2);
+    let g = size / 2;
+    let s = b.stream_create(0).unwrap();
+    let launch = |len: u64, pairs: &[(u64, u64)]| {
+        // SAFETY: device ranges only; every call here is refused before anything is queued.
+        unsafe { b.copy_blocks_async(s, len, pairs) }
+    };
+    // Overlapping destinations, and a destination over a source.
+    let err = launch(4096, &[(va, va + g), (va + 4096, va + g + 2048)]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let err = launch(4096, &[(va, va + 2048)]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // The same memory through a second VA of the same handle is an overlap too.
+    let va2 = b.reserve(size, 0).unwrap();
+    b.map(va2, size, h, 0).unwrap();
+    b.set_access(va2, size, &[(D0, Access::ReadWrite)]).unwrap();
+    let err = launch(4096, &[(va, va2 + 1024)]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // A destination in a reservation with nothing mapped, arithmetic that overflows.
+    let empty = b.reserve(g, 0).unwrap();
+    let err = launch(64, &[(va, empty)]).unwrap_err();
+    assert!(matches!(err, Error::IllegalAccess { .. }), "{err}");
+    b.free_va(empty, g).unwrap();
+    let err = launch(64, &[(u64::MAX - 8, va)]).unwrap_err();
+    assert!(matches!(err, Error::Overflow(_)), "{err}");
+    b.stream_synchronize(s).unwrap();
+    b.unmap(va2, size).unwrap();
+    b.free_va(va2, size).unwrap();
+    b.stream_destroy(s).unwrap();
+    teardown(&b, va, size, h);
+}

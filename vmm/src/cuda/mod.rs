@@ -9,15 +9,20 @@
 //! - Never panics on a machine without CUDA: every driver call goes through
 //!   [`result::call`], which turns cudarc's "library/symbol missing" panic into
 //!   [`Error::NoDriver`].
+//! - Launches the block-copy kernel (`cuda/launch.rs`): NVRTC compiles it once per device on
+//!   first use; without NVRTC (or a kernel the driver refuses) `copy_blocks_async` is
+//!   [`Error::Unsupported`] and callers fall back to DMA. Pairs that touch pageable host memory
+//!   (not from `host_alloc`) go to the DMA engines, which can reach it where a kernel cannot.
 //!
 //! Handles: [`PhysHandle`] is the `CUmemGenericAllocationHandle` value; [`StreamHandle`] is the
 //! `CUstream` pointer value (0 = the legacy default stream); [`EventHandle`] is the pointer value
 //! of the event created in device 0's context (more per-device events are made on demand, since
 //! an event can only be recorded on a stream of its own context).
 
+mod launch;
 pub mod result;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 
@@ -96,6 +101,22 @@ struct State {
     handles: HashMap<u64, HandleInfo>,
     streams: HashMap<u64, Arc<StreamObj>>,
     events: HashMap<u64, Arc<EventObj>>,
+    /// Live `host_alloc` allocations (pinned, device-reachable): start → size.
+    pinned: BTreeMap<u64, u64>,
+}
+
+impl State {
+    /// True when `addr..addr+len` lies inside one pinned allocation of ours (a kernel can reach
+    /// it at the same address; pageable memory it cannot).
+    fn pinned_contains(&self, addr: u64, len: u64) -> bool {
+        self.pinned
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&p, &s)| {
+                addr.checked_add(len)
+                    .is_some_and(|end| end <= p.saturating_add(s))
+            })
+    }
 }
 
 /// The CUDA driver, primary contexts of every device.
@@ -105,6 +126,9 @@ pub struct CudaBackend {
     host_granularity: OnceLock<std::result::Result<u64, String>>,
     batch: Option<result::memcpy::BatchFn>,
     batch_enabled: std::sync::atomic::AtomicBool,
+    /// The block-copy kernel per device, compiled on first use; a failure is kept as the
+    /// message of the [`Error::Unsupported`] every later launch returns.
+    launchers: Vec<OnceLock<std::result::Result<launch::Launcher, String>>>,
     state: Mutex<State>,
 }
 
@@ -167,6 +191,7 @@ impl CudaBackend {
             host_granularity: OnceLock::new(),
             batch,
             batch_enabled: std::sync::atomic::AtomicBool::new(batch.is_some()),
+            launchers: (0..count).map(|_| OnceLock::new()).collect(),
             state: Mutex::new(State::default()),
         })
     }
@@ -389,8 +414,6 @@ impl CudaBackend {
         Ok(plan)
     }
 
-    /// For the default stream: the first device whose grants allow every copy; else the error
-    /// device 0 would get.
     /// The device a created stream belongs to.
     fn stream_device(state: &State, stream: StreamHandle) -> Result<u32> {
         state
@@ -403,15 +426,39 @@ impl CudaBackend {
             })
     }
 
-    fn default_copy_device(&self, table: &VaTable, copies: &[CopyDesc]) -> Result<u32> {
+    /// The device that runs work on `stream` and what `check` returns for it: a created
+    /// stream's own device; for the default stream, the first device for which `check` passes
+    /// (else the error device 0 gets).
+    fn device_for_work<T>(
+        &self,
+        state: &State,
+        stream: StreamHandle,
+        check: impl Fn(Accessor) -> Result<T>,
+    ) -> Result<(u32, T)> {
+        let accessor = |d: u32| Accessor::Location(Location::Device(d));
+        if stream != StreamHandle::DEFAULT {
+            let d = Self::stream_device(state, stream)?;
+            return check(accessor(d)).map(|t| (d, t));
+        }
         for d in 0..self.devices.len() as u32 {
-            let accessor = Accessor::Location(Location::Device(d));
-            if Self::plan_copies(table, accessor, copies).is_ok() {
-                return Ok(d);
+            if let Ok(t) = check(accessor(d)) {
+                return Ok((d, t));
             }
         }
-        Self::plan_copies(table, Accessor::Location(Location::Device(0)), copies)?;
-        Ok(0)
+        check(accessor(0)).map(|t| (0, t))
+    }
+
+    /// The block-copy kernel of `device`, compiled and loaded on first use.
+    fn launcher(&self, device: u32) -> Result<&launch::Launcher> {
+        let dev = self.device(device)?;
+        let got = self.launchers[device as usize].get_or_init(|| {
+            self.enter(device).map_err(|e| e.to_string())?;
+            launch::Launcher::new(device, dev.cu, dev.granularity).map_err(|e| match e {
+                Error::Unsupported(msg) => msg,
+                other => format!("block-copy kernel: {other}"),
+            })
+        });
+        got.as_ref().map_err(|msg| Error::Unsupported(msg.clone()))
     }
 
     /// Submits a validated plan on `raw` (context current).
@@ -587,6 +634,18 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         if crate::raii::process_is_exiting() {
             return;
+        }
+        for d in 0..self.launchers.len() {
+            if let Some(Ok(launcher)) = self.launchers[d].take() {
+                // Its slots, memory and module belong to this device's context.
+                match self.enter(d as u32) {
+                    Ok(_) => drop(launcher),
+                    Err(e) => {
+                        crate::raii::record_deferred(e);
+                        std::mem::forget(launcher);
+                    }
+                }
+            }
         }
         for dev in &self.devices {
             // SAFETY: `new` retained each primary context exactly once; this is the matching
@@ -1014,15 +1073,11 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_async(&self, stream: StreamHandle, copies: &[CopyDesc]) -> Result<()> {
-        let (plan, default_device) = {
+        let (default_device, plan) = {
             let state = self.state.lock();
-            let device = if stream == StreamHandle::DEFAULT {
-                self.default_copy_device(&state.table, copies)?
-            } else {
-                Self::stream_device(&state, stream)?
-            };
-            let accessor = Accessor::Location(Location::Device(device));
-            (Self::plan_copies(&state.table, accessor, copies)?, device)
+            self.device_for_work(&state, stream, |a| {
+                Self::plan_copies(&state.table, a, copies)
+            })?
         };
         if plan.is_empty() {
             return Ok(());
@@ -1097,22 +1152,61 @@ impl Backend for CudaBackend {
             )));
         }
         self.enter(0)?;
-        let n = result::to_usize(size, "host allocation size")?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: `p` is a valid out-pointer; the primary context is current (`enter`).
-        result::call("cuMemHostAlloc", || unsafe {
-            sys::cuMemHostAlloc(&mut p, n, sys::CU_MEMHOSTALLOC_PORTABLE)
-        })?;
-        Ok(p as DevicePtr)
+        let ptr = result::host::alloc(size)?;
+        self.state.lock().pinned.insert(ptr, size);
+        Ok(ptr)
     }
 
     unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let _ = size;
+        let mut state = self.state.lock();
+        if state.pinned.get(&ptr) != Some(&size) {
+            return Err(Error::UnknownPointer(ptr));
+        }
         self.enter(0)?;
-        // SAFETY: the caller guarantees `ptr` came from `host_alloc` (cuMemHostAlloc) and is no
-        // longer used by copies or anyone else.
-        result::call("cuMemFreeHost", || unsafe {
-            sys::cuMemFreeHost(ptr as usize as *mut std::ffi::c_void)
+        // SAFETY: the table proves `ptr` is a live `host_alloc` of this size; the caller
+        // guarantees nothing uses it any more.
+        unsafe { result::host::free(ptr)? };
+        state.pinned.remove(&ptr);
+        Ok(())
+    }
+
+    unsafe fn copy_blocks_async(
+        &self,
+        stream: StreamHandle,
+        len: u64,
+        pairs: &[(DevicePtr, DevicePtr)],
+    ) -> Result<()> {
+        let (device, reachable) = {
+            let state = self.state.lock();
+            let (device, host_ranges) =
+                self.device_for_work(&state, stream, |a| state.table.check_blocks(a, len, pairs))?;
+            let reachable = host_ranges
+                .iter()
+                .all(|&(addr, n)| state.pinned_contains(addr, n));
+            (device, reachable)
+        };
+        if len == 0 || pairs.is_empty() {
+            return Ok(());
+        }
+        if !reachable {
+            // Pageable host memory: no kernel can reach it, the DMA engines can. The ranges
+            // passed the launch rule, so the copies' order is unobservable.
+            let plan: Vec<(u64, u64, u64)> =
+                pairs.iter().map(|&(src, dst)| (dst, src, len)).collect();
+            return self.with_stream(stream, device, |_, raw| {
+                // SAFETY: every device range was validated for this stream's device; host
+                // ranges are the caller's obligation (this fn's `# Safety`); the stream is held
+                // alive with its context current.
+                unsafe { self.submit(&plan, raw) }
+            });
+        }
+        let launcher = self.launcher(device)?;
+        self.with_stream(stream, device, |_, raw| {
+            // SAFETY: `with_stream` holds the stream alive with `device`'s context current (the
+            // launcher's); `check_blocks` validated every device range for this device and the
+            // launch rule; every host range lies in a live pinned `host_alloc` of ours, kept
+            // valid until completion by the caller (this fn's `# Safety`).
+            unsafe { launcher.launch(raw, len, pairs) }
         })
     }
 
@@ -1189,6 +1283,36 @@ mod tests {
         assert!(matches!(result::driver_version(), Err(Error::NoDriver(_))));
         assert!(result::memcpy::batch_fn().is_none());
         assert!(!result::symbol_present(c"cuMemcpyBatchAsync"));
+    }
+
+    #[test]
+    fn missing_nvrtc_is_unsupported_not_a_panic() {
+        use result::nvrtc::{self, Image};
+        let present = std::panic::catch_unwind(nvrtc::check_present).expect("no panic");
+        let compiled = std::panic::catch_unwind(|| {
+            nvrtc::compile(
+                strata_kernels::blockcopy::CUDA_SOURCE,
+                c"t.cu",
+                80,
+                Image::Ptx,
+            )
+        })
+        .expect("compile must not panic");
+        match present {
+            Ok(()) => {
+                // NVRTC here: the kernel source compiles on its own (no headers needed).
+                let ptx = compiled.expect("CUDA_SOURCE compiles with NVRTC");
+                assert_eq!(ptx.last(), Some(&0), "PTX is NUL-terminated");
+            }
+            Err(e) => {
+                assert!(matches!(e, Error::Unsupported(_)), "{e}");
+                assert!(matches!(compiled, Err(Error::Unsupported(_))));
+                assert!(matches!(
+                    nvrtc::supported_archs(),
+                    Err(Error::Unsupported(_))
+                ));
+            }
+        }
     }
 
     #[test]

@@ -20,8 +20,8 @@ use cudarc::driver::sys;
 use crate::error::{Error, Result};
 
 pub use sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemAccessDesc, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUmemLocation, CUresult, CUstream,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemAccessDesc, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUmemLocation, CUmodule, CUresult, CUstream,
 };
 
 /// Runs one driver call, turning a panic from cudarc's lazy loader (no library, missing symbol)
@@ -142,6 +142,18 @@ pub const REQUIRED_SYMBOLS: &[&CStr] = &[
     c"cuMemsetD8Async",
 ];
 
+/// Driver symbols the block-copy kernel needs beyond [`REQUIRED_SYMBOLS`] (probed before its
+/// first launch, so a driver without them means "no kernel", not "no backend").
+pub const KERNEL_SYMBOLS: &[&CStr] = &[
+    c"cuDeviceGetAttribute",
+    c"cuModuleLoadData",
+    c"cuModuleUnload",
+    c"cuModuleGetFunction",
+    c"cuLaunchKernel",
+    c"cuMemHostAlloc",
+    c"cuMemFreeHost",
+];
+
 /// The names in `symbols` the loaded driver library does not export (all of them when no
 /// library loads). Probing up front means a later call never hits cudarc's panic on a missing
 /// symbol, even in a build with `panic = "abort"`.
@@ -229,6 +241,16 @@ pub mod device {
         // SAFETY: `buf` is NUL-terminated (forced above) and lives across the borrow.
         let name = unsafe { CStr::from_ptr(buf.as_ptr()) };
         Ok(name.to_string_lossy().into_owned())
+    }
+
+    /// One integer attribute of the device (compute capability, grid limits, ...).
+    pub fn attribute(dev: CUdevice, attribute: sys::CUdevice_attribute) -> Result<i32> {
+        let mut value: c_int = 0;
+        // SAFETY: `value` is a valid out-pointer; the driver validates `dev` and `attribute`.
+        call("cuDeviceGetAttribute", || unsafe {
+            sys::cuDeviceGetAttribute(&mut value, attribute, dev)
+        })?;
+        Ok(value)
     }
 
     /// Total device memory in bytes.
@@ -785,5 +807,337 @@ pub mod memcpy {
         call("cuMemsetD8Async", || unsafe {
             sys::cuMemsetD8Async(dst, value, len, stream)
         })
+    }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`), reachable from every device at the same address
+/// (unified addressing).
+pub mod host {
+    use super::*;
+
+    /// Allocates `size` bytes of portable pinned host memory (a context must be current).
+    pub fn alloc(size: u64) -> Result<CUdeviceptr> {
+        let n = to_usize(size, "host allocation size")?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer for the call; the flag is a valid allocation flag.
+        call("cuMemHostAlloc", || unsafe {
+            sys::cuMemHostAlloc(&mut p, n, sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(p as CUdeviceptr)
+    }
+
+    /// Frees memory from [`alloc`].
+    ///
+    /// # Safety
+    ///
+    /// 1. `ptr` came from [`alloc`] and is freed once.
+    /// 2. No copy or kernel in flight touches it, and nobody uses it afterwards.
+    pub unsafe fn free(ptr: CUdeviceptr) -> Result<()> {
+        // SAFETY: the caller guarantees `ptr` is a live pinned allocation nobody uses any more.
+        call("cuMemFreeHost", || unsafe {
+            sys::cuMemFreeHost(ptr as usize as *mut c_void)
+        })
+    }
+}
+
+/// Modules (compiled device code) and their functions.
+pub mod module {
+    use super::*;
+
+    /// Loads a module into the current context from an image in memory.
+    ///
+    /// # Safety
+    ///
+    /// 1. `image` is a complete cubin, or PTX text ending in NUL (as NVRTC produced it): the
+    ///    driver parses it without a length.
+    /// 2. A context is current; the module belongs to it and is unloaded with that context
+    ///    current ([`unload`]).
+    pub unsafe fn load_data(image: &[u8]) -> Result<CUmodule> {
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: `module` is a valid out-pointer; the caller guarantees the image is complete.
+        call("cuModuleLoadData", || unsafe {
+            sys::cuModuleLoadData(&mut module, image.as_ptr().cast::<c_void>())
+        })?;
+        Ok(module)
+    }
+
+    /// Unloads a module.
+    ///
+    /// # Safety
+    ///
+    /// 1. `module` came from [`load_data`], is unloaded once with its context current, and no
+    ///    launch of its functions is still queued or running.
+    pub unsafe fn unload(module: CUmodule) -> Result<()> {
+        // SAFETY: the caller guarantees the module is live, idle and unloaded once.
+        call("cuModuleUnload", || unsafe { sys::cuModuleUnload(module) })
+    }
+
+    /// The entry point `name` of a loaded module.
+    ///
+    /// # Safety
+    ///
+    /// 1. `module` is live (loaded and not unloaded).
+    pub unsafe fn function(module: CUmodule, name: &CStr) -> Result<CUfunction> {
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: `f` is a valid out-pointer, `name` a NUL-terminated string that outlives the
+        // call; the caller guarantees the module.
+        call("cuModuleGetFunction", || unsafe {
+            sys::cuModuleGetFunction(&mut f, module, name.as_ptr())
+        })?;
+        Ok(f)
+    }
+}
+
+/// Kernel launches.
+pub mod launch {
+    use super::*;
+
+    /// Queues `f` on `stream` with a one-dimensional grid and block and no dynamic shared
+    /// memory. `params` holds one pointer per kernel parameter, each to a value of exactly the
+    /// parameter's type; the driver copies the values before returning.
+    ///
+    /// # Safety
+    ///
+    /// 1. `f` is a function of a live module of the current context.
+    /// 2. `params` matches the kernel's parameter list in number, order and types.
+    /// 3. Every memory the kernel touches with these parameters is valid for it (device VA
+    ///    mapped with access for this device, or pinned host memory) until the launch completes.
+    /// 4. `stream` is null or live, in the current context.
+    pub unsafe fn kernel(
+        f: CUfunction,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller guarantees the function, the parameters and the memory they reach;
+        // `params` outlives the call; `extra` is null (parameters come from `params`).
+        call("cuLaunchKernel", || unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+/// NVRTC, the run-time CUDA C compiler (cudarc's `nvrtc::sys`, loaded dynamically).
+///
+/// Its absence is no reason to refuse the backend: every failure here (no `libnvrtc`, a missing
+/// symbol, a compile error) is [`Error::Unsupported`], so callers of the block-copy kernel fall
+/// back to DMA. cudarc's loader panics on a missing library or symbol; symbols are probed up front
+/// and every call is wrapped as in [`call`].
+pub mod nvrtc {
+    use std::ffi::CString;
+
+    use cudarc::nvrtc::sys as nv;
+
+    use super::*;
+
+    /// Every NVRTC symbol this module calls.
+    pub const SYMBOLS: &[&CStr] = &[
+        c"nvrtcCreateProgram",
+        c"nvrtcCompileProgram",
+        c"nvrtcDestroyProgram",
+        c"nvrtcGetProgramLogSize",
+        c"nvrtcGetProgramLog",
+        c"nvrtcGetPTXSize",
+        c"nvrtcGetPTX",
+        c"nvrtcGetCUBINSize",
+        c"nvrtcGetCUBIN",
+        c"nvrtcGetNumSupportedArchs",
+        c"nvrtcGetSupportedArchs",
+    ];
+
+    /// What a compilation produces.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Image {
+        /// Machine code for exactly one architecture (`--gpu-architecture=sm_XY`).
+        Cubin,
+        /// PTX for a virtual architecture (`compute_XY`), JIT-compiled by the driver at load.
+        Ptx,
+    }
+
+    fn unsupported(what: impl std::fmt::Display) -> Error {
+        Error::Unsupported(format!("NVRTC: {what}"))
+    }
+
+    /// One NVRTC call: a loader panic or a failure code becomes [`Error::Unsupported`].
+    fn call_nv(name: &'static str, f: impl FnOnce() -> nv::nvrtcResult) -> Result<()> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(nv::nvrtcResult::NVRTC_SUCCESS) => Ok(()),
+            Ok(code) => Err(unsupported(format_args!("{name} failed: {code:?}"))),
+            Err(_) => Err(unsupported(format_args!(
+                "{name}: libnvrtc or this symbol could not be loaded"
+            ))),
+        }
+    }
+
+    /// Checks that `libnvrtc` loads and exports every symbol in [`SYMBOLS`]
+    /// ([`Error::Unsupported`] naming what is missing otherwise).
+    pub fn check_present() -> Result<()> {
+        let present = catch_unwind(|| {
+            // SAFETY: loading libnvrtc runs only its initializers; nothing else is called.
+            unsafe { nv::is_culib_present() }
+        })
+        .unwrap_or(false);
+        if !present {
+            return Err(unsupported("libnvrtc could not be loaded"));
+        }
+        let missing: Vec<String> = SYMBOLS
+            .iter()
+            .filter(|name| {
+                !catch_unwind(|| {
+                    // SAFETY: `culib` returns the library just found; looking a symbol up calls
+                    // nothing, so the pointer type is irrelevant.
+                    unsafe {
+                        nv::culib()
+                            .get::<unsafe extern "C" fn()>(name.to_bytes_with_nul())
+                            .is_ok()
+                    }
+                })
+                .unwrap_or(false)
+            })
+            .map(|name| name.to_string_lossy().into_owned())
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(unsupported(format_args!(
+                "libnvrtc lacks {}",
+                missing.join(", ")
+            )))
+        }
+    }
+
+    /// The real architectures this NVRTC compiles for (`[75, 80, 86, 89, 90, ...]`).
+    pub fn supported_archs() -> Result<Vec<u32>> {
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-pointer for the call.
+        call_nv("nvrtcGetNumSupportedArchs", || unsafe {
+            nv::nvrtcGetNumSupportedArchs(&mut n)
+        })?;
+        let mut archs = vec![0 as c_int; usize::try_from(n).unwrap_or(0)];
+        if archs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: `archs` holds exactly the number of entries NVRTC reported.
+        call_nv("nvrtcGetSupportedArchs", || unsafe {
+            nv::nvrtcGetSupportedArchs(archs.as_mut_ptr())
+        })?;
+        Ok(archs
+            .into_iter()
+            .filter_map(|a| u32::try_from(a).ok())
+            .collect())
+    }
+
+    /// A program, destroyed on drop.
+    struct Program(nv::nvrtcProgram);
+
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: the program was created by `nvrtcCreateProgram` and is destroyed once
+            // (NVRTC takes a pointer to the handle and nulls it).
+            let _ = call_nv("nvrtcDestroyProgram", || unsafe {
+                nv::nvrtcDestroyProgram(&mut self.0)
+            });
+        }
+    }
+
+    impl Program {
+        /// Reads a sized NVRTC output (log, PTX, cubin) into a vector.
+        fn output(
+            &self,
+            what: (&'static str, &'static str),
+            size: unsafe fn(nv::nvrtcProgram, *mut usize) -> nv::nvrtcResult,
+            read: unsafe fn(nv::nvrtcProgram, *mut c_char) -> nv::nvrtcResult,
+        ) -> Result<Vec<u8>> {
+            let mut n: usize = 0;
+            // SAFETY: the program is live (owned by `self`) and `n` a valid out-pointer.
+            call_nv(what.0, || unsafe { size(self.0, &mut n) })?;
+            let mut out = vec![0u8; n];
+            if n > 0 {
+                // SAFETY: `out` holds exactly the `n` bytes NVRTC reported for this output.
+                call_nv(what.1, || unsafe {
+                    read(self.0, out.as_mut_ptr().cast::<c_char>())
+                })?;
+            }
+            Ok(out)
+        }
+    }
+
+    /// Compiles `source` (program name `name`) for architecture `arch` (`90` for sm_90) into
+    /// `image`. PTX comes back NUL-terminated, ready for [`module::load_data`]. Call
+    /// [`check_present`] first. A compile error carries NVRTC's log.
+    pub fn compile(source: &str, name: &CStr, arch: u32, image: Image) -> Result<Vec<u8>> {
+        let source = CString::new(source).map_err(|_| unsupported("source contains NUL"))?;
+        let option = match image {
+            Image::Cubin => format!("--gpu-architecture=sm_{arch}"),
+            Image::Ptx => format!("--gpu-architecture=compute_{arch}"),
+        };
+        let option = CString::new(option).map_err(|_| unsupported("option contains NUL"))?;
+        let mut raw: nv::nvrtcProgram = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; `source` and `name` are NUL-terminated and
+        // outlive the program (dropped below, before them); no headers.
+        call_nv("nvrtcCreateProgram", || unsafe {
+            nv::nvrtcCreateProgram(
+                &mut raw,
+                source.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        })?;
+        let program = Program(raw);
+        let options = [option.as_ptr()];
+        // SAFETY: the program is live; `options` holds one NUL-terminated option that outlives
+        // the call.
+        let compiled = call_nv("nvrtcCompileProgram", || unsafe {
+            nv::nvrtcCompileProgram(program.0, 1, options.as_ptr())
+        });
+        if let Err(e) = compiled {
+            let log = program
+                .output(
+                    ("nvrtcGetProgramLogSize", "nvrtcGetProgramLog"),
+                    nv::nvrtcGetProgramLogSize,
+                    nv::nvrtcGetProgramLog,
+                )
+                .map(|l| {
+                    String::from_utf8_lossy(&l)
+                        .trim_end_matches('\0')
+                        .to_string()
+                })
+                .unwrap_or_default();
+            return Err(unsupported(format_args!("{e}; log: {log}")));
+        }
+        let mut out = match image {
+            Image::Cubin => program.output(
+                ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
+                nv::nvrtcGetCUBINSize,
+                nv::nvrtcGetCUBIN,
+            )?,
+            Image::Ptx => program.output(
+                ("nvrtcGetPTXSize", "nvrtcGetPTX"),
+                nv::nvrtcGetPTXSize,
+                nv::nvrtcGetPTX,
+            )?,
+        };
+        if out.is_empty() {
+            return Err(unsupported(format_args!("{image:?} output is empty")));
+        }
+        if image == Image::Ptx && out.last() != Some(&0) {
+            out.push(0);
+        }
+        Ok(out)
     }
 }

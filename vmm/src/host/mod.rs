@@ -944,19 +944,14 @@ impl Backend for HostBackend {
         pairs: &[(DevicePtr, DevicePtr)],
     ) -> Result<()> {
         self.inner.faults.check(FaultOp::Copy)?;
-        usize::try_from(len).map_err(|_| Error::Overflow("block length"))?;
-        let copies: Vec<CopyDesc> = pairs
-            .iter()
-            .map(|&(src, dst)| CopyDesc { dst, src, len })
-            .collect();
-        for c in &copies {
-            c.src
-                .checked_add(c.len)
-                .zip(c.dst.checked_add(c.len))
-                .ok_or(Error::Overflow("copy address + length"))?;
-        }
         let (accessor, worker) = self.accessor(stream)?;
-        self.inner.validate_copies(accessor, &copies)?;
+        // The rule the CUDA backend applies too (typed errors before anything is queued);
+        // `run_blocks` checks overlap again on the memory it resolves at run time.
+        self.inner
+            .state
+            .lock()
+            .va
+            .check_blocks(accessor, len, pairs)?;
         match worker {
             None => self.inner.run_blocks(accessor, len, pairs),
             Some(worker) => {
