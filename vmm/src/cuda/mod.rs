@@ -15,6 +15,7 @@
 //! of the event created in device 0's context (more per-device events are made on demand, since
 //! an event can only be recorded on a stream of its own context).
 
+mod blas;
 pub mod result;
 
 use std::collections::HashMap;
@@ -106,6 +107,8 @@ pub struct CudaBackend {
     batch: Option<result::memcpy::BatchFn>,
     batch_enabled: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
+    /// cuBLAS handles for `gemm_f32_async`, one per device, created on first use.
+    blas: blas::Handles,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -168,6 +171,7 @@ impl CudaBackend {
             batch,
             batch_enabled: std::sync::atomic::AtomicBool::new(batch.is_some()),
             state: Mutex::new(State::default()),
+            blas: blas::Handles::new(count as usize),
         })
     }
 
@@ -588,6 +592,7 @@ impl Drop for CudaBackend {
         if crate::raii::process_is_exiting() {
             return;
         }
+        self.destroy_blas_handles();
         for dev in &self.devices {
             // SAFETY: `new` retained each primary context exactly once; this is the matching
             // release, and nothing of this backend uses the context afterwards (`&mut self`).
@@ -1114,6 +1119,10 @@ impl Backend for CudaBackend {
         result::call("cuMemFreeHost", || unsafe {
             sys::cuMemFreeHost(ptr as usize as *mut std::ffi::c_void)
         })
+    }
+
+    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &crate::GemmF32) -> Result<()> {
+        self.gemm_f32(stream, gemm)
     }
 
     fn live_counts(&self) -> LiveCounts {
