@@ -3,6 +3,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
+use crate::gemm::GemmF32;
 use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
@@ -42,7 +43,8 @@ use crate::types::{
 ///    [`Error::OutOfMemory`](crate::Error::OutOfMemory): a normal outcome that leaves nothing behind.
 ///
 /// Implementations are thread-safe. Library code never dereferences device memory on the CPU:
-/// bytes move through `copy_async` / `memset_async` only.
+/// bytes move through `copy_async` / `memset_async` and device work (`copy_blocks_async`,
+/// `gemm_f32_async`) only.
 pub trait Backend: Send + Sync + 'static {
     /// Which implementation this is.
     fn kind(&self) -> BackendKind;
@@ -160,6 +162,27 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (stream, len, pairs);
         Err(crate::Error::Unsupported(format!(
             "the block-copy kernel is not launched on the {} backend",
+            self.kind()
+        )))
+    }
+
+    /// Queues the FP32 product `C = A·B` described by `gemm` (row-major, see [`GemmF32`]) on
+    /// `stream`, ordered with the stream's copies like any other work. Every operand must be
+    /// device memory mapped with `Read` (`A`, `B`) or `ReadWrite` (`C`) access for the stream's
+    /// device ([`Error::IllegalAccess`](crate::Error::IllegalAccess) otherwise); the descriptor
+    /// rules of [`GemmF32`] are checked first, identically on every backend. An empty product
+    /// (`m = 0` or `n = 0`) queues nothing. Safe: no operand is host memory, so the backend
+    /// validates every byte it touches (as for `memset_async`).
+    ///
+    /// CUDA runs `cublasSgemm` (FP32) on a per-device cuBLAS handle bound to the stream; the
+    /// host backend runs the CPU twin ([`strata_kernels::gemm`]) on the stream's worker. The two
+    /// agree up to rounding (summation order differs), exactly when every partial sum is
+    /// representable. The default, for backends without a GEMM, is
+    /// [`Error::Unsupported`](crate::Error::Unsupported).
+    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &GemmF32) -> Result<()> {
+        let _ = (stream, gemm);
+        Err(crate::Error::Unsupported(format!(
+            "no GEMM on the {} backend",
             self.kind()
         )))
     }

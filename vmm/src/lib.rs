@@ -7,6 +7,7 @@
 mod backend;
 pub mod cuda;
 mod error;
+mod gemm;
 pub mod host;
 mod hostbuf;
 pub mod ipc;
@@ -18,6 +19,7 @@ mod vatable;
 pub use backend::Backend;
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
+pub use gemm::GemmF32;
 pub use host::{HostBackend, HostConfig};
 pub use hostbuf::{copy_async_in, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{

@@ -1,6 +1,8 @@
 //! Shared helpers for the tiers tests: a strict host backend, a pool, stores with all tiers.
 #![allow(dead_code)]
 
+pub mod kvpr;
+
 use std::sync::Arc;
 use std::time::Duration;
 

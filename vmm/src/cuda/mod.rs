@@ -19,6 +19,7 @@
 //! of the event created in device 0's context (more per-device events are made on demand, since
 //! an event can only be recorded on a stream of its own context).
 
+mod blas;
 mod launch;
 pub mod result;
 
@@ -130,6 +131,8 @@ pub struct CudaBackend {
     /// message of the [`Error::Unsupported`] every later launch returns.
     launchers: Vec<OnceLock<std::result::Result<launch::Launcher, String>>>,
     state: Mutex<State>,
+    /// cuBLAS handles for `gemm_f32_async`, one per device, created on first use.
+    blas: blas::Handles,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -193,6 +196,7 @@ impl CudaBackend {
             batch_enabled: std::sync::atomic::AtomicBool::new(batch.is_some()),
             launchers: (0..count).map(|_| OnceLock::new()).collect(),
             state: Mutex::new(State::default()),
+            blas: blas::Handles::new(count as usize),
         })
     }
 
@@ -647,6 +651,7 @@ impl Drop for CudaBackend {
                 }
             }
         }
+        self.destroy_blas_handles();
         for dev in &self.devices {
             // SAFETY: `new` retained each primary context exactly once; this is the matching
             // release, and nothing of this backend uses the context afterwards (`&mut self`).
@@ -1208,6 +1213,10 @@ impl Backend for CudaBackend {
             // valid until completion by the caller (this fn's `# Safety`).
             unsafe { launcher.launch(raw, len, pairs) }
         })
+    }
+
+    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &crate::GemmF32) -> Result<()> {
+        self.gemm_f32(stream, gemm)
     }
 
     fn live_counts(&self) -> LiveCounts {

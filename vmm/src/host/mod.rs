@@ -28,9 +28,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use strata_kernels::gemm::Gemm;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::gemm::{check_device_operands, GemmF32, Operand};
 use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
@@ -445,6 +447,55 @@ impl Inner {
         result
     }
 
+    /// Runs one GEMM now: resolves the operands (translating again, as copies do), refuses an
+    /// output that aliases an input through any VA, gathers `A` and `B`, runs the CPU twin and
+    /// writes back only the `m×n` elements of `C`. Compute costs no link time.
+    fn run_gemm(&self, accessor: Accessor, shape: Gemm, operands: &[Operand; 3]) -> Result<()> {
+        let mut pins = Vec::new();
+        let resolved = (|| {
+            let mut st = self.state.lock();
+            let mut segs: [Segments; 3] = Default::default();
+            for (seg, &(ptr, len, need)) in segs.iter_mut().zip(operands) {
+                *seg = self
+                    .resolve(&mut st, ptr, len, accessor, need, &mut pins)?
+                    .0;
+            }
+            Ok::<_, Error>(segs)
+        })();
+        let result = resolved.and_then(|[a, b, c]| {
+            let ranges = |s: &Segments| s.iter().map(|&(p, n)| (p as u64, n)).collect::<Vec<_>>();
+            let inputs: Vec<_> = ranges(&a).into_iter().chain(ranges(&b)).collect();
+            if let Err((x, y)) = strata_kernels::blockcopy::check_disjoint(&inputs, &ranges(&c)) {
+                return Err(Error::InvalidArgument(format!(
+                    "gemm output overlaps an input or itself: {:#x}+{:#x} and {:#x}+{:#x}",
+                    x.0, x.1, y.0, y.1
+                )));
+            }
+            let [ea, eb, ec] = shape
+                .extents()
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            // The operands go through local vectors (valid for their whole length, referenced
+            // by nothing else while bytes move), so the twin never sees device memory.
+            let (mut av, mut bv, mut cv) = (vec![0f32; ea], vec![0f32; eb], vec![0f32; ec]);
+            copy_segments(&a, &vec![(av.as_mut_ptr() as usize, ea as u64 * 4)]);
+            copy_segments(&b, &vec![(bv.as_mut_ptr() as usize, eb as u64 * 4)]);
+            shape
+                .run(&av, &bv, &mut cv)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            for i in 0..shape.m {
+                let start = i * shape.ldc;
+                let row = vec![(cv[start..].as_ptr() as usize, shape.n as u64 * 4)];
+                copy_segments(
+                    &row,
+                    &sub_segments(&c, start as u64 * 4, shape.n as u64 * 4),
+                );
+            }
+            Ok(())
+        });
+        self.unpin(&pins);
+        result
+    }
+
     /// Fills device VA now.
     fn run_memset(&self, accessor: Accessor, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
         if len == 0 {
@@ -475,6 +526,25 @@ impl Inner {
         self.unpin(&pins);
         result
     }
+}
+
+/// The part `offset..offset+len` of a run of segments (clipped to what they hold).
+fn sub_segments(segs: &[(usize, u64)], offset: u64, len: u64) -> Segments {
+    let (mut skip, mut left, mut out) = (offset, len, Vec::new());
+    for &(addr, n) in segs {
+        if left == 0 {
+            break;
+        }
+        if skip >= n {
+            skip -= n;
+            continue;
+        }
+        let take = (n - skip).min(left);
+        out.push((addr + skip as usize, take));
+        left -= take;
+        skip = 0;
+    }
+    out
 }
 
 /// Copies the bytes of `src` segments into `dst` segments (same total length).
@@ -958,6 +1028,22 @@ impl Backend for HostBackend {
                 let inner = Arc::clone(&self.inner);
                 let pairs = pairs.to_vec();
                 worker.submit(Box::new(move || inner.run_blocks(accessor, len, &pairs)))
+            }
+        }
+    }
+
+    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &GemmF32) -> Result<()> {
+        let Some(operands) = gemm.operands()? else {
+            return Ok(());
+        };
+        let shape = gemm.shape()?;
+        let (accessor, worker) = self.accessor(stream)?;
+        check_device_operands(&self.inner.state.lock().va, accessor, &operands)?;
+        match worker {
+            None => self.inner.run_gemm(accessor, shape, &operands),
+            Some(worker) => {
+                let inner = Arc::clone(&self.inner);
+                worker.submit(Box::new(move || inner.run_gemm(accessor, shape, &operands)))
             }
         }
     }
