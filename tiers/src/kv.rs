@@ -878,8 +878,9 @@ impl KvBlockManager {
                     let Some(r) = victim else {
                         return Err(e);
                     };
-                    let p = self.lose_last_block(&mut inner, r)?;
-                    lost.entry(r).or_default().push(p);
+                    if let Some(p) = self.lose_last_block(&mut inner, r)? {
+                        lost.entry(r).or_default().push(p);
+                    }
                 }
                 Err(e) => return Err(e),
             }
@@ -898,8 +899,9 @@ impl KvBlockManager {
     }
 
     /// Unmaps the last resident block of `r` without copying it (after the copies into it):
-    /// the block is lost. Surplus pages of a reused slot go first, losing nothing.
-    fn lose_last_block(&self, inner: &mut Inner, r: u64) -> Result<usize> {
+    /// the block is lost and returned. Surplus pages of a reused slot go first, losing nothing
+    /// (`None`).
+    fn lose_last_block(&self, inner: &mut Inner, r: u64) -> Result<Option<usize>> {
         let Inner {
             space, reqs, stats, ..
         } = inner;
@@ -910,6 +912,7 @@ impl KvBlockManager {
         let tokens = space.tokens(q.slot)?;
         if space.mapped_pages(q.slot)? > space.pages_for(tokens) {
             space.shrink(q.slot, tokens)?;
+            return Ok(None);
         }
         let Some(&p) = resident_blocks(space, q)?.last() else {
             return Err(Error::InvalidState(format!(
@@ -920,7 +923,7 @@ impl KvBlockManager {
         stats.lost_blocks += 1;
         // The block is a hole (lost) even when the unmap reports an error.
         space.evict_page(q.slot, p)?;
-        Ok(p)
+        Ok(Some(p))
     }
 
     /// Releases a request: its slot (pages to the next request) and its spilled objects, after

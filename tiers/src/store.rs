@@ -1,6 +1,9 @@
 //! [`TierStore`]: fixed-size objects across HBM (pool pages), host memory and disk, with a
 //! residency table, durability, eviction/prefetch, events ordering every reader after the last
-//! write, and revocation of HBM pages in Harvest's order.
+//! write, and revocation of HBM pages in Harvest's order. Objects can also be filled from, and
+//! emptied into, device addresses the store does not own (a `KvSpace`'s tensors, for the
+//! [`KvBlockManager`](crate::KvBlockManager)): [`TierStore::put_from_device`],
+//! [`TierStore::take_to_device`].
 //!
 //! # Ordering
 //!

@@ -448,3 +448,208 @@ fn engine_threads_and_a_revoker() {
     assert_eq!(m.store().stats().objects, 0);
     assert_eq!(stats.blocks, 0);
 }
+
+/// A request of the walk's model: its pattern seed and the blocks it must recompute.
+struct Model {
+    id: RequestId,
+    seed: u64,
+    /// Lost and not yet reported by `take_lost`.
+    unreported: Vec<usize>,
+    /// Reported: recomputed after the next successful `make_resident`.
+    to_rebuild: Vec<usize>,
+}
+
+/// Rewrites the pattern of block `p` of `r` (the engine's recomputation).
+fn rebuild(m: &KvBlockManager, r: RequestId, seed: u64, p: usize) -> Result<(), Error> {
+    let tokens = m.tokens(r)?;
+    let first = p as u32 * TPB;
+    fill(m, r, seed, first, (tokens - first).min(TPB))
+}
+
+/// One random walk: every operation, its expected outcome from the model, the invariant checker
+/// after every step, every request's bytes checked whenever none of its blocks is lost.
+fn walk(seed: u64, steps: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(24, 32, 400, dir.path());
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut live: Vec<Model> = Vec::new();
+    let mut held = Vec::new();
+    let (mut step, mut lost_total, mut checked) = (0u64, 0usize, 0usize);
+    for i in 0..steps {
+        let op = rng.random_range(0..11);
+        let pick = |rng: &mut SmallRng, n: usize| rng.random_range(0..n.max(1));
+        match op {
+            0 if live.len() < 16 => {
+                let id = m.admit().unwrap();
+                live.push(Model {
+                    id,
+                    seed: seed * 10_000 + u64::from(i),
+                    unreported: Vec::new(),
+                    to_rebuild: Vec::new(),
+                });
+            }
+            1 | 2 if !live.is_empty() => {
+                let k = pick(&mut rng, live.len());
+                let q = &live[k];
+                let have = m.tokens(q.id).unwrap();
+                let n = rng.random_range(1..200u32).min(4 * TPB - have);
+                if n == 0 {
+                    continue;
+                }
+                let first = (have / TPB) as usize;
+                let blocked = !q.unreported.is_empty()
+                    || m.blocks(q.id).unwrap()[first.min(m.blocks(q.id).unwrap().len())..]
+                        .iter()
+                        .any(|t| *t != Some(Tier::Hbm));
+                match m.append(q.id, n) {
+                    Ok(()) => {
+                        assert!(!blocked, "append onto a block that is not resident");
+                        fill(&m, q.id, q.seed, have, n).unwrap();
+                    }
+                    Err(Error::InvalidState(_)) => assert!(blocked),
+                    Err(e) => {
+                        assert!(e.is_out_of_memory(), "{e}");
+                        assert_eq!(m.tokens(q.id).unwrap(), have);
+                    }
+                }
+            }
+            3 | 4 if !live.is_empty() => {
+                let batch: Vec<usize> = (0..rng.random_range(1..=3))
+                    .map(|_| pick(&mut rng, live.len()))
+                    .collect();
+                let ids: Vec<RequestId> = batch.iter().map(|&k| live[k].id).collect();
+                // Resident, spilled (host or disk: victims spilled for room may push spilled
+                // chunks from host to disk) or lost.
+                let state = |r: RequestId| -> Vec<Option<bool>> {
+                    let blocks = m.blocks(r).unwrap();
+                    blocks.iter().map(|t| t.map(|t| t == Tier::Hbm)).collect()
+                };
+                let before: Vec<_> = ids.iter().map(|&r| state(r)).collect();
+                let lost_first = batch.iter().any(|&k| !live[k].unreported.is_empty());
+                match m.make_resident(&ids) {
+                    Ok(ev) => {
+                        assert!(!lost_first);
+                        ev.synchronize().unwrap();
+                        for &k in &batch {
+                            let q = &mut live[k];
+                            assert!(m
+                                .blocks(q.id)
+                                .unwrap()
+                                .iter()
+                                .all(|t| *t == Some(Tier::Hbm)));
+                            for p in std::mem::take(&mut q.to_rebuild) {
+                                rebuild(&m, q.id, q.seed, p).unwrap();
+                            }
+                            // Back at the same addresses, with the same bytes.
+                            if m.tokens(q.id).unwrap() > 0 {
+                                let (tier, n) = verify(&m, q.id, q.seed).unwrap();
+                                assert_eq!(tier, Tier::Hbm);
+                                checked += n;
+                            }
+                        }
+                    }
+                    Err(Error::InvalidState(_)) => assert!(lost_first),
+                    Err(e) => {
+                        assert!(e.is_out_of_memory(), "{e}");
+                        let after: Vec<_> = ids.iter().map(|&r| state(r)).collect();
+                        assert_eq!(before, after, "a failed make_resident moved blocks");
+                    }
+                }
+            }
+            5 if !live.is_empty() => {
+                let q = &live[pick(&mut rng, live.len())];
+                let to = if rng.random_bool(0.5) {
+                    Tier::Host
+                } else {
+                    Tier::Disk
+                };
+                match m.pause(q.id, to) {
+                    Ok(()) => assert!(!m.blocks(q.id).unwrap().contains(&Some(Tier::Hbm))),
+                    Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+                }
+            }
+            6 => {
+                let schedule: Vec<Vec<RequestId>> = (0..2)
+                    .map(|_| {
+                        live.iter()
+                            .filter(|_| rng.random_bool(0.3))
+                            .map(|q| q.id)
+                            .collect()
+                    })
+                    .collect();
+                if let Some(ev) = m.hint(&schedule).unwrap() {
+                    ev.synchronize().unwrap();
+                }
+            }
+            7 => {
+                step += 1;
+                m.advance(step);
+                if rng.random_bool(0.3) {
+                    m.spill_idle(2, Tier::Host).unwrap();
+                }
+            }
+            8 => {
+                if held.len() < 12 && rng.random_bool(0.6) {
+                    match m.revoke(4) {
+                        Ok(rev) => {
+                            assert_eq!(rev.pages.len(), 4);
+                            held.extend(rev.pages);
+                            for (r, ps) in rev.lost {
+                                lost_total += ps.len();
+                                let q = live.iter_mut().find(|q| q.id == r).unwrap();
+                                q.unreported.extend(ps);
+                            }
+                        }
+                        Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+                    }
+                } else {
+                    m.store().pool().give(std::mem::take(&mut held));
+                }
+            }
+            9 if !live.is_empty() => {
+                let k = pick(&mut rng, live.len());
+                let q = &mut live[k];
+                let mut expected = std::mem::take(&mut q.unreported);
+                expected.sort_unstable();
+                assert_eq!(m.take_lost(q.id).unwrap(), expected);
+                q.to_rebuild.extend(expected);
+            }
+            10 if !live.is_empty() => {
+                let k = pick(&mut rng, live.len());
+                if rng.random_bool(0.3) {
+                    let q = live.swap_remove(k);
+                    m.release(q.id).unwrap();
+                    assert!(matches!(m.tokens(q.id), Err(Error::StaleId { .. })));
+                } else if m.tokens(live[k].id).unwrap() > 0 {
+                    let q = &live[k];
+                    let lost = !q.unreported.is_empty() || !q.to_rebuild.is_empty();
+                    match verify(&m, q.id, q.seed) {
+                        Ok((_, n)) => {
+                            assert!(!lost);
+                            checked += n;
+                        }
+                        Err(e) => assert!(lost && matches!(e, Error::InvalidState(_)), "{e}"),
+                    }
+                }
+            }
+            _ => {}
+        }
+        m.check_invariants()
+            .unwrap_or_else(|e| panic!("walk {seed}, step {i} (op {op}): {e}"));
+    }
+    for q in live {
+        m.release(q.id).unwrap();
+    }
+    m.store().pool().give(held);
+    m.check_invariants().unwrap();
+    assert_eq!(m.store().stats().objects, 0);
+    assert_eq!(m.stats().lost_blocks as usize, lost_total);
+    assert!(checked > 0, "walk {seed} checked nothing");
+}
+
+#[test]
+fn random_walks_against_a_model() {
+    for seed in 1..=2 {
+        walk(seed, 250);
+    }
+}
