@@ -1,20 +1,23 @@
 //! The tiered demo workload (`strata demo`, the default): KV demand several times the HBM of the
-//! device, served through the [`KvBlockManager`] on a
-//! [`TierStore`] with host memory and disk below HBM.
+//! device, served through the [`KvBlockManager`]: each request is a slot of a `KvSpace` (K and V
+//! tensors per layer at fixed addresses) whose blocks spill to a [`TierStore`]'s host memory and
+//! disk and come back at the same addresses.
 //!
 //! Requests are prefilled, then decode in round-robin batches; the scheduler's next batches are
-//! hinted (lookahead: eviction picks blocks whose request runs furthest away, and blocks that fit
-//! the compute window are prefetched, TierKV Eq. 1), each batch is made resident (an event) and
-//! every block that came back from host memory or disk is checked byte for byte against the
-//! pattern it was written with. Idle requests spill to host memory, some paused ones to disk.
+//! hinted (lookahead: the request that runs furthest away spills first, and spilled blocks that
+//! fit the compute window are prefetched, TierKV Eq. 1), each batch is made resident (an event)
+//! and every block that came back from host memory or disk is checked byte for byte, in every
+//! tensor, against the pattern it was written with. Idle requests spill to host memory, some
+//! paused ones to disk.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use strata_allocator::{PagePool, PoolConfig};
+use strata_allocator::{Kind, PagePool, PoolConfig};
 use strata_kernels::pattern;
 use strata_tiers::policy::Links;
 use strata_tiers::{
@@ -35,9 +38,13 @@ pub struct TieredConfig {
     pub lookahead: u32,
     pub prompt: (u32, u32),
     pub output: (u32, u32),
-    pub tokens_per_block: u32,
+    /// Layers of the KV space (each with a K and a V tensor).
+    pub layers: u32,
+    /// Bytes of one token in one tensor (must divide the page size).
     pub bytes_per_token: u64,
-    /// HBM given to the store (None: the device's whole memory).
+    /// The store's copy unit (divides the page size).
+    pub chunk_bytes: u64,
+    /// HBM the KV space may take from the pool (None: the device's whole memory).
     pub hbm_bytes: Option<u64>,
     pub host_bytes: u64,
     pub disk_bytes: u64,
@@ -54,10 +61,11 @@ impl Default for TieredConfig {
             requests: 80,
             batch: 8,
             lookahead: 1,
-            prompt: (256, 1024),
+            prompt: (128, 768),
             output: (8, 32),
-            tokens_per_block: 16,
-            bytes_per_token: 8192,
+            layers: 2,
+            bytes_per_token: 2048,
+            chunk_bytes: 256 << 10,
             hbm_bytes: None,
             host_bytes: 128 << 20,
             disk_bytes: 1 << 30,
@@ -67,7 +75,7 @@ impl Default for TieredConfig {
     }
 }
 
-/// One occupancy sample (blocks per tier) at a step.
+/// One occupancy sample (bytes per tier) at a step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sample {
     pub step: u64,
@@ -81,10 +89,11 @@ pub struct Sample {
 pub struct TieredReport {
     pub backend: String,
     pub hbm_bytes: u64,
-    /// Peak KV bytes live (all tiers together).
+    /// Peak KV demand: the pages every live request's blocks need, wherever they are.
     pub peak_kv_bytes: u64,
     pub steps: u64,
     pub requests: u32,
+    /// Blocks (every tensor of one page index of a request) checked after coming back.
     pub verified_blocks: u64,
     pub mismatches: u64,
     pub store: StoreStats,
@@ -98,12 +107,47 @@ struct Live {
     id: RequestId,
     seed: u64,
     target: u32,
+    /// Blocks seen spilled since they were last checked.
+    went_down: BTreeSet<u32>,
 }
 
-fn tokens(seed: u64, from: u32, n: u32, bpt: u64) -> Vec<u8> {
+/// Notes the blocks of `l` that are not resident now.
+fn observe(kv: &KvBlockManager, l: &mut Live) -> Result<()> {
+    for (b, tier) in kv.blocks(l.id)?.into_iter().enumerate() {
+        if tier != Some(Tier::Hbm) {
+            l.went_down.insert(b as u32);
+        }
+    }
+    Ok(())
+}
+
+/// The pattern of tensor `t` of the request of `seed`, tokens `from..from + n`.
+fn tokens(seed: u64, t: usize, from: u32, n: u32, bpt: u64) -> Vec<u8> {
     let mut v = vec![0u8; (u64::from(n) * bpt) as usize];
-    pattern::fill(&mut v, seed, u64::from(from) * bpt);
+    pattern::fill(&mut v, tensor_seed(seed, t), u64::from(from) * bpt);
     v
+}
+
+fn tensor_seed(seed: u64, t: usize) -> u64 {
+    seed.wrapping_mul(64).wrapping_add(t as u64)
+}
+
+fn tensors(layers: u32) -> impl Iterator<Item = (usize, u32, Kind)> {
+    (0..layers)
+        .flat_map(|l| [(l, Kind::K), (l, Kind::V)])
+        .enumerate()
+        .map(|(t, (l, k))| (t, l, k))
+}
+
+/// Appends `n` tokens to `r` and writes them in every tensor, as the engine's kernels would.
+fn decode(kv: &KvBlockManager, l: &Live, n: u32, config: &TieredConfig) -> Result<()> {
+    let have = kv.tokens(l.id)?;
+    kv.append(l.id, n)?;
+    for (t, layer, kind) in tensors(config.layers) {
+        let data = tokens(l.seed, t, have, n, config.bytes_per_token);
+        kv.write_kv(l.id, layer, kind, have, &data)?;
+    }
+    Ok(())
 }
 
 /// Runs the tiered workload on `backend`, calling `progress(step, finished)` after each step.
@@ -113,27 +157,28 @@ pub fn run(
     mut progress: impl FnMut(u64, u32),
 ) -> Result<TieredReport> {
     let start = Instant::now();
-    if config.batch == 0 || config.requests == 0 || config.tokens_per_block == 0 {
+    if config.batch == 0 || config.requests == 0 || config.layers == 0 {
         return Err(Error::InvalidArgument(
-            "tiered demo needs requests, batch and block size".into(),
+            "tiered demo needs requests, batch and layers".into(),
         ));
     }
+    let page = backend.granularity(strata_vmm::Location::Device(config.device))?;
+    let hbm_bytes = match config.hbm_bytes {
+        Some(b) => b,
+        // The KV space's zero page lives outside the pool.
+        None => backend.mem_info(config.device)?.total.saturating_sub(page),
+    } / page
+        * page;
     let pool = PagePool::new(
         Arc::clone(&backend),
         config.device,
         PoolConfig {
             background: false,
+            limit: Some(hbm_bytes),
             ..PoolConfig::default()
         },
     )?;
-    let page = pool.page_size();
-    let hbm_bytes = match config.hbm_bytes {
-        Some(b) => b,
-        None => backend.mem_info(config.device)?.total,
-    } / page
-        * page;
-    let block = u64::from(config.tokens_per_block) * config.bytes_per_token;
-    let mut sc = StoreConfig::new(block, hbm_bytes, config.host_bytes);
+    let mut sc = StoreConfig::new(config.chunk_bytes, 0, config.host_bytes);
     sc.device = config.device;
     sc.hbm_policy = PolicyKind::Lookahead;
     sc.staging_blocks = 32;
@@ -151,7 +196,9 @@ pub fn run(
     let kv = KvBlockManager::new(
         Arc::clone(&store),
         KvBlocksConfig {
-            tokens_per_block: config.tokens_per_block,
+            layers: config.layers,
+            max_requests: config.requests,
+            max_tokens: config.prompt.1 + config.output.1,
             bytes_per_token: config.bytes_per_token,
             t_iter: Duration::from_millis(20),
             delta_sched: Duration::from_micros(100),
@@ -171,28 +218,30 @@ pub fn run(
     let mut peak_kv = 0u64;
     let mut step = 0u64;
     let mut cursor = 0usize;
-    let mut buf = vec![0u8; block as usize];
+    let tpb = kv.tokens_per_block();
+    let mut buf = Vec::new();
     while finished < config.requests {
         step += 1;
         kv.advance(step);
-        // Admission: prefill up to one batch of new requests per step.
-        for _ in 0..config.batch {
+        // Admission: prefill up to half a batch of new requests per step (they are used in
+        // this step, so they stay resident next to the decoding batch).
+        for _ in 0..config.batch.div_ceil(2) {
             if admitted == config.requests {
                 break;
             }
             let prompt = rng.random_range(config.prompt.0..=config.prompt.1);
             let output = rng.random_range(config.output.0..=config.output.1);
-            let id = kv.admit();
-            let seed = config
-                .seed
-                .wrapping_mul(1_000_003)
-                .wrapping_add(u64::from(admitted));
-            kv.append(id, &tokens(seed, 0, prompt, bpt))?;
-            live.push(Live {
-                id,
-                seed,
+            let l = Live {
+                id: kv.admit()?,
+                seed: config
+                    .seed
+                    .wrapping_mul(1_000_003)
+                    .wrapping_add(u64::from(admitted)),
                 target: prompt + output,
-            });
+                went_down: BTreeSet::new(),
+            };
+            decode(&kv, &l, prompt, config)?;
+            live.push(l);
             admitted += 1;
         }
         if live.is_empty() {
@@ -211,41 +260,48 @@ pub fn run(
             .collect();
         cursor = (cursor + config.batch as usize) % n;
         let batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
-        // Blocks that are not in HBM now come back for this step: check each one.
+        // Every block of the batch that went down since its last check is checked once back.
         let mut returning = Vec::new();
         for &i in &now {
-            for (b, blk) in kv.blocks(live[i].id)?.into_iter().enumerate() {
-                if store.residency(blk)?.fastest() != Some(Tier::Hbm) {
-                    returning.push((i, b, blk));
-                }
-            }
+            observe(&kv, &mut live[i])?;
+            returning.extend(
+                std::mem::take(&mut live[i].went_down)
+                    .into_iter()
+                    .map(|b| (i, b)),
+            );
         }
         let mut hint_schedule = vec![batch.clone()];
         hint_schedule.extend(ahead);
         kv.make_resident(&batch)?.synchronize()?;
-        if let Some(ev) = kv.hint(&hint_schedule)? {
-            // Prefetches overlap the "compute" of this step; the next step's make_resident
-            // finds them resident (or waits on their events).
-            drop(ev);
-        }
-        for (i, b, blk) in returning {
+        // Prefetches overlap the "compute" of this step; the next step's make_resident finds
+        // them resident (its event covers their copies).
+        kv.hint(&hint_schedule)?;
+        for (i, b) in returning {
             let l = &live[i];
             let total = kv.tokens(l.id)?;
-            let first = b as u32 * config.tokens_per_block;
-            let len = (u64::from((total - first).min(config.tokens_per_block)) * bpt) as usize;
-            store.read(blk, &mut buf[..len])?;
-            verified += 1;
-            if pattern::first_mismatch(&buf[..len], l.seed, u64::from(first) * bpt).is_some() {
-                mismatches += 1;
+            let first = b * tpb;
+            let n = (total - first).min(tpb);
+            let mut good = true;
+            for (t, layer, kind) in tensors(config.layers) {
+                buf.resize((u64::from(n) * bpt) as usize, 0);
+                let tier = kv.read_kv(l.id, layer, kind, first, &mut buf)?;
+                good &= tier == Tier::Hbm
+                    && pattern::first_mismatch(
+                        &buf,
+                        tensor_seed(l.seed, t),
+                        u64::from(first) * bpt,
+                    )
+                    .is_none();
             }
+            verified += 1;
+            mismatches += u64::from(!good);
         }
-        // Decode one token for each request of the batch; finished ones are checked and leave.
+        // Decode one token for each request of the batch; finished ones leave.
         let mut done = Vec::new();
         for &i in &now {
             let l = &live[i];
-            let have = kv.tokens(l.id)?;
-            kv.append(l.id, &tokens(l.seed, have, 1, bpt))?;
-            if have + 1 >= l.target {
+            decode(&kv, l, 1, config)?;
+            if kv.tokens(l.id)? >= l.target {
                 done.push(i);
             }
         }
@@ -261,22 +317,26 @@ pub fn run(
             let far = live[(cursor + live.len() / 2) % live.len()].id;
             match kv.pause(far, Tier::Disk) {
                 Ok(()) => {}
-                Err(e) if e.is_out_of_memory() || matches!(e, Error::LimitExceeded { .. }) => {}
+                Err(e) if e.is_out_of_memory() => {}
                 Err(e) => return Err(e),
             }
         }
+        for l in &mut live {
+            observe(&kv, l)?;
+        }
         let st = store.stats();
-        peak_kv = peak_kv.max(st.objects * block);
+        let ks = kv.stats();
+        peak_kv = peak_kv.max(ks.blocks * kv.block_bytes());
         samples.push(Sample {
             step,
-            hbm: st.hbm_used,
-            host: st.host_used,
-            disk: st.disk_used,
+            hbm: ks.blocks_resident * kv.block_bytes(),
+            host: st.host_used * st.block_size,
+            disk: st.disk_used * st.block_size,
         });
         progress(step, finished);
     }
     store.synchronize()?;
-    store.check_invariants()?;
+    kv.check_invariants()?;
     let st = store.stats();
     Ok(TieredReport {
         backend: backend.kind().to_string(),
@@ -354,8 +414,8 @@ pub fn write_chart(
 }
 
 /// Writes tier occupancy over time (MiB per tier against the step) as an SVG line chart.
-pub fn write_svg(path: &std::path::Path, samples: &[Sample], block: u64) -> std::io::Result<()> {
-    let mib = |blocks: u64| blocks as f64 * block as f64 / (1 << 20) as f64;
+pub fn write_svg(path: &std::path::Path, samples: &[Sample]) -> std::io::Result<()> {
+    let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
     let line = |f: fn(&Sample) -> u64| {
         samples
             .iter()

@@ -111,8 +111,8 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
     })?;
     bar.finish_and_clear();
     let st = &report.store;
-    let b = st.block_size;
-    let peak = |f: fn(&tiered::Sample) -> u64| report.samples.iter().map(f).max().unwrap_or(0) * b;
+    let kv = &report.kv;
+    let peak = |f: fn(&tiered::Sample) -> u64| report.samples.iter().map(f).max().unwrap_or(0);
     let t = &st.transfers;
     let mut table = Table::new();
     table.set_header(["", "value"]);
@@ -123,7 +123,7 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
             format!("{} / {}", report.requests, report.steps),
         ),
         (
-            "KV demand (peak, all tiers) vs HBM",
+            "KV demand (peak pages, all tiers) vs HBM",
             format!(
                 "{} vs {} ({:.1}×)",
                 size(report.peak_kv_bytes),
@@ -131,7 +131,7 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
                 report.peak_kv_bytes as f64 / report.hbm_bytes.max(1) as f64
             ),
         ),
-        ("block", size(b)),
+        ("store object (copy unit)", size(st.block_size)),
         (
             "peak occupancy HBM / host / disk",
             format!(
@@ -163,12 +163,12 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
             format!("{} / {} / {}", t.blocks, t.descriptors, t.kernel_launches),
         ),
         (
-            "evictions HBM / host",
-            format!("{} / {}", st.evictions_hbm, st.evictions_host),
+            "KV blocks spilled / restored (lookahead prefetches)",
+            format!("{} / {} ({})", kv.spills, kv.restores, kv.hinted_prefetches),
         ),
         (
-            "prefetched blocks (lookahead hints)",
-            format!("{} ({})", st.prefetched_blocks, report.kv.hinted_prefetches),
+            "requests evicted for room / host evictions to disk",
+            format!("{} / {}", kv.evictions, st.evictions_host),
         ),
         ("elapsed", format!("{:.1} s", report.elapsed.as_secs_f64())),
     ];
@@ -177,7 +177,7 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
     }
     println!("{table}");
     if let Some(path) = &args.plot {
-        tiered::write_svg(path, &report.samples, b).map_err(|source| strata::Error::Os {
+        tiered::write_svg(path, &report.samples).map_err(|source| strata::Error::Os {
             call: "write plot",
             source,
         })?;

@@ -71,19 +71,20 @@ fn tiered_demo_spills_to_host_and_disk_and_verifies_every_returning_block() {
     use strata::tiered::{self, TieredConfig};
     let dir = std::env::temp_dir();
     let config = TieredConfig {
-        requests: 24,
-        batch: 4,
-        prompt: (64, 192),
+        requests: 32,
+        batch: 2,
+        prompt: (64, 400),
         output: (4, 12),
+        layers: 1,
         bytes_per_token: 4096,
-        hbm_bytes: Some(4 << 20),
+        hbm_bytes: Some(16 << 20),
         host_bytes: 4 << 20,
         disk_bytes: 256 << 20,
         disk_dir: dir,
         ..TieredConfig::default()
     };
     let report = tiered::run(backend(&[64 << 20]), &config, |_, _| {}).unwrap();
-    assert_eq!(report.requests, 24);
+    assert_eq!(report.requests, 32);
     assert_eq!(report.mismatches, 0);
     assert!(
         report.peak_kv_bytes >= 3 * report.hbm_bytes,
@@ -96,9 +97,10 @@ fn tiered_demo_spills_to_host_and_disk_and_verifies_every_returning_block() {
     );
     assert!(report.store.disk_write_bytes > 0 && report.store.disk_read_bytes > 0);
     assert!(report.store.transfers.bytes_d2h > 0 && report.store.transfers.bytes_h2d > 0);
+    assert!(report.kv.restores > 0 && report.kv.hinted_prefetches > 0);
     assert_eq!(report.store.objects, 0);
     let svg = std::env::temp_dir().join(format!("strata-occupancy-{}.svg", std::process::id()));
-    tiered::write_svg(&svg, &report.samples, report.store.block_size).unwrap();
+    tiered::write_svg(&svg, &report.samples).unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.matches("<polyline").count() == 3);
     std::fs::remove_file(svg).unwrap();

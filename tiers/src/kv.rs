@@ -1,26 +1,46 @@
-//! [`KvBlockManager`]: KV blocks of requests for an engine, on a [`TierStore`].
+//! [`KvBlockManager`]: the KV cache of an engine's requests on a [`KvSpace`], spilling down the
+//! host and disk tiers of a [`TierStore`].
 //!
-//! Each request's KV lives in fixed-size blocks (`tokens_per_block` tokens of `bytes_per_token`
-//! bytes) stored as `Lossy` objects owned by the request (KV can be recomputed). The engine admits
-//! a request, appends tokens, hints which requests run in the next steps (lookahead: the policies
-//! evict the blocks of the request that runs furthest away, and blocks that fit the compute
-//! window by TierKV Eq. 1 are prefetched), makes a batch resident (an event to wait on) and
-//! releases. Blocks of paused or long-idle requests spill down the tiers and come back ahead of
-//! use. Blocks lost to a revocation are reported per request: the engine recomputes them.
+//! Each request is a slot of a `KvSpace` (per-layer K and V virtual tensors). The engine reads
+//! and writes a request's KV at [`KvBlockManager::kv_ptr`]: addresses that never change while the
+//! request lives, spilled or not (vAttention-style virtual memory; kernels and CUDA graphs may
+//! bake them in). A *block* of a request is one page index of its slot across all `2 × layers`
+//! tensors (`page_size / bytes_per_token` tokens); it is the unit of residency.
 //!
-//! Not yet wired to `KvSpace`'s virtual tensors: blocks live in the store's own HBM slots. The
-//! page-range residency this needs now exists (`KvSpace::evict_pages` / `KvSpace::restore_pages`:
-//! holes inside a slot at fixed addresses); moving the manager onto it is the follow-up.
+//! - **Spill** (pause, idle, memory pressure): the tokens of each resident block, in every tensor,
+//!   are copied to new `Lossy` store objects in host memory (or on disk) with backend copies
+//!   ([`TierStore::put_from_device`]); once the copy's event completed,
+//!   [`KvSpace::evict_pages`] returns the physical pages to the pool and the zero page goes
+//!   back behind the addresses.
+//! - **Make resident**: [`KvSpace::restore_pages`] maps fresh pool pages at the same addresses and
+//!   [`TierStore::take_to_device`] copies the bytes back; the returned event orders the engine's
+//!   reads after those copies. When the pool is short, the request that runs furthest away in
+//!   the hinted schedule spills first ([`Lookahead`]); requests used in the current step
+//!   ([`KvBlockManager::advance`] moves it) are never chosen.
+//! - **Hint** (lookahead): spilled blocks of the requests in the next K steps whose transfer fits
+//!   the compute window (TierKV Eq. 1, Algorithm 1: [`plan_prefetch`]) come back now, evicting
+//!   only requests that run later.
+//! - **Revoke**: a lender takes pool pages back (Harvest's order): free capacity first, then
+//!   blocks of the requests running furthest away, without copying them: KV is reconstructible,
+//!   so those blocks are lost, reported once per request ([`KvBlockManager::take_lost`]), and
+//!   mapped fresh by the next `make_resident` for the engine to recompute.
+//!
+//! All bookkeeping sits behind one lock and every copy starts under it, so a revocation holding
+//! it stops new copies, waits for the in-flight copies into the pages it takes (events), and only
+//! then unmaps them. The engine synchronizes its own work on a request's KV before spilling,
+//! pausing or releasing it (as for [`KvSpace::evict_pages`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use strata_vmm::{Error, Event, Result};
+use strata_allocator::{Kind, KvConfig, KvSpace, Page, SlotId};
+use strata_vmm::{record_deferred, DevicePtr, Error, Event, Reservation, Result};
 
-use crate::object::{Notice, ObjectId, Tier};
-use crate::policy::{plan_prefetch, Links};
+use crate::object::{ObjectId, Tier};
+use crate::policy::{plan_prefetch, EvictionPolicy, Links, Lookahead};
 use crate::store::TierStore;
 use crate::Durability;
 
@@ -31,7 +51,13 @@ pub struct RequestId(pub u64);
 /// Shape and prefetch window of a [`KvBlockManager`].
 #[derive(Clone, Debug)]
 pub struct KvBlocksConfig {
-    pub tokens_per_block: u32,
+    /// Layers (each has a K and a V tensor).
+    pub layers: u32,
+    /// Most requests live at once (slots of the `KvSpace`).
+    pub max_requests: u32,
+    /// Most tokens of one request.
+    pub max_tokens: u32,
+    /// Bytes of one token in one tensor (one layer, K or V); must divide the page size.
     pub bytes_per_token: u64,
     /// `T_iter^(k)` for the lookahead window (Eq. 1), one per hinted step.
     pub t_iter: Duration,
@@ -41,38 +67,87 @@ pub struct KvBlocksConfig {
     pub links: Links,
 }
 
+/// Counters of a block manager ("blocks" as in the module documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvBlocksStats {
+    /// Requests admitted, ever.
+    pub requests: u64,
+    /// Blocks of the live requests now (resident, spilled or lost).
+    pub blocks: u64,
+    /// Of those, blocks backed by pool pages now.
+    pub blocks_resident: u64,
+    /// Of those, blocks whose bytes live in the store now.
+    pub blocks_spilled: u64,
+    /// Blocks copied down to the store, ever.
+    pub spills: u64,
+    /// Blocks copied back from the store, ever (hinted prefetches included).
+    pub restores: u64,
+    /// Blocks brought back by lookahead hints, ever.
+    pub hinted_prefetches: u64,
+    /// Requests spilled to make room (memory pressure), ever.
+    pub evictions: u64,
+    /// Blocks lost to revocations, ever.
+    pub lost_blocks: u64,
+    /// Pool pages handed to lenders by [`KvBlockManager::revoke`], ever.
+    pub pages_revoked: u64,
+}
+
+/// What a revocation did.
+#[derive(Debug, Default)]
+pub struct KvRevocation {
+    /// The pages taken back, unmapped, for the lender.
+    pub pages: Vec<Page>,
+    /// Blocks lost, per request (also reported once by [`KvBlockManager::take_lost`]).
+    pub lost: Vec<(RequestId, Vec<usize>)>,
+}
+
 struct Req {
-    blocks: Vec<ObjectId>,
-    tokens: u32,
-    /// The bytes of the last, partly filled block (appends rewrite it whole).
-    tail: Vec<u8>,
+    slot: SlotId,
+    /// Spilled blocks: block → its store objects, tensor-major (`layer × 2 + kind`), then the
+    /// block's used chunks in order.
+    spilled: BTreeMap<usize, Vec<ObjectId>>,
+    /// Blocks lost to a revocation and not yet reported.
+    lost_unreported: BTreeSet<usize>,
+    /// Blocks lost and reported: the next `make_resident` maps fresh pages for them.
+    lost_reported: BTreeSet<usize>,
+    /// The last copy into the slot; spills, revocations and host-side access wait for it.
+    ready: Option<Arc<Event>>,
     last_step: u64,
 }
 
+impl Req {
+    fn holes(&self) -> usize {
+        self.spilled.len() + self.lost_unreported.len() + self.lost_reported.len()
+    }
+}
+
 struct Inner {
+    space: KvSpace,
     reqs: HashMap<u64, Req>,
     next: u64,
     step: u64,
-}
-
-/// Counters of a block manager.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KvBlocksStats {
-    pub requests: u64,
-    pub blocks: u64,
-    pub lost_blocks: u64,
-    pub spilled_blocks: u64,
-    pub hinted_prefetches: u64,
+    /// Keys and owners are request ids: the request running furthest away is evicted first.
+    lookahead: Lookahead,
+    stats: KvBlocksStats,
 }
 
 /// See the module documentation.
 pub struct KvBlockManager {
     store: Arc<TierStore>,
     config: KvBlocksConfig,
-    block_bytes: u64,
+    page: u64,
+    /// Store objects per tensor page.
+    chunks: u64,
     inner: Mutex<Inner>,
-    lost: Arc<Mutex<HashMap<u64, HashSet<ObjectId>>>>,
-    counters: Mutex<KvBlocksStats>,
+}
+
+impl std::fmt::Debug for KvBlockManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvBlockManager")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
 }
 
 fn unknown(r: RequestId) -> Error {
@@ -83,37 +158,75 @@ fn unknown(r: RequestId) -> Error {
     }
 }
 
+fn lost_first(r: u64) -> Error {
+    Error::InvalidState(format!(
+        "request {r} lost KV blocks to a revocation: take_lost, then recompute them"
+    ))
+}
+
+/// Maximal runs of consecutive values of an ascending list.
+fn runs(sorted: &[usize]) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for &p in sorted {
+        match out.last_mut() {
+            Some(run) if run.end == p => run.end += 1,
+            _ => out.push(p..p + 1),
+        }
+    }
+    out
+}
+
+fn get(reqs: &HashMap<u64, Req>, r: RequestId) -> Result<&Req> {
+    reqs.get(&r.0).ok_or(unknown(r))
+}
+
+fn resident_blocks(space: &KvSpace, q: &Req) -> Result<Vec<usize>> {
+    let n = space.pages_for(space.tokens(q.slot)?);
+    let mut out = Vec::with_capacity(n);
+    for p in 0..n {
+        if space.is_resident(q.slot, p)? {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
 impl KvBlockManager {
-    /// A manager on `store` (whose block size must equal `tokens_per_block × bytes_per_token`).
-    /// Takes over the store's revocation callback.
+    /// A manager whose `KvSpace` takes its pages from `store`'s pool (the device's one pool, so
+    /// a lender or MIRAGE sees one HBM budget) and whose spilled blocks live in `store`'s host
+    /// and disk tiers (its HBM slots, if any, are not used). The store's block size is the
+    /// copy unit; it must divide the page size (it always does) and so must `bytes_per_token`.
     pub fn new(store: Arc<TierStore>, config: KvBlocksConfig) -> Result<Self> {
-        let block_bytes = u64::from(config.tokens_per_block) * config.bytes_per_token;
-        if block_bytes != store.block_size() || block_bytes == 0 {
+        let page = store.pool().page_size();
+        let bpt = config.bytes_per_token;
+        if bpt == 0 || page % bpt != 0 {
             return Err(Error::InvalidArgument(format!(
-                "{} tokens × {} bytes per block does not match the store's {}-byte blocks",
-                config.tokens_per_block,
-                config.bytes_per_token,
-                store.block_size()
+                "{bpt} bytes per token must divide the {page}-byte page"
             )));
         }
-        let lost: Arc<Mutex<HashMap<u64, HashSet<ObjectId>>>> = Arc::default();
-        let l2 = Arc::clone(&lost);
-        store.set_callback(move |n| {
-            if let Notice::Lost { id, owner } = n {
-                l2.lock().entry(owner).or_default().insert(id);
-            }
-        });
+        let space = KvSpace::new(
+            Arc::clone(store.pool()),
+            KvConfig {
+                layers: config.layers,
+                max_slots: config.max_requests,
+                max_tokens: config.max_tokens,
+                bytes_per_token: bpt,
+                zero_page: true,
+            },
+        )?;
         Ok(KvBlockManager {
-            store,
+            chunks: page / store.block_size(),
+            page,
             config,
-            block_bytes,
             inner: Mutex::new(Inner {
+                space,
                 reqs: HashMap::new(),
                 next: 1,
                 step: 0,
+                lookahead: Lookahead::default(),
+                stats: KvBlocksStats::default(),
             }),
-            lost,
-            counters: Mutex::new(KvBlocksStats::default()),
+            store,
         })
     }
 
@@ -121,218 +234,800 @@ impl KvBlockManager {
         &self.store
     }
 
-    /// Admits a request with no tokens.
-    pub fn admit(&self) -> RequestId {
+    pub fn config(&self) -> &KvBlocksConfig {
+        &self.config
+    }
+
+    /// Tokens per block (`page_size / bytes_per_token`).
+    pub fn tokens_per_block(&self) -> u32 {
+        (self.page / self.config.bytes_per_token) as u32
+    }
+
+    /// Bytes of one block in all tensors together (`2 × layers` pages).
+    pub fn block_bytes(&self) -> u64 {
+        2 * u64::from(self.config.layers) * self.page
+    }
+
+    fn tensors(&self) -> impl Iterator<Item = (u32, Kind)> {
+        (0..self.config.layers).flat_map(|l| [(l, Kind::K), (l, Kind::V)])
+    }
+
+    /// Every tensor's reservation: the copy scope of the block copies.
+    fn scope<'a>(&self, space: &'a KvSpace) -> Vec<&'a Reservation> {
+        self.tensors()
+            .map(|(l, k)| &**space.tensor_reservation(l, k))
+            .collect()
+    }
+
+    /// Store objects of each tensor that block `p` of a request with `tokens` tokens fills.
+    fn used_chunks(&self, p: usize, tokens: u32) -> u64 {
+        let start = p as u64 * self.page;
+        let used = (u64::from(tokens) * self.config.bytes_per_token)
+            .saturating_sub(start)
+            .min(self.page);
+        used.div_ceil(self.store.block_size()).min(self.chunks)
+    }
+
+    /// Device addresses of the first `chunks` store blocks of block `p` in every tensor,
+    /// tensor-major (the order of [`Req::spilled`]).
+    fn block_addrs(
+        &self,
+        space: &KvSpace,
+        slot: SlotId,
+        p: usize,
+        chunks: u64,
+    ) -> Result<Vec<DevicePtr>> {
+        let mut out = Vec::new();
+        for (l, k) in self.tensors() {
+            let base = space.slot_ptr(slot, l, k)? + p as u64 * self.page;
+            out.extend((0..chunks).map(|c| base + c * self.store.block_size()));
+        }
+        Ok(out)
+    }
+
+    /// Admits a request with no tokens. No free slot is [`Error::InvalidState`].
+    pub fn admit(&self) -> Result<RequestId> {
         let mut inner = self.inner.lock();
+        let slot = inner.space.admit()?;
         let id = inner.next;
         inner.next += 1;
         let step = inner.step;
         inner.reqs.insert(
             id,
             Req {
-                blocks: Vec::new(),
-                tokens: 0,
-                tail: Vec::new(),
+                slot,
+                spilled: BTreeMap::new(),
+                lost_unreported: BTreeSet::new(),
+                lost_reported: BTreeSet::new(),
+                ready: None,
                 last_step: step,
             },
         );
-        self.counters.lock().requests += 1;
-        RequestId(id)
+        inner.lookahead.touch(id, id, step);
+        inner.stats.requests += 1;
+        Ok(RequestId(id))
     }
 
     /// Tokens of a request.
     pub fn tokens(&self, r: RequestId) -> Result<u32> {
-        Ok(self.inner.lock().reqs.get(&r.0).ok_or(unknown(r))?.tokens)
+        let inner = self.inner.lock();
+        inner.space.tokens(get(&inner.reqs, r)?.slot)
     }
 
-    /// The request's blocks, in token order.
-    pub fn blocks(&self, r: RequestId) -> Result<Vec<ObjectId>> {
-        Ok(self
-            .inner
-            .lock()
-            .reqs
-            .get(&r.0)
-            .ok_or(unknown(r))?
-            .blocks
-            .clone())
-    }
-
-    /// Blocks of `r` lost to revocations since the last call (the engine recomputes them).
-    pub fn take_lost(&self, r: RequestId) -> Vec<ObjectId> {
-        let mut v: Vec<_> = self
-            .lost
-            .lock()
-            .remove(&r.0)
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        v.sort_unstable();
-        v
-    }
-
-    /// Appends tokens (`data.len()` a multiple of `bytes_per_token`): fills the tail block and
-    /// adds blocks as needed. Fails with [`Error::InvalidState`] while the request has lost blocks.
-    pub fn append(&self, r: RequestId, data: &[u8]) -> Result<()> {
-        let bpt = self.config.bytes_per_token as usize;
-        if data.is_empty() || data.len() % bpt != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "append of {} bytes is not whole tokens of {bpt} bytes",
-                data.len()
-            )));
+    /// Where each block of `r` is, in order: `Some(Tier::Hbm)` resident, `Some(Tier::Host)` or
+    /// `Some(Tier::Disk)` spilled (the slowest tier holding part of it), `None` lost.
+    pub fn blocks(&self, r: RequestId) -> Result<Vec<Option<Tier>>> {
+        let inner = self.inner.lock();
+        let q = get(&inner.reqs, r)?;
+        let n = inner.space.pages_for(inner.space.tokens(q.slot)?);
+        let mut out = Vec::with_capacity(n);
+        for p in 0..n {
+            out.push(match q.spilled.get(&p) {
+                Some(ids) => Some(self.tier_of(ids)?),
+                None if q.lost_unreported.contains(&p) || q.lost_reported.contains(&p) => None,
+                None => Some(Tier::Hbm),
+            });
         }
-        if self.lost.lock().get(&r.0).is_some_and(|s| !s.is_empty()) {
+        Ok(out)
+    }
+
+    /// The slowest tier holding one of `ids`.
+    fn tier_of(&self, ids: &[ObjectId]) -> Result<Tier> {
+        let mut tier = Tier::Host;
+        for &id in ids {
+            if let Some(t) = self.store.residency(id)?.fastest() {
+                tier = tier.max(t);
+            }
+        }
+        Ok(tier)
+    }
+
+    /// The stable address of `r`'s KV in the `kind` tensor of `layer` (token `i` at
+    /// `+ i × bytes_per_token`). Valid until `r` is released; read or write it only while the
+    /// blocks touched are resident (after the event of [`KvBlockManager::make_resident`]).
+    pub fn kv_ptr(&self, r: RequestId, layer: u32, kind: Kind) -> Result<DevicePtr> {
+        let inner = self.inner.lock();
+        inner.space.slot_ptr(get(&inner.reqs, r)?.slot, layer, kind)
+    }
+
+    /// Blocks of `r` lost to revocations since the last call, ascending: each is reported
+    /// exactly once. The next [`KvBlockManager::make_resident`] maps fresh pages for them, whose
+    /// bytes the engine recomputes.
+    pub fn take_lost(&self, r: RequestId) -> Result<Vec<usize>> {
+        let mut inner = self.inner.lock();
+        let q = inner.reqs.get_mut(&r.0).ok_or(unknown(r))?;
+        let lost = std::mem::take(&mut q.lost_unreported);
+        q.lost_reported.extend(lost.iter().copied());
+        Ok(lost.into_iter().collect())
+    }
+
+    /// Appends `tokens` tokens to `r`: maps the pages they need in every tensor (spilling
+    /// requests that run furthest away while the pool is short); the engine then writes them at
+    /// [`KvBlockManager::kv_ptr`]. The partly filled last block must be resident
+    /// ([`Error::InvalidState`] otherwise, as while `r` has unreported lost blocks). Out of
+    /// memory leaves `r` as it was.
+    pub fn append(&self, r: RequestId, tokens: u32) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let step = inner.step;
+        let q = get(&inner.reqs, r)?;
+        if !q.lost_unreported.is_empty() {
+            return Err(lost_first(r.0));
+        }
+        let slot = q.slot;
+        let have = inner.space.tokens(slot)?;
+        let total = have
+            .checked_add(tokens)
+            .filter(|_| tokens > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("append of {tokens} tokens to {have}"))
+            })?;
+        let first = (u64::from(have) * self.config.bytes_per_token / self.page) as usize;
+        if let Some(p) = inner
+            .space
+            .evicted_pages(slot)?
+            .into_iter()
+            .find(|&p| p >= first)
+        {
             return Err(Error::InvalidState(format!(
-                "request {} lost KV blocks to a revocation: recompute first",
+                "block {p} of request {} is not resident: make_resident before appending",
                 r.0
             )));
         }
-        let mut inner = self.inner.lock();
-        let step = inner.step;
-        let req = inner.reqs.get_mut(&r.0).ok_or(unknown(r))?;
-        req.last_step = step;
-        let block = self.block_bytes as usize;
-        let mut rest = data;
-        while !rest.is_empty() {
-            let room = block - req.tail.len();
-            let n = room.min(rest.len());
-            req.tail.extend_from_slice(&rest[..n]);
-            rest = &rest[n..];
-            let fresh = req.tail.len() == n; // this chunk started a new block
-            if fresh {
-                let id = self.store.put(&req.tail, Durability::Lossy, r.0)?;
-                req.blocks.push(id);
-                self.counters.lock().blocks += 1;
-            } else if let Some(&id) = req.blocks.last() {
-                self.store.write(id, &req.tail)?;
-            }
-            req.tokens += (n / bpt) as u32;
-            if req.tail.len() == block {
-                req.tail.clear();
-            }
-        }
-        Ok(())
+        self.touch(&mut inner, r.0, step);
+        let keep: HashSet<u64> = [r.0].into();
+        self.with_room(&mut inner, &keep, None, |space| space.grow(slot, total))
     }
 
-    /// Moves to `step` (the policies' clock).
+    fn touch(&self, inner: &mut Inner, r: u64, step: u64) {
+        if let Some(q) = inner.reqs.get_mut(&r) {
+            q.last_step = step;
+        }
+        inner.lookahead.touch(r, r, step);
+    }
+
+    /// Writes tokens `first_token..` of `r` (whole tokens of `data`, already appended) in the
+    /// `kind` tensor of `layer` with a backend copy, after the last copy into the request: the
+    /// host-side path for tests and CPU engines. Their blocks must be resident.
+    pub fn write_kv(
+        &self,
+        r: RequestId,
+        layer: u32,
+        kind: Kind,
+        first_token: u32,
+        data: &[u8],
+    ) -> Result<()> {
+        let inner = self.inner.lock();
+        let q = get(&inner.reqs, r)?;
+        let (ptr, range) = self.span(&inner.space, q, layer, kind, first_token, data.len())?;
+        for p in self.blocks_of(&range) {
+            if !inner.space.is_resident(q.slot, p)? {
+                return Err(Error::InvalidState(format!(
+                    "block {p} of request {} is not resident: make_resident before writing",
+                    r.0
+                )));
+            }
+        }
+        if let Some(ev) = &q.ready {
+            ev.synchronize()?;
+        }
+        self.store.backend().write(ptr + range.start, data)
+    }
+
+    /// Reads tokens `first_token..` of `r` (whole tokens of `out`) in the `kind` tensor of
+    /// `layer`, from wherever each block is: the device (after the last copy into it) or its
+    /// store objects. Returns the slowest tier read. Lost blocks are [`Error::InvalidState`].
+    pub fn read_kv(
+        &self,
+        r: RequestId,
+        layer: u32,
+        kind: Kind,
+        first_token: u32,
+        out: &mut [u8],
+    ) -> Result<Tier> {
+        let inner = self.inner.lock();
+        let q = get(&inner.reqs, r)?;
+        let (ptr, range) = self.span(&inner.space, q, layer, kind, first_token, out.len())?;
+        let tensor = (layer as usize) * 2 + usize::from(kind == Kind::V);
+        let block = self.store.block_size();
+        let mut slowest = Tier::Hbm;
+        let mut chunk = vec![0u8; block as usize];
+        let mut at = range.start;
+        while at < range.end {
+            let p = (at / self.page) as usize;
+            let end = range.end.min((p as u64 + 1) * self.page);
+            let dst = &mut out[(at - range.start) as usize..(end - range.start) as usize];
+            if let Some(ids) = q.spilled.get(&p) {
+                // One store object per chunk of the page.
+                let per_tensor = ids.len() / (2 * self.config.layers as usize);
+                let mut pos = at;
+                while pos < end {
+                    let within = pos - p as u64 * self.page;
+                    let c = (within / block) as usize;
+                    let stop = end.min(p as u64 * self.page + (c as u64 + 1) * block);
+                    let tier = self.store.read(ids[tensor * per_tensor + c], &mut chunk)?;
+                    slowest = slowest.max(tier);
+                    let from = (within % block) as usize;
+                    let n = (stop - pos) as usize;
+                    dst[(pos - at) as usize..(pos - at) as usize + n]
+                        .copy_from_slice(&chunk[from..from + n]);
+                    pos = stop;
+                }
+            } else if inner.space.is_resident(q.slot, p)? {
+                if let Some(ev) = &q.ready {
+                    ev.synchronize()?;
+                }
+                self.store.backend().read(ptr + at, dst)?;
+            } else {
+                return Err(lost_first(r.0));
+            }
+            at = end;
+        }
+        Ok(slowest)
+    }
+
+    /// The slot address of tensor `(layer, kind)` and the byte range of `len` bytes of whole
+    /// tokens from `first_token`, checked against the request's tokens.
+    fn span(
+        &self,
+        space: &KvSpace,
+        q: &Req,
+        layer: u32,
+        kind: Kind,
+        first_token: u32,
+        len: usize,
+    ) -> Result<(DevicePtr, Range<u64>)> {
+        let bpt = self.config.bytes_per_token;
+        let ptr = space.slot_ptr(q.slot, layer, kind)?;
+        let start = u64::from(first_token) * bpt;
+        let end = start + len as u64;
+        let tokens = u64::from(space.tokens(q.slot)?);
+        if len == 0 || len as u64 % bpt != 0 || end > tokens * bpt {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes from token {first_token} are not whole tokens within the request's {tokens}"
+            )));
+        }
+        Ok((ptr, start..end))
+    }
+
+    fn blocks_of(&self, range: &Range<u64>) -> Range<usize> {
+        (range.start / self.page) as usize..range.end.div_ceil(self.page) as usize
+    }
+
+    /// Moves to `step` (the policies' clock; it never goes back). Requests used in the current
+    /// step are not spilled for room.
     pub fn advance(&self, step: u64) {
-        self.inner.lock().step = step;
+        let mut inner = self.inner.lock();
+        inner.step = inner.step.max(step);
+        let now = inner.step;
+        inner.lookahead.advance(now);
+        drop(inner);
         self.store.advance(step);
     }
 
-    /// Scheduler lookahead: the requests of each of the next K steps. The policies learn who
-    /// runs when; blocks of those requests that fit the compute window (Eq. 1, Algorithm 1) are
-    /// prefetched now. Returns the prefetch's event, if any block moved.
+    /// Scheduler lookahead: the requests of each of the next K steps (unknown ids are ignored: a
+    /// hint is advice). Eviction learns who runs when; spilled blocks of those requests that
+    /// fit the compute window (Eq. 1, Algorithm 1) come back now, nearest request first, as far
+    /// as the pool allows without spilling a request that runs sooner. Returns the copies'
+    /// event, if any block moved.
     pub fn hint(&self, next_steps: &[Vec<RequestId>]) -> Result<Option<Arc<Event>>> {
         let owners: Vec<Vec<u64>> = next_steps
             .iter()
             .map(|s| s.iter().map(|r| r.0).collect())
             .collect();
         self.store.schedule(&owners);
-        let t_iter = vec![self.config.t_iter; next_steps.len()];
-        let mut candidates = Vec::new();
-        {
-            let inner = self.inner.lock();
-            for r in next_steps.iter().flatten() {
-                if let Some(req) = inner.reqs.get(&r.0) {
-                    for &b in &req.blocks {
-                        if let Ok(res) = self.store.residency(b) {
-                            if let Some(t) = res.fastest() {
-                                candidates.push((b.key(), t));
-                            }
-                        }
-                    }
-                }
+        let mut inner = self.inner.lock();
+        inner.lookahead.schedule(&owners);
+        let mut order = Vec::new();
+        let mut seen = HashSet::new();
+        for &r in owners.iter().flatten() {
+            if inner
+                .reqs
+                .get(&r)
+                .is_some_and(|q| q.lost_unreported.is_empty())
+                && seen.insert(r)
+            {
+                order.push(r);
             }
         }
+        let mut candidates = Vec::new();
+        let mut blocks = Vec::new();
+        for &r in &order {
+            for (&p, ids) in &inner.reqs[&r].spilled {
+                candidates.push((blocks.len() as u64, self.tier_of(ids)?));
+                blocks.push((r, p));
+            }
+        }
+        let t_iter = vec![self.config.t_iter; next_steps.len()];
         let plan = plan_prefetch(
             &candidates,
-            self.block_bytes,
+            self.block_bytes(),
             self.config.links,
             &t_iter,
             self.config.delta_sched,
         );
-        if plan.is_empty() {
+        let mut wanted: Vec<(u64, Vec<usize>)> = Vec::new();
+        for (key, _) in plan {
+            let (r, p) = blocks[key as usize];
+            match wanted.last_mut() {
+                Some((last, ps)) if *last == r => ps.push(p),
+                _ => wanted.push((r, vec![p])),
+            }
+        }
+        let keep: HashSet<u64> = wanted.iter().map(|(r, _)| *r).collect();
+        let before = inner.stats.restores;
+        let ev = self.bring_in(&mut inner, &wanted, &keep, true)?;
+        inner.stats.hinted_prefetches += inner.stats.restores - before;
+        Ok(ev)
+    }
+
+    /// Makes every block of `batch` resident: maps pages behind its spilled and lost blocks
+    /// (spilling requests outside the batch, furthest next use first, while the pool is short)
+    /// and copies the spilled bytes back. Wait for the event before the kernels read (it also
+    /// covers earlier prefetches of these requests). All or nothing: on error (out of memory
+    /// when the batch does not fit; [`Error::InvalidState`] while a request has unreported lost
+    /// blocks; [`Error::StaleId`]) no block of the batch changed residency.
+    pub fn make_resident(&self, batch: &[RequestId]) -> Result<Arc<Event>> {
+        let mut inner = self.inner.lock();
+        let step = inner.step;
+        let mut wanted = Vec::new();
+        let mut keep = HashSet::new();
+        for &r in batch {
+            let q = get(&inner.reqs, r)?;
+            if !q.lost_unreported.is_empty() {
+                return Err(lost_first(r.0));
+            }
+            if keep.insert(r.0) {
+                wanted.push((r.0, inner.space.evicted_pages(q.slot)?));
+            }
+        }
+        for &r in &keep {
+            self.touch(&mut inner, r, step);
+        }
+        match self.bring_in(&mut inner, &wanted, &keep, false)? {
+            Some(ev) => Ok(ev),
+            None => self.store.take_to_device(&[], &[]),
+        }
+    }
+
+    /// Maps pages behind `wanted` blocks (holes) and copies spilled bytes back in one batch.
+    /// `advice` (hints): stops quietly at the first request that does not fit, and spills only
+    /// requests that run later than the one coming in; otherwise all or nothing.
+    fn bring_in(
+        &self,
+        inner: &mut Inner,
+        wanted: &[(u64, Vec<usize>)],
+        keep: &HashSet<u64>,
+        advice: bool,
+    ) -> Result<Option<Arc<Event>>> {
+        let mut mapped: Vec<(u64, Range<usize>)> = Vec::new();
+        let mut failure = None;
+        'requests: for (r, blocks) in wanted {
+            let slot = inner.reqs[r].slot;
+            let later_than = advice.then(|| inner.lookahead.distance(*r));
+            for run in runs(blocks) {
+                let restore = |space: &mut KvSpace| space.restore_pages(slot, run.clone());
+                match self.with_room(inner, keep, later_than, restore) {
+                    Ok(()) => mapped.push((*r, run)),
+                    Err(e) if advice && e.is_out_of_memory() => break 'requests,
+                    Err(e) => {
+                        failure = Some(e);
+                        break 'requests;
+                    }
+                }
+            }
+        }
+        if let Some(e) = failure {
+            self.unmap(inner, &mapped);
+            return Err(e);
+        }
+        if mapped.is_empty() {
             return Ok(None);
         }
-        let ids: Vec<ObjectId> = plan.iter().map(|&(k, _)| ObjectId::from_key(k)).collect();
-        match self.store.prefetch(&ids) {
-            Ok(ev) => {
-                self.counters.lock().hinted_prefetches += ids.len() as u64;
-                Ok(Some(ev))
-            }
-            // A hint is advice: a full HBM tier is not an error for it.
-            Err(e) if e.is_out_of_memory() => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Makes every block of `batch` resident in HBM; wait for the event before the kernels read.
-    pub fn make_resident(&self, batch: &[RequestId]) -> Result<Arc<Event>> {
-        let mut ids = Vec::new();
-        {
-            let mut inner = self.inner.lock();
-            let step = inner.step;
-            for r in batch {
-                if self.lost.lock().get(&r.0).is_some_and(|s| !s.is_empty()) {
-                    return Err(Error::InvalidState(format!(
-                        "request {} lost KV blocks to a revocation: recompute first",
-                        r.0
-                    )));
+        let copied = (|| {
+            let mut copies = Vec::new();
+            for (r, run) in &mapped {
+                let q = &inner.reqs[r];
+                for p in run.clone() {
+                    if let Some(ids) = q.spilled.get(&p) {
+                        let per_tensor = (ids.len() / (2 * self.config.layers as usize)) as u64;
+                        let addrs = self.block_addrs(&inner.space, q.slot, p, per_tensor)?;
+                        copies.extend(ids.iter().copied().zip(addrs));
+                    }
                 }
-                let req = inner.reqs.get_mut(&r.0).ok_or(unknown(*r))?;
-                req.last_step = step;
-                ids.extend_from_slice(&req.blocks);
+            }
+            self.store
+                .take_to_device(&copies, &self.scope(&inner.space))
+        })();
+        let ev = match copied {
+            Ok(ev) => ev,
+            Err(e) => {
+                // Copies already queued into the pages finish before they are unmapped.
+                if let Err(sync) = self.store.synchronize() {
+                    record_deferred(sync);
+                }
+                self.unmap(inner, &mapped);
+                return Err(e);
+            }
+        };
+        for (r, run) in &mapped {
+            let Some(q) = inner.reqs.get_mut(r) else {
+                continue;
+            };
+            for p in run.clone() {
+                if q.spilled.remove(&p).is_some() {
+                    inner.stats.restores += 1;
+                } else {
+                    q.lost_reported.remove(&p);
+                }
+            }
+            q.ready = Some(Arc::clone(&ev));
+        }
+        Ok(Some(ev))
+    }
+
+    /// Makes holes again of pages a failed `bring_in` mapped (they hold no bytes yet).
+    fn unmap(&self, inner: &mut Inner, mapped: &[(u64, Range<usize>)]) {
+        for (r, run) in mapped {
+            let slot = inner.reqs[r].slot;
+            if let Err(e) = inner.space.evict_pages(slot, run.clone()) {
+                record_deferred(e);
             }
         }
-        self.store.prefetch(&ids)
     }
 
-    /// Spills a paused request's blocks to host memory (or `to`).
-    pub fn pause(&self, r: RequestId, to: Tier) -> Result<()> {
-        let blocks = self.blocks(r)?;
-        self.store.spill(&blocks, to)?;
-        self.counters.lock().spilled_blocks += blocks.len() as u64;
-        Ok(())
-    }
-
-    /// Spills the blocks of requests idle for more than `idle_steps` steps to `to`.
-    pub fn spill_idle(&self, idle_steps: u64, to: Tier) -> Result<usize> {
-        let idle: Vec<ObjectId> = {
-            let inner = self.inner.lock();
-            inner
-                .reqs
-                .values()
-                .filter(|q| q.last_step + idle_steps < inner.step)
-                .flat_map(|q| q.blocks.iter().copied())
-                .filter(|&b| {
-                    self.store.residency(b).is_ok_and(|res| {
-                        res.fastest() == Some(Tier::Hbm) || (to == Tier::Disk && res.host.is_some())
-                    })
-                })
-                .collect()
-        };
-        if !idle.is_empty() {
-            self.store.spill(&idle, to)?;
+    /// Runs `op` on the space, spilling victims to host memory while it runs out of pool
+    /// pages: requests outside `keep`, not used in the current step, running furthest away (and
+    /// further than `later_than` steps when given). No victim left: `op`'s error.
+    fn with_room<T>(
+        &self,
+        inner: &mut Inner,
+        keep: &HashSet<u64>,
+        later_than: Option<usize>,
+        mut op: impl FnMut(&mut KvSpace) -> Result<T>,
+    ) -> Result<T> {
+        loop {
+            match op(&mut inner.space) {
+                Err(e) if e.is_out_of_memory() => {
+                    let Some(victim) = self.victim(inner, keep, later_than, false) else {
+                        return Err(e);
+                    };
+                    self.spill(inner, victim, Tier::Host)?;
+                    inner.stats.evictions += 1;
+                }
+                other => return other,
+            }
         }
-        self.counters.lock().spilled_blocks += idle.len() as u64;
-        Ok(idle.len())
     }
 
-    /// Releases a request and all its blocks (lost ones included). Unknown: [`Error::StaleId`].
+    /// The request holding pool pages that runs furthest away, among those outside `keep` and
+    /// (unless `pinned_too`) not used in the current step.
+    fn victim(
+        &self,
+        inner: &mut Inner,
+        keep: &HashSet<u64>,
+        later_than: Option<usize>,
+        pinned_too: bool,
+    ) -> Option<u64> {
+        let Inner {
+            space,
+            reqs,
+            lookahead,
+            step,
+            ..
+        } = inner;
+        let far: Option<HashSet<u64>> = later_than.map(|d| {
+            reqs.keys()
+                .copied()
+                .filter(|&r| lookahead.distance(r) > d)
+                .collect()
+        });
+        lookahead.victim(&mut |r| {
+            !keep.contains(&r)
+                && far.as_ref().is_none_or(|f| f.contains(&r))
+                && reqs.get(&r).is_some_and(|q| {
+                    (pinned_too || q.last_step < *step)
+                        && space.mapped_pages(q.slot).is_ok_and(|m| m > q.holes())
+                })
+        })
+    }
+
+    /// Copies the resident blocks of `r` down (all layers, K and V; only the chunks its tokens
+    /// fill) and evicts their pages; with `to == Tier::Disk` its spilled objects then move to
+    /// disk. Returns the blocks spilled.
+    fn spill(&self, inner: &mut Inner, r: u64, to: Tier) -> Result<usize> {
+        let Inner {
+            space, reqs, stats, ..
+        } = inner;
+        let q = reqs.get_mut(&r).ok_or(unknown(RequestId(r)))?;
+        let tokens = space.tokens(q.slot)?;
+        if space.mapped_pages(q.slot)? > space.pages_for(tokens) {
+            // Capacity a reused slot brought along holds no KV: give it back, copy nothing.
+            space.shrink(q.slot, tokens)?;
+        }
+        let resident = resident_blocks(space, q)?;
+        if !resident.is_empty() {
+            if let Some(ev) = q.ready.take() {
+                ev.synchronize()?;
+            }
+            let mut srcs = Vec::new();
+            let mut per_block = Vec::with_capacity(resident.len());
+            for &p in &resident {
+                let chunks = self.used_chunks(p, tokens);
+                let addrs = self.block_addrs(space, q.slot, p, chunks)?;
+                per_block.push(addrs.len());
+                srcs.extend(addrs);
+            }
+            let (ids, done) =
+                self.store
+                    .put_from_device(&srcs, Durability::Lossy, r, &self.scope(space))?;
+            if let Err(e) = done.synchronize() {
+                for id in ids {
+                    let _ = self.store.release(id);
+                }
+                return Err(e);
+            }
+            let mut ids = ids.into_iter();
+            for (&p, n) in resident.iter().zip(per_block) {
+                q.spilled.insert(p, ids.by_ref().take(n).collect());
+            }
+            // Every page is a hole afterwards, even when an unmap reports an error.
+            let mut first_err = None;
+            for run in runs(&resident) {
+                if let Err(e) = space.evict_pages(q.slot, run) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            stats.spills += resident.len() as u64;
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+        }
+        if to == Tier::Disk {
+            let ids: Vec<ObjectId> = q.spilled.values().flatten().copied().collect();
+            if !ids.is_empty() {
+                self.store.spill(&ids, Tier::Disk)?;
+            }
+        }
+        Ok(resident.len())
+    }
+
+    /// Spills `r`'s resident blocks to host memory, or to disk with `to == Tier::Disk` (its
+    /// blocks already in host memory move there too). Out of host and disk space is an error
+    /// that leaves the blocks resident.
+    pub fn pause(&self, r: RequestId, to: Tier) -> Result<()> {
+        if to == Tier::Hbm {
+            return Err(Error::InvalidArgument(
+                "pause spills down: to Host or Disk".into(),
+            ));
+        }
+        let mut inner = self.inner.lock();
+        get(&inner.reqs, r)?;
+        self.spill(&mut inner, r.0, to).map(drop)
+    }
+
+    /// Spills the requests idle for more than `idle_steps` steps to `to` (as
+    /// [`KvBlockManager::pause`]); returns the blocks spilled.
+    pub fn spill_idle(&self, idle_steps: u64, to: Tier) -> Result<usize> {
+        if to == Tier::Hbm {
+            return Err(Error::InvalidArgument(
+                "spill_idle goes down: to Host or Disk".into(),
+            ));
+        }
+        let mut inner = self.inner.lock();
+        let step = inner.step;
+        let mut idle: Vec<u64> = inner
+            .reqs
+            .iter()
+            .filter(|(_, q)| q.last_step.saturating_add(idle_steps) < step)
+            .map(|(&r, _)| r)
+            .collect();
+        idle.sort_unstable();
+        let mut spilled = 0;
+        for r in idle {
+            spilled += self.spill(&mut inner, r, to)?;
+        }
+        Ok(spilled)
+    }
+
+    /// Takes `pages` pool pages back for a lender (Harvest's order, under the lock so no new
+    /// copy starts): free pool capacity and pages of released requests first; then, block by
+    /// block, the requests running furthest away (those used in the current step last): copies
+    /// into the block drain (events), its pages are unmapped without copying (lost, reported
+    /// once through [`KvBlockManager::take_lost`]) and return to the pool, which hands them
+    /// out. When even that is not enough the pool's error is returned; blocks lost on the way
+    /// stay lost and reported.
+    pub fn revoke(&self, pages: usize) -> Result<KvRevocation> {
+        let mut inner = self.inner.lock();
+        let pool = Arc::clone(self.store.pool());
+        let mut lost: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        let mut reclaimed = false;
+        let taken = loop {
+            match pool.take(pages) {
+                Ok(taken) => break taken,
+                Err(e) if e.is_out_of_memory() => {
+                    if !reclaimed {
+                        reclaimed = true;
+                        if inner.space.reclaim_deferred() > 0 {
+                            continue;
+                        }
+                    }
+                    let none = HashSet::new();
+                    let victim = self
+                        .victim(&mut inner, &none, None, false)
+                        .or_else(|| self.victim(&mut inner, &none, None, true));
+                    let Some(r) = victim else {
+                        return Err(e);
+                    };
+                    if let Some(p) = self.lose_last_block(&mut inner, r)? {
+                        lost.entry(r).or_default().push(p);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        inner.stats.pages_revoked += taken.len() as u64;
+        Ok(KvRevocation {
+            pages: taken,
+            lost: lost
+                .into_iter()
+                .map(|(r, mut ps)| {
+                    ps.sort_unstable();
+                    (RequestId(r), ps)
+                })
+                .collect(),
+        })
+    }
+
+    /// Unmaps the last resident block of `r` without copying it (after the copies into it):
+    /// the block is lost and returned. Surplus pages of a reused slot go first, losing nothing
+    /// (`None`).
+    fn lose_last_block(&self, inner: &mut Inner, r: u64) -> Result<Option<usize>> {
+        let Inner {
+            space, reqs, stats, ..
+        } = inner;
+        let q = reqs.get_mut(&r).ok_or(unknown(RequestId(r)))?;
+        if let Some(ev) = q.ready.take() {
+            ev.synchronize()?;
+        }
+        let tokens = space.tokens(q.slot)?;
+        if space.mapped_pages(q.slot)? > space.pages_for(tokens) {
+            space.shrink(q.slot, tokens)?;
+            return Ok(None);
+        }
+        let Some(&p) = resident_blocks(space, q)?.last() else {
+            return Err(Error::InvalidState(format!(
+                "request {r} holds no resident block"
+            )));
+        };
+        q.lost_unreported.insert(p);
+        stats.lost_blocks += 1;
+        // The block is a hole (lost) even when the unmap reports an error.
+        space.evict_page(q.slot, p)?;
+        Ok(Some(p))
+    }
+
+    /// Releases a request: its slot (pages to the next request) and its spilled objects, after
+    /// the copies into it. Unknown or released: [`Error::StaleId`].
     pub fn release(&self, r: RequestId) -> Result<()> {
-        let req = self.inner.lock().reqs.remove(&r.0).ok_or(unknown(r))?;
-        let lost = self.lost.lock().remove(&r.0).unwrap_or_default();
-        self.counters.lock().lost_blocks += lost.len() as u64;
+        let mut inner = self.inner.lock();
+        let q = inner.reqs.remove(&r.0).ok_or(unknown(r))?;
+        inner.lookahead.remove(r.0);
         let mut first = None;
-        for b in req.blocks {
-            if let Err(e) = self.store.release(b) {
+        if let Some(ev) = &q.ready {
+            if let Err(e) = ev.synchronize() {
                 first.get_or_insert(e);
             }
+        }
+        for &id in q.spilled.values().flatten() {
+            if let Err(e) = self.store.release(id) {
+                first.get_or_insert(e);
+            }
+        }
+        if let Err(e) = inner.space.free(q.slot) {
+            first.get_or_insert(e);
         }
         first.map_or(Ok(()), Err)
     }
 
     pub fn stats(&self) -> KvBlocksStats {
-        *self.counters.lock()
+        let inner = self.inner.lock();
+        let mut s = inner.stats;
+        for q in inner.reqs.values() {
+            let n = inner
+                .space
+                .tokens(q.slot)
+                .map_or(0, |t| inner.space.pages_for(t)) as u64;
+            s.blocks += n;
+            s.blocks_spilled += q.spilled.len() as u64;
+            s.blocks_resident += n.saturating_sub(q.holes() as u64);
+        }
+        s
+    }
+
+    /// Checks the manager against its `KvSpace` and store (run after every step in tests): the
+    /// space's layout; every request's holes are exactly its spilled and lost blocks, below its
+    /// tokens, disjoint; every spilled block has one live store object per used chunk and tensor,
+    /// each with a host or disk copy; then the store's own invariants.
+    pub fn check_invariants(&self) -> Result<()> {
+        let inner = self.inner.lock();
+        let bad = |m: String| Err(Error::InvalidState(format!("kv invariant: {m}")));
+        if let Err(m) = inner.space.check_layout() {
+            return bad(m);
+        }
+        for (&r, q) in &inner.reqs {
+            let tokens = inner.space.tokens(q.slot)?;
+            let holes: BTreeSet<usize> = inner.space.evicted_pages(q.slot)?.into_iter().collect();
+            let mut expected: BTreeSet<usize> = q.spilled.keys().copied().collect();
+            for lost in [&q.lost_unreported, &q.lost_reported] {
+                for &p in lost {
+                    if !expected.insert(p) {
+                        return bad(format!("request {r} block {p} is spilled and lost"));
+                    }
+                }
+            }
+            if holes != expected {
+                return bad(format!(
+                    "request {r}: holes {holes:?}, spilled or lost {expected:?}"
+                ));
+            }
+            if holes
+                .last()
+                .is_some_and(|&p| p >= inner.space.pages_for(tokens))
+            {
+                return bad(format!("request {r} has a hole past its {tokens} tokens"));
+            }
+            for (&p, ids) in &q.spilled {
+                let want = 2 * self.config.layers as usize * self.used_chunks(p, tokens) as usize;
+                if ids.len() != want {
+                    return bad(format!(
+                        "request {r} block {p}: {} objects, {want} expected",
+                        ids.len()
+                    ));
+                }
+                for &id in ids {
+                    let res = self.store.residency(id)?;
+                    if res.host.is_none() && res.disk.is_none() {
+                        return bad(format!("request {r} block {p}: {id} has no lower copy"));
+                    }
+                }
+            }
+        }
+        drop(inner);
+        self.store.check_invariants()
+    }
+}
+
+impl Drop for KvBlockManager {
+    /// Waits for the copies into the space (its pages are unmapped next) and releases the
+    /// spilled objects of requests still live.
+    fn drop(&mut self) {
+        if let Err(e) = self.store.synchronize() {
+            record_deferred(e);
+        }
+        for q in self.inner.get_mut().reqs.values() {
+            for &id in q.spilled.values().flatten() {
+                let _ = self.store.release(id);
+            }
+        }
     }
 }

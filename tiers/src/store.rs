@@ -1,6 +1,9 @@
 //! [`TierStore`]: fixed-size objects across HBM (pool pages), host memory and disk, with a
 //! residency table, durability, eviction/prefetch, events ordering every reader after the last
-//! write, and revocation of HBM pages in Harvest's order.
+//! write, and revocation of HBM pages in Harvest's order. Objects can also be filled from, and
+//! emptied into, device addresses the store does not own (a `KvSpace`'s tensors, for the
+//! [`KvBlockManager`](crate::KvBlockManager)): [`TierStore::put_from_device`],
+//! [`TierStore::take_to_device`].
 //!
 //! # Ordering
 //!
@@ -132,6 +135,18 @@ pub struct Revocation {
 type Callback = Box<dyn Fn(Notice) + Send + Sync>;
 type SlotOf = fn(&Residency) -> Option<u32>;
 
+/// Where the two-hop disk path writes.
+#[derive(Clone, Copy)]
+enum HopTarget<'a> {
+    /// New HBM slots of the store.
+    Hbm,
+    /// Device addresses of another owner (`dsts[k]` for the k-th object), inside `scope`.
+    Outside {
+        dsts: &'a [DevicePtr],
+        scope: &'a [&'a Reservation],
+    },
+}
+
 #[derive(Clone)]
 struct Obj {
     generation: u32,
@@ -208,6 +223,35 @@ struct State {
 }
 
 impl State {
+    /// A live object with no copy yet (a retired index when one is free).
+    fn new_object(&mut self, durability: Durability, owner: u64, len: u64) -> u32 {
+        let fresh = Obj {
+            generation: 0,
+            live: true,
+            lost: false,
+            durability,
+            owner,
+            len,
+            res: Residency::default(),
+            hbm_ready: None,
+            host_ready: None,
+        };
+        match self.free_objs.pop() {
+            Some(i) => {
+                let generation = self.objs[i as usize].generation;
+                self.objs[i as usize] = Obj {
+                    generation,
+                    ..fresh
+                };
+                i
+            }
+            None => {
+                self.objs.push(fresh);
+                (self.objs.len() - 1) as u32
+            }
+        }
+    }
+
     /// Gives back the HBM slots reserved for `ids` by a submission that failed (they hold no data).
     fn unreserve_hbm(&mut self, ids: &[u32]) {
         for &i in ids {
@@ -403,17 +447,20 @@ impl TierStore {
     }
 
     /// Queues block copies on the `dir` stream through the transfer engine, with the store's
-    /// host buffers and HBM reservation as the copy scope.
+    /// host buffers, its HBM reservation and `outside` (device ranges of other owners, e.g. a
+    /// `KvSpace`'s tensors) as the copy scope.
     fn submit(
         &self,
         dir: Direction,
         pairs: &[(DevicePtr, DevicePtr)],
         len: u64,
         how: Submission,
+        outside: &[&Reservation],
     ) -> Result<Arc<Event>> {
         let mut buffers: Vec<&HostBuffer> = self.host_chunks.iter().map(|b| &**b).collect();
         buffers.push(&self.staging);
-        let reservations = [&*self.reservation];
+        let mut reservations = vec![&*self.reservation];
+        reservations.extend_from_slice(outside);
         let scope = CopyScope {
             buffers: &buffers,
             reservations: &reservations,
@@ -508,34 +555,7 @@ impl TierStore {
             )));
         }
         let mut st = self.state.lock();
-        let index = match st.free_objs.pop() {
-            Some(i) => i,
-            None => {
-                st.objs.push(Obj {
-                    generation: 0,
-                    live: false,
-                    lost: false,
-                    durability,
-                    owner,
-                    len,
-                    res: Residency::default(),
-                    hbm_ready: None,
-                    host_ready: None,
-                });
-                (st.objs.len() - 1) as u32
-            }
-        };
-        {
-            let o = &mut st.objs[index as usize];
-            o.live = true;
-            o.lost = false;
-            o.durability = durability;
-            o.owner = owner;
-            o.len = len;
-            o.res = Residency::default();
-            o.hbm_ready = None;
-            o.host_ready = None;
-        }
+        let index = st.new_object(durability, owner, len);
         let id = ObjectId {
             index,
             generation: st.objs[index as usize].generation,
@@ -699,9 +719,10 @@ impl TierStore {
     fn drop_lower(&self, st: &mut State, index: u32) {
         let key = self.key(st, index);
         let o = &mut st.objs[index as usize];
-        let host_ready = o.host_ready.take();
+        o.host_ready = None;
+        // The slot's fence already names the last copy that read or wrote it.
         if let Some(h) = o.res.host.take() {
-            st.host.put_back(h, host_ready);
+            st.host.put_back(h, None);
             st.host_policy.remove(key);
         }
         if let Some(d) = st.objs[index as usize].res.disk.take() {
@@ -811,6 +832,7 @@ impl TierStore {
                 &pairs,
                 self.config.block_size,
                 self.config.submission,
+                &[],
             ) {
                 Ok(ev) => ev,
                 Err(e) => {
@@ -820,6 +842,8 @@ impl TierStore {
             };
             for &i in &to_host {
                 st.objs[i as usize].host_ready = Some(Arc::clone(&ev));
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                st.host.fence[h as usize] = Some(Arc::clone(&ev));
                 let (owner, step, key) = (st.objs[i as usize].owner, st.step, self.key(st, i));
                 st.host_policy.touch(key, owner, step);
                 self.drop_hbm_with_fence(st, i, Some(Arc::clone(&ev)));
@@ -834,6 +858,24 @@ impl TierStore {
     }
 
     fn hbm_to_disk(&self, st: &mut State, i: u32) -> Result<()> {
+        let o = &st.objs[i as usize];
+        let src = self.hbm_va(o.res.hbm.unwrap_or_default());
+        let after = o.hbm_ready.clone();
+        self.device_to_disk(st, i, src, after.as_deref(), &[])?;
+        self.drop_hbm(st, i);
+        Ok(())
+    }
+
+    /// Writes the block at device address `src` (after `after`) to a new disk copy of object
+    /// `i`, through staging: one device→host copy, waited for, then one file write.
+    fn device_to_disk(
+        &self,
+        st: &mut State,
+        i: u32,
+        src: DevicePtr,
+        after: Option<&Event>,
+        outside: &[&Reservation],
+    ) -> Result<()> {
         let (disk, _) = self.disk().map_err(|_| Error::OutOfMemory {
             location: Location::Host,
             requested: self.config.block_size,
@@ -842,16 +884,15 @@ impl TierStore {
         let d = self.take_disk(st, i)?;
         let result = (|| {
             sync(&st.staging_fence[0])?;
-            let o = &st.objs[i as usize];
-            if let Some(ev) = &o.hbm_ready {
+            if let Some(ev) = after {
                 self.engine.wait(Direction::DeviceToHost, ev)?;
             }
-            let src = self.hbm_va(o.res.hbm.unwrap_or_default());
             let ev = self.submit(
                 Direction::DeviceToHost,
                 &[(src, self.staging_ptr(0))],
                 self.config.block_size,
                 Submission::Coalesced,
+                outside,
             )?;
             ev.synchronize()?;
             disk.write_from(
@@ -864,7 +905,6 @@ impl TierStore {
         match result {
             Ok(()) => {
                 st.objs[i as usize].res.disk = Some(d);
-                self.drop_hbm(st, i);
                 Ok(())
             }
             Err(e) => {
@@ -945,9 +985,9 @@ impl TierStore {
         }
         let key = self.key(st, i);
         let o = &mut st.objs[i as usize];
-        let ready = o.host_ready.take();
+        o.host_ready = None;
         if let Some(h) = o.res.host.take() {
-            st.host.put_back(h, ready);
+            st.host.put_back(h, None);
         }
         st.host_policy.remove(key);
         Ok(())
@@ -1000,6 +1040,7 @@ impl TierStore {
                 &pairs,
                 self.config.block_size,
                 self.config.submission,
+                &[],
             );
             let ev = match r {
                 Ok(ev) => ev,
@@ -1016,7 +1057,7 @@ impl TierStore {
         }
         // Disk → staging → HBM, pipelined over two halves.
         if !from_disk.is_empty() {
-            self.two_hop(&mut st, &from_disk)?;
+            self.two_hop(&mut st, &from_disk, HopTarget::Hbm)?;
         }
         let step = st.step;
         for &i in &idx {
@@ -1025,10 +1066,12 @@ impl TierStore {
         }
         st.prefetched += missing.len() as u64;
         drop(st);
-        self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced)
+        self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced, &[])
     }
 
-    fn two_hop(&self, st: &mut State, objs: &[u32]) -> Result<()> {
+    /// Disk → staging → `target`, pipelined over the two staging halves: one half fills from
+    /// disk (parallel reads on the I/O pool) while the other drains to the device.
+    fn two_hop(&self, st: &mut State, objs: &[u32], target: HopTarget<'_>) -> Result<()> {
         let (disk, io) = self.disk()?;
         let half = st.staging_fence.len() / 2;
         let b = self.config.block_size;
@@ -1061,23 +1104,43 @@ impl TierStore {
             // Hop 2: one H2D batch for the chunk.
             let mut pairs = Vec::with_capacity(chunk.len());
             for (j, &i) in chunk.iter().enumerate() {
-                let s = st.hbm.take(i).ok_or_else(|| self.hbm_oom(1))?;
-                if let Some(f) = st.hbm.fence[s as usize].clone() {
-                    self.engine.wait(Direction::HostToDevice, &f)?;
-                }
-                pairs.push((self.staging_ptr(base + j), self.hbm_va(s)));
-                st.objs[i as usize].res.hbm = Some(s);
+                let dst = match target {
+                    HopTarget::Hbm => {
+                        let s = st.hbm.take(i).ok_or_else(|| self.hbm_oom(1))?;
+                        if let Some(f) = st.hbm.fence[s as usize].clone() {
+                            self.engine.wait(Direction::HostToDevice, &f)?;
+                        }
+                        st.objs[i as usize].res.hbm = Some(s);
+                        self.hbm_va(s)
+                    }
+                    HopTarget::Outside { dsts, .. } => dsts[round * half + j],
+                };
+                pairs.push((self.staging_ptr(base + j), dst));
             }
-            let ev = match self.submit(Direction::HostToDevice, &pairs, b, self.config.submission) {
+            let outside = match target {
+                HopTarget::Hbm => &[][..],
+                HopTarget::Outside { scope, .. } => scope,
+            };
+            let ev = match self.submit(
+                Direction::HostToDevice,
+                &pairs,
+                b,
+                self.config.submission,
+                outside,
+            ) {
                 Ok(ev) => ev,
                 Err(e) => {
                     // Nothing of this chunk was queued: its HBM slots hold no data.
-                    st.unreserve_hbm(chunk);
+                    if matches!(target, HopTarget::Hbm) {
+                        st.unreserve_hbm(chunk);
+                    }
                     return Err(e);
                 }
             };
             for (j, &i) in chunk.iter().enumerate() {
-                st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
+                if matches!(target, HopTarget::Hbm) {
+                    st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
+                }
                 st.staging_fence[base + j] = Some(Arc::clone(&ev));
             }
         }
@@ -1356,6 +1419,170 @@ impl TierStore {
             }
         }
         Ok(())
+    }
+}
+
+/// Objects whose other copy lives at device addresses the store does not own (a `KvSpace`'s
+/// tensors): the bytes move with backend copies, never through a CPU view of device memory.
+impl TierStore {
+    /// Stores one new block-sized object per address of `srcs`, copied from the device: into
+    /// host memory (making room by moving host copies to disk), the rest to disk through
+    /// staging. Every `srcs[k]..+block_size` must lie inside a reservation of `scope`, and the
+    /// caller's writes to it must be complete. The returned event completes once every byte has
+    /// left the device: only then may the caller unmap the sources. The objects never get an
+    /// HBM copy here. All or nothing: on error no new object remains (out of host and disk
+    /// space is [`Error::OutOfMemory`] or [`Error::LimitExceeded`]).
+    pub fn put_from_device(
+        &self,
+        srcs: &[DevicePtr],
+        durability: Durability,
+        owner: u64,
+        scope: &[&Reservation],
+    ) -> Result<(Vec<ObjectId>, Arc<Event>)> {
+        let mut st = self.state.lock();
+        let block = self.config.block_size;
+        let idx: Vec<u32> = srcs
+            .iter()
+            .map(|_| st.new_object(durability, owner, block))
+            .collect();
+        if let Err(e) = self.fill_from_device(&mut st, &idx, srcs, scope) {
+            for &i in &idx {
+                self.drop_object(&mut st, i);
+            }
+            return Err(e);
+        }
+        let ids = idx
+            .iter()
+            .map(|&index| ObjectId {
+                index,
+                generation: st.objs[index as usize].generation,
+            })
+            .collect();
+        drop(st);
+        let done = self.submit(Direction::DeviceToHost, &[], 0, Submission::Coalesced, &[])?;
+        Ok((ids, done))
+    }
+
+    fn fill_from_device(
+        &self,
+        st: &mut State,
+        idx: &[u32],
+        srcs: &[DevicePtr],
+        scope: &[&Reservation],
+    ) -> Result<()> {
+        let protect: HashSet<u32> = idx.iter().copied().collect();
+        // Best effort: what does not fit in host memory goes to disk.
+        let _ = self.make_room_host(st, idx.len(), &protect);
+        let fit = st.host.free.len().min(idx.len());
+        let (to_host, to_disk) = idx.split_at(fit);
+        if !to_host.is_empty() {
+            let mut pairs = Vec::with_capacity(to_host.len());
+            let mut waited: HashSet<*const Event> = HashSet::new();
+            for (&i, &src) in to_host.iter().zip(srcs) {
+                let h = st.host.take(i).ok_or(Error::OutOfMemory {
+                    location: Location::Host,
+                    requested: self.config.block_size,
+                    available: 0,
+                })?;
+                st.objs[i as usize].res.host = Some(h);
+                if let Some(f) = st.host.fence[h as usize].clone() {
+                    if waited.insert(Arc::as_ptr(&f)) {
+                        self.engine.wait(Direction::DeviceToHost, &f)?;
+                    }
+                }
+                pairs.push((src, self.host_ptr(h)));
+            }
+            let ev = self.submit(
+                Direction::DeviceToHost,
+                &pairs,
+                self.config.block_size,
+                self.config.submission,
+                scope,
+            )?;
+            let step = st.step;
+            for &i in to_host {
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                st.host.fence[h as usize] = Some(Arc::clone(&ev));
+                st.objs[i as usize].host_ready = Some(Arc::clone(&ev));
+                let (owner, key) = (st.objs[i as usize].owner, self.key(st, i));
+                st.host_policy.touch(key, owner, step);
+            }
+        }
+        for (&i, &src) in to_disk.iter().zip(&srcs[fit..]) {
+            self.device_to_disk(st, i, src, None, scope)?;
+        }
+        Ok(())
+    }
+
+    /// Copies each object of `pairs` (from host memory, or from disk by the two-hop path) to its
+    /// device address and releases it: its ids become stale, and its host and disk slots are
+    /// reused only after the copies that read them (fences). Every destination must lie inside
+    /// a reservation of `scope` and be mapped read-write. Returns the event to wait for before
+    /// reading the destinations. An id that is stale, lost, given twice or has no host or disk
+    /// copy changes nothing; a failed copy leaves every object live (some destinations may
+    /// hold their bytes already).
+    pub fn take_to_device(
+        &self,
+        pairs: &[(ObjectId, DevicePtr)],
+        scope: &[&Reservation],
+    ) -> Result<Arc<Event>> {
+        let mut st = self.state.lock();
+        let mut idx = Vec::with_capacity(pairs.len());
+        let mut seen = HashSet::new();
+        for &(id, _) in pairs {
+            let i = self.check(&st, id)? as u32;
+            if !seen.insert(i) {
+                return Err(Error::InvalidArgument(format!(
+                    "{id} is taken twice in one call"
+                )));
+            }
+            let res = st.objs[i as usize].res;
+            if res.host.is_none() && res.disk.is_none() {
+                return Err(Error::InvalidState(format!(
+                    "{id} has no host or disk copy to take"
+                )));
+            }
+            idx.push(i);
+        }
+        type Moves = Vec<(u32, DevicePtr)>;
+        let (from_host, from_disk): (Moves, Moves) = idx
+            .iter()
+            .zip(pairs)
+            .map(|(&i, &(_, dst))| (i, dst))
+            .partition(|&(i, _)| st.objs[i as usize].res.host.is_some());
+        if !from_host.is_empty() {
+            let mut copies = Vec::with_capacity(from_host.len());
+            let mut waited: HashSet<*const Event> = HashSet::new();
+            for &(i, dst) in &from_host {
+                if let Some(ev) = st.objs[i as usize].host_ready.clone() {
+                    if waited.insert(Arc::as_ptr(&ev)) {
+                        self.engine.wait(Direction::HostToDevice, &ev)?;
+                    }
+                }
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                copies.push((self.host_ptr(h), dst));
+            }
+            let ev = self.submit(
+                Direction::HostToDevice,
+                &copies,
+                self.config.block_size,
+                self.config.submission,
+                scope,
+            )?;
+            for &(i, _) in &from_host {
+                let h = st.objs[i as usize].res.host.unwrap_or_default();
+                st.host.fence[h as usize] = Some(Arc::clone(&ev));
+            }
+        }
+        if !from_disk.is_empty() {
+            let (objs, dsts): (Vec<u32>, Vec<DevicePtr>) = from_disk.into_iter().unzip();
+            self.two_hop(&mut st, &objs, HopTarget::Outside { dsts: &dsts, scope })?;
+        }
+        for &i in &idx {
+            self.drop_object(&mut st, i);
+        }
+        drop(st);
+        self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced, &[])
     }
 }
 

@@ -282,3 +282,139 @@ fn revocation_during_a_slow_copy_never_exposes_torn_data() {
         check(&s, id, i as u64);
     }
 }
+
+/// One device page outside the store (its own reservation and pool page), like a KvSpace tensor.
+struct Outside {
+    reservation: Arc<strata_vmm::Reservation>,
+    _mapping: strata_vmm::Mapping,
+    _page: strata_allocator::Page,
+}
+
+fn outside(s: &strata_tiers::TierStore) -> Outside {
+    let b = s.backend();
+    let page = s.pool().take(1).unwrap().pop().unwrap();
+    let reservation = Arc::new(strata_vmm::Reservation::new(b, 2 << 20, 0).unwrap());
+    let mapping = strata_vmm::Mapping::new(
+        &reservation,
+        reservation.ptr(),
+        Arc::clone(page.phys()),
+        0,
+        2 << 20,
+        &[(
+            strata_vmm::Location::Device(0),
+            strata_vmm::Access::ReadWrite,
+        )],
+    )
+    .unwrap();
+    Outside {
+        reservation,
+        _mapping: mapping,
+        _page: page,
+    }
+}
+
+#[test]
+fn objects_come_from_and_go_to_device_addresses_outside_the_store() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    // 4 host blocks: of 8 blocks put from the device, 4 land in host memory, 4 on disk.
+    let s = store(&b, dir.path(), 1, 4, 64);
+    let out = outside(&s);
+    let scope = [&*out.reservation];
+    let at = |k: u64| out.reservation.ptr() + k * BLOCK;
+    for k in 0..8 {
+        b.write(at(k), &block(100 + k)).unwrap();
+    }
+    let srcs: Vec<u64> = (0..8).map(at).collect();
+    let (ids, done) = s
+        .put_from_device(&srcs, Durability::Lossy, 7, &scope)
+        .unwrap();
+    done.synchronize().unwrap();
+    s.check_invariants().unwrap();
+    let tiers: Vec<_> = ids
+        .iter()
+        .map(|&id| s.residency(id).unwrap().fastest().unwrap())
+        .collect();
+    assert_eq!(tiers.iter().filter(|&&t| t == Tier::Host).count(), 4);
+    assert_eq!(tiers.iter().filter(|&&t| t == Tier::Disk).count(), 4);
+    for (k, &id) in ids.iter().enumerate() {
+        check(&s, id, 100 + k as u64);
+    }
+    // Overwrite the device range, then take every object back in reverse order.
+    for k in 0..8 {
+        b.write(at(k), &block(0)).unwrap();
+    }
+    let pairs: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| (id, at(7 - k as u64)))
+        .collect();
+    s.take_to_device(&pairs, &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    s.check_invariants().unwrap();
+    let mut buf = vec![0u8; BLOCK as usize];
+    for k in 0..8u64 {
+        b.read(at(7 - k), &mut buf).unwrap();
+        let expected = 100 + k;
+        assert_eq!(
+            strata_kernels::pattern::first_mismatch(&buf, expected, 0),
+            None
+        );
+        assert!(matches!(
+            s.residency(ids[k as usize]),
+            Err(Error::StaleId { .. })
+        ));
+    }
+    assert_eq!(s.stats().objects, 0);
+    assert_eq!(s.stats().host_used + s.stats().disk_used, 0);
+}
+
+#[test]
+fn device_puts_and_takes_reject_bad_input_and_change_nothing() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 4, 16);
+    let out = outside(&s);
+    let scope = [&*out.reservation];
+    let at = out.reservation.ptr();
+    b.write(at, &block(5)).unwrap();
+    // A source outside the scope: nothing is queued and no object remains.
+    let wild = s.put_from_device(&[at, 1 << 40], Durability::Lossy, 1, &scope);
+    assert!(wild.is_err());
+    assert_eq!(s.stats().objects, 0);
+    s.check_invariants().unwrap();
+    let (ids, done) = s
+        .put_from_device(&[at], Durability::Lossy, 1, &scope)
+        .unwrap();
+    done.synchronize().unwrap();
+    let id = ids[0];
+    let hbm_only = s.put(&block(6), Durability::Lossy, 2).unwrap();
+    type Case<'a> = (&'a [(strata_tiers::ObjectId, u64)], fn(&Error) -> bool);
+    let bad: [Case; 3] = [
+        (&[(id, at), (id, at)], |e| {
+            matches!(e, Error::InvalidArgument(_))
+        }),
+        (&[(id, at), (hbm_only, at)], |e| {
+            matches!(e, Error::InvalidState(_))
+        }),
+        // A destination outside the scope fails the copy: every object stays.
+        (&[(id, 1 << 40)], |e| {
+            matches!(e, Error::IllegalAccess { .. })
+        }),
+    ];
+    for (pairs, expected) in bad {
+        let e = s.take_to_device(pairs, &scope).unwrap_err();
+        assert!(expected(&e), "{e}");
+        assert_eq!(check(&s, id, 5), Tier::Host);
+        s.check_invariants().unwrap();
+    }
+    s.release(id).unwrap();
+    assert!(matches!(
+        s.take_to_device(&[(id, at)], &scope),
+        Err(Error::StaleId { .. })
+    ));
+    s.release(hbm_only).unwrap();
+    s.check_invariants().unwrap();
+}
