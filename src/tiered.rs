@@ -258,6 +258,16 @@ pub fn run(
         let ahead: Vec<Vec<RequestId>> = (1..=config.lookahead as usize)
             .map(|k| batch_of(k).into_iter().map(|i| live[i].id).collect())
             .collect();
+        // Beyond the window, the rest of the round robin in the order it runs: eviction takes
+        // the request that runs last, never the next one (which plain LRU would pick).
+        let mut seen: BTreeSet<usize> = now.iter().copied().collect();
+        let rest: Vec<RequestId> = (config.lookahead as usize + 1
+            ..=n.div_ceil(config.batch as usize))
+            .flat_map(batch_of)
+            .filter(|&i| seen.insert(i))
+            .map(|i| live[i].id)
+            .collect();
+        kv.queue(&rest);
         cursor = (cursor + config.batch as usize) % n;
         let batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
         // Every block of the batch that went down since its last check is checked once back.

@@ -524,6 +524,16 @@ impl KvBlockManager {
         self.store.advance(step);
     }
 
+    /// The scheduler's queue beyond the hinted window: requests in the order they will run after
+    /// it (an FCFS waiting queue, or the rest of a round robin). Eviction then ranks them after
+    /// the window, the last one first (TierKV §3.4: the longest time until next execution);
+    /// requests in neither go first. Replaces the previous queue.
+    pub fn queue(&self, waiting: &[RequestId]) {
+        let owners: Vec<u64> = waiting.iter().map(|r| r.0).collect();
+        self.store.queue(&owners);
+        self.inner.lock().lookahead.queue(&owners);
+    }
+
     /// Scheduler lookahead: the requests of each of the next K steps (unknown ids are ignored: a
     /// hint is advice). Eviction learns who runs when; spilled blocks of those requests that
     /// fit the compute window (Eq. 1, Algorithm 1) come back now, nearest request first, as far

@@ -544,6 +544,14 @@ impl TierStore {
         st.host_policy.schedule(next_steps);
     }
 
+    /// The scheduler's queue for the policies: owners that run after the scheduled window, in
+    /// the order they will run.
+    pub fn queue(&self, waiting: &[u64]) {
+        let mut st = self.state.lock();
+        st.hbm_policy.queue(waiting);
+        st.host_policy.queue(waiting);
+    }
+
     /// Stores a new object of `data.len() <= block_size` bytes in HBM (evicting as needed);
     /// `Backed` objects also get their authoritative copy in host memory (or on disk).
     pub fn put(&self, data: &[u8], durability: Durability, owner: u64) -> Result<ObjectId> {

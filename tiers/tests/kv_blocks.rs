@@ -277,6 +277,37 @@ fn pressure_spills_the_request_running_furthest_away_and_a_batch_that_cannot_fit
 }
 
 #[test]
+fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
+    let dir = tempfile::tempdir().unwrap();
+    // 12 pages: 3 blocks of 2 layers × K/V.
+    let m = manager(12, 64, 256, dir.path());
+    let r: Vec<RequestId> = (0..3).map(|_| m.admit().unwrap()).collect();
+    for (i, &q) in r.iter().enumerate() {
+        grow(&m, q, 30 + i as u64, 100 + i as u32).unwrap();
+    }
+    m.advance(1);
+    // Nothing in the window; r[0] is least recently used, so without the queue it would go.
+    // The queue says r[0] runs next and r[1] last: r[1] spills.
+    assert!(m.hint(&[vec![]]).unwrap().is_none());
+    m.queue(&[r[0], r[2], r[1]]);
+    let d = m.admit().unwrap();
+    grow(&m, d, 40, 50).unwrap();
+    assert_eq!(m.blocks(r[1]).unwrap(), vec![Some(Tier::Host)]);
+    assert_eq!(m.blocks(r[0]).unwrap(), vec![Some(Tier::Hbm)]);
+    assert_eq!(m.blocks(r[2]).unwrap(), vec![Some(Tier::Hbm)]);
+    // A request in neither the window nor the queue goes before any queued one.
+    m.advance(2);
+    m.queue(&[r[0], r[2]]);
+    let e = m.admit().unwrap();
+    grow(&m, e, 50, 50).unwrap();
+    assert_eq!(m.blocks(d).unwrap(), vec![Some(Tier::Host)]);
+    for (q, seed) in [(r[0], 30), (r[2], 32)] {
+        assert_eq!(verify(&m, q, seed).unwrap(), (Tier::Hbm, 1));
+    }
+    m.check_invariants().unwrap();
+}
+
+#[test]
 fn revoked_blocks_are_lost_reported_once_and_rebuilt_at_the_same_addresses() {
     let dir = tempfile::tempdir().unwrap();
     let m = manager(12, 64, 256, dir.path());
