@@ -1,16 +1,104 @@
 //! The slow paths of allocation: new runs of small blocks (in shared pages or segments), whole-page runs (cache hits by split,
 //! misses by mapping cached and pool pages behind a new VA range), and where pages come from
 //! and go to.
+//!
+//! Growth and `empty_cache` make their driver calls with the lock dropped (see `inflight.rs`):
+//! under the lock they check the limit, pick the pages (cached ones leave the tables, after
+//! the streams that may touch them are synchronized) and take the VA; outside it they unmap,
+//! create, map, set access or release; under the lock again they publish or roll back.
 
 use std::sync::Arc;
 
+use parking_lot::MutexGuard;
 use strata_vmm::{Access, DevicePtr, Error, Location, Mapping, Result, StreamHandle};
 
 use super::{
-    internal, Block, BlockState, CachedRun, CachingAllocator, Carve, MappedPage, Segment, State,
-    TagId, LARGE, NO_SEGMENT,
+    internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, MappedPage,
+    Segment, State, TagId, LARGE, NO_SEGMENT,
 };
-use crate::pool::Page;
+use crate::pool::{Page, PagePool};
+
+/// The allocator's lock, held.
+pub(super) type Guard<'a> = MutexGuard<'a, State>;
+
+/// Driver calls made with the lock dropped, added to the counts once it is held again.
+#[derive(Default)]
+pub(super) struct DriverCalls {
+    map: u64,
+    unmap: u64,
+    set_access: u64,
+}
+
+impl DriverCalls {
+    pub(super) fn add_to(&self, counts: &mut AllocatorCounts) {
+        counts.map_calls += self.map;
+        counts.unmap_calls += self.unmap;
+        counts.set_access_calls += self.set_access;
+    }
+}
+
+/// Pages on their way to a new mapping: `want` of them, all or none.
+#[derive(Default)]
+pub(super) struct Supply {
+    want: u64,
+    /// Cached pages out of the tables, still mapped at their old VA.
+    mapped: Vec<MappedPage>,
+    /// The old arena ranges of `mapped`, held until they are unmapped.
+    ranges: Vec<(u64, u64)>,
+    /// Pages already unmapped.
+    ready: Vec<Page>,
+    /// Pages to take from the pool.
+    fresh: usize,
+}
+
+impl Supply {
+    /// Pages held outside the tables (counted against the limit while in flight).
+    fn pages(&self) -> u64 {
+        (self.mapped.len() + self.ready.len() + self.fresh) as u64
+    }
+
+    /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
+    /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
+    /// old ranges are the caller's to free.
+    fn gather(self, pool: &PagePool, calls: &mut DriverCalls) -> Result<Vec<Page>> {
+        let mut pages = self.ready;
+        let unmapped = unmap_pages(self.mapped, &mut pages, calls);
+        let fresh = unmapped.and_then(|()| match self.fresh {
+            0 => Ok(Vec::new()),
+            n => pool.take(n),
+        });
+        match fresh {
+            Ok(fresh) => {
+                pages.extend(fresh);
+                if pages.len() as u64 > self.want {
+                    pool.give(pages.split_off(self.want as usize));
+                }
+                Ok(pages)
+            }
+            Err(e) => {
+                pool.give(pages);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error.
+pub(super) fn unmap_pages(
+    mapped: Vec<MappedPage>,
+    out: &mut Vec<Page>,
+    calls: &mut DriverCalls,
+) -> Result<()> {
+    let mut first_err = None;
+    for MappedPage { mapping, page } in mapped {
+        calls.unmap += 1;
+        if let Err(e) = mapping.unmap() {
+            first_err.get_or_insert(e);
+        }
+        out.push(page);
+    }
+    first_err.map_or(Ok(()), Err)
+}
 
 impl CachingAllocator {
     /// Small allocation when the bin of `stream` is empty: completed pending frees, blocks
@@ -19,12 +107,13 @@ impl CachingAllocator {
     #[inline(never)]
     pub(super) fn allocate_small_slow(
         &self,
-        st: &mut State,
+        guard: &mut Guard<'_>,
         size: u64,
         class: usize,
         stream: StreamHandle,
         tag: TagId,
     ) -> Result<DevicePtr> {
+        let st = &mut **guard;
         let ti = st.ensure_tag(tag, self.classes.len());
         if st.tags[ti].asleep {
             return Err(Error::InvalidState(format!("tag {tag} is asleep")));
@@ -51,7 +140,8 @@ impl CachingAllocator {
             st.totals.counts.cache_hits += 1;
             return Ok(ptr);
         }
-        self.grow_small(st, ti, class, size, stream)?;
+        self.grow_small(guard, ti, class, size, stream)?;
+        let st = &mut **guard;
         st.totals.counts.cache_misses += 1;
         st.pop_small(tag, class, size, stream)
             .ok_or_else(|| Error::InvalidState("new small segment has no block".into()))
@@ -59,12 +149,12 @@ impl CachingAllocator {
 
     /// Carves a new run of blocks of `class` under tag index `ti` (in a shared page of the tag
     /// with room, else a new one; a segment of its own for classes above a page); its blocks
-    /// join `stream`'s bin.
+    /// join `stream`'s bin. A new segment's driver calls run with the lock dropped.
     #[cold]
     #[inline(never)]
     pub(super) fn grow_small(
         &self,
-        st: &mut State,
+        guard: &mut Guard<'_>,
         ti: usize,
         class: usize,
         requested: u64,
@@ -73,18 +163,18 @@ impl CachingAllocator {
         let (seg_id, offset, len) = match self.classes.run_chunks(class) {
             Some(chunks) => {
                 let len = chunks * self.classes.chunk_size();
-                match self.find_room(st, ti, len) {
+                match self.find_room(guard, ti, len) {
                     Some((id, offset)) => (id, offset, len),
-                    None => (self.new_segment(st, ti, 1, true, requested)?, 0, len),
+                    None => (self.new_segment(guard, ti, 1, true, requested)?, 0, len),
                 }
             }
             None => {
                 let pages = self.classes.segment_pages(class);
-                let id = self.new_segment(st, ti, pages, false, requested)?;
+                let id = self.new_segment(guard, ti, pages, false, requested)?;
                 (id, 0, pages * self.page)
             }
         };
-        self.carve(st, seg_id, offset, len, class, stream);
+        self.carve(guard, seg_id, offset, len, class, stream);
         Ok(())
     }
 
@@ -107,24 +197,14 @@ impl CachingAllocator {
     /// Maps a new segment of `pages` pages, with no blocks yet, under tag index `ti`.
     fn new_segment(
         &self,
-        st: &mut State,
+        guard: &mut Guard<'_>,
         ti: usize,
         pages: u64,
         shared: bool,
         requested: u64,
     ) -> Result<u32> {
-        let got = self.obtain_pages(st, pages, requested)?;
-        let Some(start) = st.va.alloc(pages) else {
-            self.pool.give(got);
-            return Err(self.oom(st, requested));
-        };
-        let mapped = match self.map_run(st, start, got) {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = st.va.free(start, pages);
-                return Err(e);
-            }
-        };
+        let (start, mapped) = self.grow_run(guard, ti, pages, requested)?;
+        let st = &mut **guard;
         st.freed.invalidate(self.va_of(start), pages * self.page);
         let seg_id = match st.free_segments.pop() {
             Some(id) => id,
@@ -247,18 +327,8 @@ impl CachingAllocator {
             st.totals.counts.cache_hits += 1;
             return Ok(self.install_large(st, ti, start, pages, size, stream, run.payload));
         }
-        let got = self.obtain_pages(st, pages, size)?;
-        let Some(start) = st.va.alloc(pages) else {
-            self.pool.give(got);
-            return Err(self.oom(st, size));
-        };
-        let mapped = match self.map_run(st, start, got) {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = st.va.free(start, pages);
-                return Err(e);
-            }
-        };
+        let (start, mapped) = self.grow_run(&mut guard, ti, pages, size)?;
+        let st = &mut *guard;
         st.totals.add_pages(pages);
         st.tags[ti].totals.mapped_pages += pages;
         st.totals.counts.cache_misses += 1;
@@ -299,11 +369,94 @@ impl CachingAllocator {
         ptr
     }
 
-    /// `n` pages to map: unmapped cached pages first (so reserved memory does not grow while
-    /// cached pages sit idle), then the pool. All or nothing.
+    /// Maps `pages` new pages for tag index `ti` behind a new arena range and returns the
+    /// range's first page and its mappings, for the caller to publish under the lock it holds
+    /// again. The driver calls (unmapping recycled cached pages, creating pool pages, map,
+    /// set_access) run with the lock dropped, under an in-flight record of the range and the
+    /// pages; on failure the record is rolled back and the pages return to the pool.
     #[cold]
     #[inline(never)]
-    pub(super) fn obtain_pages(&self, st: &mut State, n: u64, requested: u64) -> Result<Vec<Page>> {
+    fn grow_run(
+        &self,
+        guard: &mut Guard<'_>,
+        ti: usize,
+        pages: u64,
+        requested: u64,
+    ) -> Result<(u64, Vec<MappedPage>)> {
+        let st = &mut **guard;
+        let (start, mut supply) = match st.va.alloc(pages) {
+            Some(start) => match self.reserve_supply(st, pages, requested) {
+                Ok(supply) => (start, supply),
+                Err(e) => {
+                    st.va.free(start, pages).map_err(internal)?;
+                    return Err(e);
+                }
+            },
+            None => {
+                // Arena VA short (rare): gather with the lock held, so that the recycled
+                // pages' old ranges can serve this request.
+                let ready = self.gather_locked(st, pages, requested)?;
+                let Some(start) = st.va.alloc(pages) else {
+                    self.pool.give(ready);
+                    return Err(self.oom(st, requested));
+                };
+                let supply = Supply {
+                    want: pages,
+                    ready,
+                    ..Supply::default()
+                };
+                (start, supply)
+            }
+        };
+        let retiring = std::mem::take(&mut supply.ranges);
+        let id = st.inflight.begin(
+            Some(ti as u32),
+            Some((start, pages)),
+            retiring,
+            supply.pages(),
+        );
+        let mut calls = DriverCalls::default();
+        let mapped = MutexGuard::unlocked(guard, || {
+            let got = supply.gather(&self.pool, &mut calls)?;
+            self.map_run(start, got, &mut calls)
+        });
+        let st = &mut **guard;
+        calls.add_to(&mut st.totals.counts);
+        let settled = self.settle(st, id, mapped.is_err());
+        self.settled.notify_all();
+        match mapped {
+            Ok(mapped) => settled.map(|()| (start, mapped)),
+            Err(e) => {
+                if e.is_out_of_memory() {
+                    st.totals.counts.ooms += 1;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends in-flight record `id`: the old ranges of the pages it unmapped return to the
+    /// arena, and so does its target when the work `failed`.
+    pub(super) fn settle(&self, st: &mut State, id: u64, failed: bool) -> Result<()> {
+        let record = st
+            .inflight
+            .end(id)
+            .ok_or_else(|| internal(format!("in-flight record {id} vanished")))?;
+        let mut ranges = record.retiring;
+        if failed {
+            ranges.extend(record.target);
+        }
+        for (start, len) in ranges {
+            st.va.free(start, len).map_err(internal)?;
+        }
+        Ok(())
+    }
+
+    /// Under the lock: checks that `n` more pages fit (under the limit, counting the pages of
+    /// in-flight work, and on the device) and takes the cached pages to recycle out of the
+    /// tables (unmapped cached pages come first, so reserved memory does not grow while
+    /// cached pages sit idle); the rest will come from the pool.
+    pub(super) fn reserve_supply(&self, st: &mut State, n: u64, requested: u64) -> Result<Supply> {
         let empty: u64 = st
             .empty_segments(true)
             .iter()
@@ -313,16 +466,15 @@ impl CachingAllocator {
         let reclaimable = st.cache.pages() + empty;
         let fresh = n.saturating_sub(reclaimable);
         if let Some(limit) = st.limit {
-            let after = st
-                .totals
-                .mapped_pages
+            let held = st.totals.mapped_pages + st.inflight.pages();
+            let after = held
                 .checked_add(fresh)
                 .and_then(|p| p.checked_mul(self.page));
             if after.is_none_or(|a| a > limit) {
                 st.totals.counts.ooms += 1;
                 return Err(Error::LimitExceeded {
                     requested,
-                    used: st.totals.mapped_pages * self.page,
+                    used: held * self.page,
                     limit,
                 });
             }
@@ -335,36 +487,22 @@ impl CachingAllocator {
             // Hopeless: fail before the pool creates (and drops) a device's worth of pages.
             return Err(self.oom(st, requested));
         }
-        let mut pages = if fresh > 0 {
-            let count = usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?;
-            match self.pool.take(count) {
-                Ok(p) => p,
-                Err(e) => {
-                    if e.is_out_of_memory() {
-                        st.totals.counts.ooms += 1;
-                    }
-                    return Err(e);
-                }
-            }
-        } else {
-            Vec::new()
+        let mut supply = Supply {
+            want: n,
+            fresh: usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?,
+            ..Supply::default()
         };
         if n > fresh {
-            if let Err(e) = self.reclaim(st, n - fresh, &mut pages) {
-                self.pool.give(pages);
-                return Err(e);
-            }
+            self.take_cached(st, n - fresh, &mut supply)?;
         }
-        if pages.len() as u64 > n {
-            let extra = pages.split_off(n as usize);
-            self.pool.give(extra);
-        }
-        Ok(pages)
+        Ok(supply)
     }
 
-    /// Unmaps at least `need` cached pages (smallest cached runs first, then empty small
-    /// segments) after synchronizing the streams that may touch them; adds them to `out`.
-    pub(super) fn reclaim(&self, st: &mut State, need: u64, out: &mut Vec<Page>) -> Result<()> {
+    /// Takes at least `need` cached pages (smallest cached runs first, then empty small
+    /// segments) out of the tables into `supply`, after synchronizing the streams that may
+    /// touch them (under the lock: a failure leaves everything in place). They stay mapped,
+    /// their ranges held, until the supply is gathered.
+    fn take_cached(&self, st: &mut State, need: u64, supply: &mut Supply) -> Result<()> {
         let mut remaining = need;
         let mut runs = Vec::new();
         for start in st.cache.starts_smallest_first() {
@@ -404,23 +542,45 @@ impl CachingAllocator {
             }
             return Err(e);
         }
-        let mut first_err = None;
         for (start, run) in runs {
             st.totals.sub_pages(run.pages);
             st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
             st.totals.counts.pages_recycled += run.pages;
-            self.unmap_into(st, run.payload, out, &mut first_err);
-            st.va.free(start, run.pages).map_err(internal)?;
+            supply.mapped.extend(run.payload);
+            supply.ranges.push((start, run.pages));
         }
         for id in segs {
-            let mapped = self.release_segment(st, id)?;
+            let (range, mapped) = self.release_segment(st, id)?;
             st.totals.counts.pages_recycled += mapped.len() as u64;
-            self.unmap_into(st, mapped, out, &mut first_err);
+            supply.mapped.extend(mapped);
+            supply.ranges.push(range);
         }
-        first_err.map_or(Ok(()), Err)
+        Ok(())
     }
 
-    /// Unmaps pages (one mapping each), keeping the first error.
+    /// `n` pages to map, gathered with the lock held throughout (wake; growth when the arena's
+    /// VA is short): cached pages unmapped, their old ranges freed, the rest from the pool.
+    pub(super) fn gather_locked(
+        &self,
+        st: &mut State,
+        n: u64,
+        requested: u64,
+    ) -> Result<Vec<Page>> {
+        let mut supply = self.reserve_supply(st, n, requested)?;
+        let ranges = std::mem::take(&mut supply.ranges);
+        let mut calls = DriverCalls::default();
+        let got = supply.gather(&self.pool, &mut calls);
+        calls.add_to(&mut st.totals.counts);
+        for (start, len) in ranges {
+            st.va.free(start, len).map_err(internal)?;
+        }
+        if got.as_ref().is_err_and(Error::is_out_of_memory) {
+            st.totals.counts.ooms += 1;
+        }
+        got
+    }
+
+    /// Unmaps pages with the lock held (sleep, wake), keeping the first error.
     pub(super) fn unmap_into(
         &self,
         st: &mut State,
@@ -428,22 +588,21 @@ impl CachingAllocator {
         out: &mut Vec<Page>,
         first_err: &mut Option<Error>,
     ) {
-        for MappedPage { mapping, page } in mapped {
-            st.totals.counts.unmap_calls += 1;
-            if let Err(e) = mapping.unmap() {
-                first_err.get_or_insert(e);
-            }
-            out.push(page);
+        let mut calls = DriverCalls::default();
+        if let Err(e) = unmap_pages(mapped, out, &mut calls) {
+            first_err.get_or_insert(e);
         }
+        calls.add_to(&mut st.totals.counts);
     }
 
     /// Maps `pages` page by page at arena page `start` and grants access over the whole run
-    /// in one call. On failure everything is undone and the pages go back to the pool.
+    /// in one call. On failure everything is undone and the pages go back to the pool. Needs
+    /// no lock: the caller holds the range.
     pub(super) fn map_run(
         &self,
-        st: &mut State,
         start: u64,
         pages: Vec<Page>,
+        calls: &mut DriverCalls,
     ) -> Result<Vec<MappedPage>> {
         let base = self.va_of(start);
         let n = pages.len() as u64;
@@ -451,7 +610,7 @@ impl CachingAllocator {
         let mut rest = pages.into_iter();
         while let Some(page) = rest.next() {
             let va = base + out.len() as u64 * self.page;
-            st.totals.counts.map_calls += 1;
+            calls.map += 1;
             match Mapping::new(&self.arena, va, Arc::clone(page.phys()), 0, self.page, &[]) {
                 Ok(mapping) => out.push(MappedPage { mapping, page }),
                 Err(e) => {
@@ -463,7 +622,7 @@ impl CachingAllocator {
                 }
             }
         }
-        st.totals.counts.set_access_calls += 1;
+        calls.set_access += 1;
         let grant = [(Location::Device(self.device), Access::ReadWrite)];
         if let Err(e) = self.backend.set_access(base, n * self.page, &grant) {
             self.pool.give(out.into_iter().map(|mp| mp.page).collect());
@@ -472,13 +631,17 @@ impl CachingAllocator {
         Ok(out)
     }
 
-    /// Removes a segment with no live block: its blocks leave the bins and the table, its VA
-    /// returns to the arena. Returns its mapped pages (empty if asleep) for the caller to
-    /// unmap after synchronizing.
-    pub(super) fn release_segment(&self, st: &mut State, id: u32) -> Result<Vec<MappedPage>> {
-        let Some(seg) = st.segments[id as usize].take() else {
-            return Ok(Vec::new());
-        };
+    /// Removes a segment with no live block: its blocks leave the bins and the table. Returns
+    /// its range, still taken in the arena, and its mapped pages (empty if asleep): the caller
+    /// unmaps them after synchronizing, then frees the range.
+    pub(super) fn release_segment(
+        &self,
+        st: &mut State,
+        id: u32,
+    ) -> Result<((u64, u64), Vec<MappedPage>)> {
+        let seg = st.segments[id as usize]
+            .take()
+            .ok_or_else(|| internal(format!("segment {id} released twice")))?;
         st.free_segments.push(id);
         let blocks = &st.blocks;
         let bins = &mut st.tags[seg.tag as usize].bins;
@@ -503,16 +666,37 @@ impl CachingAllocator {
                 self.classes.size(r.class as usize),
             );
         }
-        st.va.free(seg.start, seg.pages).map_err(internal)?;
         if !seg.mapped.is_empty() {
             st.totals.sub_pages(seg.pages);
             st.tags[seg.tag as usize].totals.mapped_pages -= seg.pages;
         }
         st.totals.counts.segments_released += 1;
-        Ok(seg.mapped)
+        Ok(((seg.start, seg.pages), seg.mapped))
     }
 
-    pub(super) fn empty_cache_locked(&self, st: &mut State) -> Result<u64> {
+    /// Releases segment `id` with the lock held throughout (sleep, wake, asleep segments):
+    /// its pages are unmapped into `out` (its streams already synchronized), then its range
+    /// returns to the arena.
+    pub(super) fn release_segment_now(
+        &self,
+        st: &mut State,
+        id: u32,
+        out: &mut Vec<Page>,
+        first_err: &mut Option<Error>,
+    ) -> Result<()> {
+        let ((start, pages), mapped) = self.release_segment(st, id)?;
+        self.unmap_into(st, mapped, out, first_err);
+        st.va.free(start, pages).map_err(internal)
+    }
+
+    /// Empties the cache (see [`CachingAllocator::empty_cache`]). Under the lock: completed
+    /// pending frees are recycled, the streams that may touch cached pages synchronized, and
+    /// every cached run and empty segment taken out of the tables (their blocks out of the
+    /// bins), their ranges held in flight. With the lock dropped: unmap and release. Under the
+    /// lock again: the ranges return to the arena. Pages an in-flight grower will publish are
+    /// in no table yet, so they are never touched.
+    pub(super) fn release_cached(&self, guard: &mut Guard<'_>) -> Result<u64> {
+        let st = &mut **guard;
         self.poll_pending(st)?;
         let runs: Vec<(u64, CachedRun<Vec<MappedPage>>)> = st
             .cache
@@ -533,25 +717,40 @@ impl CachingAllocator {
             }
             return Err(e);
         }
-        let mut pages = Vec::new();
-        let mut first_err = None;
+        let mut mapped = Vec::new();
+        let mut ranges = Vec::new();
         for (start, run) in runs {
             st.totals.sub_pages(run.pages);
             st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
-            self.unmap_into(st, run.payload, &mut pages, &mut first_err);
-            st.va.free(start, run.pages).map_err(internal)?;
+            mapped.extend(run.payload);
+            ranges.push((start, run.pages));
         }
         for id in segs {
-            let mapped = self.release_segment(st, id)?;
-            self.unmap_into(st, mapped, &mut pages, &mut first_err);
+            let (range, pages) = self.release_segment(st, id)?;
+            mapped.extend(pages);
+            ranges.push(range);
         }
         // Segments of sleeping tags emptied while asleep hold only VA.
+        let mut unmapped = Vec::new();
+        let mut first_err = None;
         for id in st.empty_segments(false) {
-            self.release_segment(st, id)?;
+            self.release_segment_now(st, id, &mut unmapped, &mut first_err)?;
         }
-        let bytes = pages.len() as u64 * self.page;
-        self.pool.release(pages);
-        first_err.map_or(Ok(bytes), Err)
+        self.pool.release(unmapped);
+        let count = mapped.len() as u64;
+        let id = st.inflight.begin(None, None, ranges, count);
+        let mut calls = DriverCalls::default();
+        let released = MutexGuard::unlocked(guard, || {
+            let mut pages = Vec::with_capacity(mapped.len());
+            let unmapped = unmap_pages(mapped, &mut pages, &mut calls);
+            self.pool.release(pages);
+            unmapped
+        });
+        let st = &mut **guard;
+        calls.add_to(&mut st.totals.counts);
+        self.settle(st, id, false)?;
+        released?;
+        first_err.map_or(Ok(count * self.page), Err)
     }
 
     pub(super) fn oom(&self, st: &mut State, requested: u64) -> Error {

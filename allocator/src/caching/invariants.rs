@@ -7,8 +7,9 @@ use super::{BlockState, CachingAllocator, State, LARGE, NO_SEGMENT};
 impl CachingAllocator {
     /// Checks every structural invariant and returns the first violation:
     ///
-    /// - the arena's free VA ranges, small segments, large blocks and cached runs tile the
-    ///   arena exactly (no overlap; live + cached + free = arena);
+    /// - the arena's free VA ranges, small segments, large blocks, cached runs and the ranges
+    ///   of in-flight growth and shrinking tile the arena exactly (no overlap; live + cached +
+    ///   in flight + free = arena), and the in-flight records' pages add up to their total;
     /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
     ///   tag has nothing mapped while an awake one has everything mapped;
     /// - the pointer table, the bins and the pending list agree with the block table;
@@ -53,6 +54,19 @@ impl CachingAllocator {
         }
         for (s, r) in st.cache.iter() {
             regions.push((s, r.pages, format!("cached run at page {s}")));
+        }
+        let mut inflight_pages = 0u64;
+        for record in st.inflight.iter() {
+            for &(s, l) in record.target.iter().chain(&record.retiring) {
+                regions.push((s, l, format!("in-flight range at page {s}")));
+            }
+            inflight_pages += record.pages;
+        }
+        if inflight_pages != st.inflight.pages() {
+            return Err(format!(
+                "in-flight records hold {inflight_pages} pages, their total says {}",
+                st.inflight.pages()
+            ));
         }
         regions.sort_by_key(|r| r.0);
         let mut at = 0u64;

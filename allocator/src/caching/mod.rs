@@ -20,7 +20,12 @@
 //!
 //! The fast path (a cached small allocate or free) is a bin pop or push under one lock: no
 //! driver call, no logging, no heap allocation once warm. Growth, trimming and everything
-//! involving the backend live in `#[cold]` functions.
+//! involving the backend live in `#[cold]` functions. Growth and `empty_cache` never hold the
+//! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
+//! against the limit under it (an in-flight record, `inflight.rs`), make the driver calls with
+//! it dropped, and publish or roll back under it again, so one thread's growth does not stall
+//! the others' fast path. Stream synchronization before unmapping cached pages, sleep and
+//! wake still run under the lock.
 //!
 //! Zero sizes: `allocate(0, _)` returns `Ok(0)` and changes nothing; `deallocate(0, _)` is a
 //! no-op.
@@ -29,6 +34,7 @@ mod arena;
 mod bins;
 mod cache;
 mod grow;
+mod inflight;
 mod invariants;
 mod sleep;
 mod stats;
@@ -38,7 +44,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use rustc_hash::FxHashMap;
 use strata_vmm::{
     process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Mapping, Reservation, Result,
@@ -253,6 +259,8 @@ struct State {
     freed: FreedLog,
     totals: stats::Totals,
     limit: Option<u64>,
+    /// Growth and shrinking whose driver calls run with the lock dropped.
+    inflight: inflight::InFlightTable,
 }
 
 impl State {
@@ -388,6 +396,8 @@ pub struct CachingAllocator {
     report_leaks: bool,
     arena: Arc<Reservation>,
     state: Mutex<State>,
+    /// Notified whenever an in-flight growth ends (`sleep` waits for those of its tag).
+    settled: Condvar,
 }
 
 impl CachingAllocator {
@@ -440,6 +450,7 @@ impl CachingAllocator {
             },
             totals: stats::Totals::default(),
             limit: config.limit,
+            inflight: inflight::InFlightTable::default(),
         };
         Ok(CachingAllocator {
             pool,
@@ -452,6 +463,7 @@ impl CachingAllocator {
             report_leaks: config.report_leaks,
             arena,
             state: Mutex::new(state),
+            settled: Condvar::new(),
         })
     }
 
@@ -569,20 +581,23 @@ impl CachingAllocator {
 
     /// Unmaps every cached page (freed large runs, small segments with no live block) and
     /// releases it to the driver. Returns the bytes released. Pending frees whose events have
-    /// completed are cached first; live allocations are untouched.
+    /// completed are cached first; live allocations are untouched. The unmap and release calls
+    /// run with the lock dropped; pages that concurrent growers are mapping are not cached yet
+    /// and stay untouched.
     pub fn empty_cache(&self) -> Result<u64> {
         let mut st = self.state.lock();
-        self.empty_cache_locked(&mut st)
+        self.release_cached(&mut st)
     }
 
     /// Sets (or lifts) the cap on reserved bytes. Lowering it below what is reserved empties
-    /// the cache; live allocations stay, and further growth fails until under the cap.
+    /// the cache; live allocations stay, and further growth fails until under the cap. A
+    /// growth already in flight (admitted under the old cap) still completes.
     pub fn set_limit(&self, limit: Option<u64>) -> Result<()> {
         let mut st = self.state.lock();
         st.limit = limit;
         let reserved = st.totals.mapped_pages * self.page;
         if limit.is_some_and(|l| reserved > l) {
-            self.empty_cache_locked(&mut st)?;
+            self.release_cached(&mut st)?;
         }
         Ok(())
     }

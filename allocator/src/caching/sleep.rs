@@ -6,6 +6,7 @@
 use rustc_hash::FxHashMap;
 use strata_vmm::{Error, Result, StreamHandle};
 
+use super::grow::DriverCalls;
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId, LARGE};
 use crate::pool::Page;
 
@@ -42,11 +43,16 @@ impl CachingAllocator {
     /// [`wake`](Self::wake) they are valid again at the same addresses. While asleep,
     /// allocating under the tag is [`Error::InvalidState`]; freeing its pointers works.
     ///
-    /// A failed copy leaves the tag awake and unchanged.
+    /// A failed copy leaves the tag awake and unchanged. A growth of the tag in flight (its
+    /// driver calls running on another thread) is waited for first, so its pages are
+    /// published before they are put to sleep with the rest.
     pub fn sleep(&self, tag: TagId, keep_host_copy: bool) -> Result<()> {
         let mut guard = self.state.lock();
+        let ti = guard.ensure_tag(tag, self.classes.len());
+        while guard.inflight.growing(ti as u32) {
+            self.settled.wait(&mut guard);
+        }
         let st = &mut *guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
         if st.tags[ti].asleep {
             return Err(Error::InvalidState(format!("tag {tag} is already asleep")));
         }
@@ -98,7 +104,10 @@ impl CachingAllocator {
         for id in segs {
             let live = st.segments[id as usize].as_ref().map(|s| s.live);
             let mapped = match (live, st.segments[id as usize].as_mut()) {
-                (Some(0), _) => self.release_segment(st, id)?,
+                (Some(0), _) => {
+                    self.release_segment_now(st, id, &mut pages, &mut first_err)?;
+                    continue;
+                }
                 (_, Some(seg)) => {
                     let m = std::mem::take(&mut seg.mapped);
                     let n = seg.pages;
@@ -151,9 +160,13 @@ impl CachingAllocator {
             .filter(|(_, s)| s.tag == t32 && s.live == 0)
             .map(|(i, _)| i)
             .collect();
+        let mut unmapped = Vec::new();
+        let mut ignored = None;
         for id in emptied {
-            self.release_segment(st, id)?;
+            // Asleep: nothing mapped, only the range returns.
+            self.release_segment_now(st, id, &mut unmapped, &mut ignored)?;
         }
+        self.pool.release(unmapped);
         let mut targets: Vec<(Target, u64, u64)> = st
             .iter_segments()
             .filter(|(_, s)| s.tag == t32)
@@ -170,15 +183,16 @@ impl CachingAllocator {
         }
         let total: u64 = targets.iter().map(|t| t.2).sum();
         let mut got = if total > 0 {
-            self.obtain_pages(st, total, total.saturating_mul(self.page))?
+            self.gather_locked(st, total, total.saturating_mul(self.page))?
         } else {
             Vec::new()
         };
         let mut staged: Vec<(Target, Vec<MappedPage>)> = Vec::with_capacity(targets.len());
         let mut failure = None;
+        let mut calls = DriverCalls::default();
         for &(target, start, pages) in &targets {
             let part: Vec<Page> = got.drain(..pages as usize).collect();
-            match self.map_run(st, start, part) {
+            match self.map_run(start, part, &mut calls) {
                 Ok(m) => staged.push((target, m)),
                 Err(e) => {
                     failure = Some(e);
@@ -186,6 +200,7 @@ impl CachingAllocator {
                 }
             }
         }
+        calls.add_to(&mut st.totals.counts);
         if failure.is_none() {
             if let Err(e) = self.restore(st, ti, &targets) {
                 failure = Some(e);

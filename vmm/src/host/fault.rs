@@ -1,4 +1,8 @@
-//! Fault injection: fail the Nth subsequent call of an operation, before it changes any state.
+//! Fault injection: fail the Nth subsequent call of an operation, before it changes any state;
+//! and gates: a test's hook run before an operation (to hold it, e.g. while a test checks what
+//! other threads can do meanwhile, or to make it slow).
+
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -45,10 +49,16 @@ impl FaultOp {
     }
 }
 
-/// Armed faults: for each operation, how many calls remain until the one that fails (0: none).
-#[derive(Debug, Default)]
+/// A hook run at the start of an operation, before the backend takes any lock, on the calling
+/// thread (see [`HostBackend::set_op_gate`](super::HostBackend::set_op_gate)).
+pub type OpGate = Arc<dyn Fn(FaultOp) + Send + Sync>;
+
+/// Armed faults: for each operation, how many calls remain until the one that fails (0: none),
+/// and its gate.
+#[derive(Default)]
 pub(crate) struct FaultPlan {
     countdown: Mutex<[u64; FaultOp::ALL.len()]>,
+    gates: Mutex<[Option<OpGate>; FaultOp::ALL.len()]>,
 }
 
 impl FaultPlan {
@@ -63,8 +73,18 @@ impl FaultPlan {
         *self.countdown.lock() = [0; FaultOp::ALL.len()];
     }
 
-    /// Counts one call of `op`; fails when it is the armed one (which disarms it).
+    /// Sets (or, with `None`, removes) the gate of `op`.
+    pub(crate) fn set_gate(&self, op: FaultOp, gate: Option<OpGate>) {
+        self.gates.lock()[op.index()] = gate;
+    }
+
+    /// Runs the gate of `op` (with no lock held), then counts one call of `op`; fails when it
+    /// is the armed one (which disarms it).
     pub(crate) fn check(&self, op: FaultOp) -> Result<()> {
+        let gate = self.gates.lock()[op.index()].clone();
+        if let Some(gate) = gate {
+            gate(op);
+        }
         let mut countdown = self.countdown.lock();
         let slot = &mut countdown[op.index()];
         match *slot {
@@ -100,5 +120,19 @@ mod tests {
         plan.arm(FaultOp::Copy, 1);
         plan.clear();
         assert!(plan.check(FaultOp::Copy).is_ok());
+    }
+
+    #[test]
+    fn gate_runs_before_its_operation_only() {
+        let plan = FaultPlan::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        plan.set_gate(FaultOp::Map, Some(Arc::new(move |op| log.lock().push(op))));
+        plan.arm(FaultOp::Map, 1);
+        assert!(plan.check(FaultOp::Create).is_ok());
+        assert!(plan.check(FaultOp::Map).is_err()); // the gate runs before the fault
+        plan.set_gate(FaultOp::Map, None);
+        assert!(plan.check(FaultOp::Map).is_ok());
+        assert_eq!(*seen.lock(), vec![FaultOp::Map]);
     }
 }

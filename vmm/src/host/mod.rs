@@ -19,7 +19,7 @@ mod os;
 mod stream;
 
 pub use config::{parse_devices, parse_size, HostConfig, Link, LinkModel};
-pub use fault::FaultOp;
+pub use fault::{FaultOp, OpGate};
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -151,6 +151,14 @@ impl HostBackend {
     /// Disarms every injected fault.
     pub fn clear_faults(&self) {
         self.inner.faults.clear();
+    }
+
+    /// Runs `gate` at the start of every call of `op` (`None`: no more), on the calling thread
+    /// and before any backend lock is taken, so a test can hold a driver call (or make it slow,
+    /// as a real `cuMemCreate` is) and check what other threads do meanwhile. The gate runs
+    /// before an injected fault of the same call. Test-only: nothing is gated by default.
+    pub fn set_op_gate(&self, op: FaultOp, gate: Option<OpGate>) {
+        self.inner.faults.set_gate(op, gate);
     }
 
     /// Bytes of physical memory really held at `location` (the memfds' allocated blocks),
