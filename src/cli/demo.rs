@@ -167,6 +167,10 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
             format!("{} / {} ({})", kv.spills, kv.restores, kv.hinted_prefetches),
         ),
         (
+            "clean copies: spills without a copy / dropped for room",
+            format!("{} / {}", kv.clean_spills, st.redundant_dropped),
+        ),
+        (
             "requests evicted for room / host evictions to disk",
             format!("{} / {}", kv.evictions, st.evictions_host),
         ),

@@ -13,17 +13,32 @@
 //!   [`KvSpace::evict_pages`] returns the physical pages to the pool and the zero page goes
 //!   back behind the addresses.
 //! - **Make resident**: [`KvSpace::restore_pages`] maps fresh pool pages at the same addresses and
-//!   [`TierStore::take_to_device`] copies the bytes back; the returned event orders the engine's
+//!   [`TierStore::copy_to_device`] copies the bytes back; the returned event orders the engine's
 //!   reads after those copies. When the pool is short, the request that runs furthest away in
 //!   the hinted schedule spills first ([`Lookahead`]); requests used in the current step
 //!   ([`KvBlockManager::advance`] moves it) are never chosen.
+//! - **Clean copies**: a block is *full* when every token slot of its page is written; appends
+//!   only go past it, so its bytes never change. A full block keeps its store objects when it
+//!   is restored (its *clean copy*, redundant in the store, in the tier it came from); other
+//!   blocks release theirs. Spilling a block with a clean copy copies nothing: after the copies
+//!   into it, its pages are evicted and the copy becomes its spilled copy; a revocation takes
+//!   such blocks first and loses nothing (they become spilled, not lost). Writing a block
+//!   through [`KvBlockManager::write_kv`] drops its clean copy (an engine's kernels never
+//!   rewrite a full block), and so do `release` and drop.
+//! - **Clean copies under pressure**: they are redundant, so the store drops them first when the
+//!   host tier (or the disk tier) is full, before it moves a sole copy to disk or fails a spill.
+//!   A dropped clean copy is no loss while the block is resident: the block is just no longer
+//!   clean, and its next spill copies it. The check happens atomically when the copy is needed
+//!   ([`TierStore::set_redundant`] with `false` before evicting the pages); once spilled, the
+//!   objects are the block's only copy and are never dropped for room.
 //! - **Hint** (lookahead): spilled blocks of the requests in the next K steps whose transfer fits
 //!   the compute window (TierKV Eq. 1, Algorithm 1: [`plan_prefetch`]) come back now, evicting
 //!   only requests that run later.
 //! - **Revoke**: a lender takes pool pages back (Harvest's order): free capacity first, then
-//!   blocks of the requests running furthest away, without copying them: KV is reconstructible,
-//!   so those blocks are lost, reported once per request ([`KvBlockManager::take_lost`]), and
-//!   mapped fresh by the next `make_resident` for the engine to recompute.
+//!   blocks of the requests running furthest away, without copying them: clean blocks first
+//!   (they become spilled), then others, which are lost (KV is reconstructible), reported once
+//!   per request ([`KvBlockManager::take_lost`]), and mapped fresh by the next `make_resident`
+//!   for the engine to recompute.
 //!
 //! All bookkeeping sits behind one lock and every copy starts under it, so a revocation holding
 //! it stops new copies, waits for the in-flight copies into the pages it takes (events), and only
@@ -78,8 +93,15 @@ pub struct KvBlocksStats {
     pub blocks_resident: u64,
     /// Of those, blocks whose bytes live in the store now.
     pub blocks_spilled: u64,
+    /// Of those, resident blocks holding a clean copy now (the store may have dropped some of
+    /// those copies since: [`KvBlockManager::clean_blocks`] checks).
+    pub blocks_clean: u64,
     /// Blocks copied down to the store, ever.
     pub spills: u64,
+    /// Blocks spilled without a copy (their clean copy became the spilled copy), ever.
+    pub clean_spills: u64,
+    /// Blocks revoked without loss (their clean copy became the spilled copy), ever.
+    pub clean_revocations: u64,
     /// Blocks copied back from the store, ever (hinted prefetches included).
     pub restores: u64,
     /// Blocks brought back by lookahead hints, ever.
@@ -106,6 +128,9 @@ struct Req {
     /// Spilled blocks: block → its store objects, tensor-major (`layer × 2 + kind`), then the
     /// block's used chunks in order.
     spilled: BTreeMap<usize, Vec<ObjectId>>,
+    /// Resident full blocks with a clean copy: block → its store objects (redundant in the
+    /// store), in the order of `spilled`.
+    clean: BTreeMap<usize, Vec<ObjectId>>,
     /// Blocks lost to a revocation and not yet reported.
     lost_unreported: BTreeSet<usize>,
     /// Blocks lost and reported: the next `make_resident` maps fresh pages for them.
@@ -268,6 +293,20 @@ impl KvBlockManager {
         used.div_ceil(self.store.block_size()).min(self.chunks)
     }
 
+    /// Whether every token slot of block `p` is written in a request with `tokens` tokens.
+    fn is_full(&self, p: usize, tokens: u32) -> bool {
+        u64::from(tokens) * self.config.bytes_per_token >= (p as u64 + 1) * self.page
+    }
+
+    /// Releases store objects the manager no longer holds (a failure is a bug: recorded).
+    fn release_objects(&self, ids: &[ObjectId]) {
+        for &id in ids {
+            if let Err(e) = self.store.release(id) {
+                record_deferred(e);
+            }
+        }
+    }
+
     /// Device addresses of the first `chunks` store blocks of block `p` in every tensor,
     /// tensor-major (the order of [`Req::spilled`]).
     fn block_addrs(
@@ -297,6 +336,7 @@ impl KvBlockManager {
             Req {
                 slot,
                 spilled: BTreeMap::new(),
+                clean: BTreeMap::new(),
                 lost_unreported: BTreeSet::new(),
                 lost_reported: BTreeSet::new(),
                 ready: None,
@@ -329,6 +369,19 @@ impl KvBlockManager {
             });
         }
         Ok(out)
+    }
+
+    /// Blocks of `r` resident with an intact clean copy, ascending: spilling them copies
+    /// nothing and a revocation loses nothing (the store drops clean copies first under
+    /// pressure; those are not listed).
+    pub fn clean_blocks(&self, r: RequestId) -> Result<Vec<usize>> {
+        let inner = self.inner.lock();
+        let q = get(&inner.reqs, r)?;
+        Ok(q.clean
+            .iter()
+            .filter(|(_, ids)| ids.iter().all(|&id| self.store.residency(id).is_ok()))
+            .map(|(&p, _)| p)
+            .collect())
     }
 
     /// The slowest tier holding one of `ids`.
@@ -416,11 +469,12 @@ impl KvBlockManager {
         first_token: u32,
         data: &[u8],
     ) -> Result<()> {
-        let inner = self.inner.lock();
-        let q = get(&inner.reqs, r)?;
-        let (ptr, range) = self.span(&inner.space, q, layer, kind, first_token, data.len())?;
+        let mut inner = self.inner.lock();
+        let Inner { space, reqs, .. } = &mut *inner;
+        let q = reqs.get_mut(&r.0).ok_or(unknown(r))?;
+        let (ptr, range) = self.span(space, q, layer, kind, first_token, data.len())?;
         for p in self.blocks_of(&range) {
-            if !inner.space.is_resident(q.slot, p)? {
+            if !space.is_resident(q.slot, p)? {
                 return Err(Error::InvalidState(format!(
                     "block {p} of request {} is not resident: make_resident before writing",
                     r.0
@@ -429,6 +483,12 @@ impl KvBlockManager {
         }
         if let Some(ev) = &q.ready {
             ev.synchronize()?;
+        }
+        // The bytes change: their clean copies would be stale.
+        for p in self.blocks_of(&range) {
+            if let Some(ids) = q.clean.remove(&p) {
+                self.release_objects(&ids);
+            }
         }
         self.store.backend().write(ptr + range.start, data)
     }
@@ -666,7 +726,7 @@ impl KvBlockManager {
                 }
             }
             self.store
-                .take_to_device(&copies, &self.scope(&inner.space))
+                .copy_to_device(&copies, &self.scope(&inner.space))
         })();
         let ev = match copied {
             Ok(ev) => ev,
@@ -679,13 +739,23 @@ impl KvBlockManager {
                 return Err(e);
             }
         };
+        let Inner {
+            space, reqs, stats, ..
+        } = inner;
         for (r, run) in &mapped {
-            let Some(q) = inner.reqs.get_mut(r) else {
+            let Some(q) = reqs.get_mut(r) else {
                 continue;
             };
+            // A failure here only means "not full": the copy is released.
+            let tokens = space.tokens(q.slot).unwrap_or(0);
             for p in run.clone() {
-                if q.spilled.remove(&p).is_some() {
-                    inner.stats.restores += 1;
+                if let Some(ids) = q.spilled.remove(&p) {
+                    stats.restores += 1;
+                    if self.is_full(p, tokens) {
+                        q.clean.insert(p, ids);
+                    } else {
+                        self.release_objects(&ids);
+                    }
                 } else {
                     q.lost_reported.remove(&p);
                 }
@@ -761,9 +831,10 @@ impl KvBlockManager {
         })
     }
 
-    /// Copies the resident blocks of `r` down (all layers, K and V; only the chunks its tokens
-    /// fill) and evicts their pages; with `to == Tier::Disk` its spilled objects then move to
-    /// disk. Returns the blocks spilled.
+    /// Moves the resident blocks of `r` down and evicts their pages: blocks with an intact clean
+    /// copy copy nothing; the others are copied (all layers, K and V; only the chunks its tokens
+    /// fill). With `to == Tier::Disk` its spilled objects then move to disk. Returns the blocks
+    /// spilled; on error every block stays resident.
     fn spill(&self, inner: &mut Inner, r: u64, to: Tier) -> Result<usize> {
         let Inner {
             space, reqs, stats, ..
@@ -779,26 +850,37 @@ impl KvBlockManager {
             if let Some(ev) = q.ready.take() {
                 ev.synchronize()?;
             }
-            let mut srcs = Vec::new();
-            let mut per_block = Vec::with_capacity(resident.len());
+            // Clean copies the store still holds become sole copies (never dropped for room
+            // from now on); the rest of the blocks are copied.
+            let (mut clean, mut dirty) = (Vec::new(), Vec::new());
             for &p in &resident {
-                let chunks = self.used_chunks(p, tokens);
-                let addrs = self.block_addrs(space, q.slot, p, chunks)?;
-                per_block.push(addrs.len());
-                srcs.extend(addrs);
-            }
-            let (ids, done) =
-                self.store
-                    .put_from_device(&srcs, Durability::Lossy, r, &self.scope(space))?;
-            if let Err(e) = done.synchronize() {
-                for id in ids {
-                    let _ = self.store.release(id);
+                match q.clean.get(&p) {
+                    Some(ids) if self.store.set_redundant(ids, false)? => clean.push(p),
+                    Some(_) => {
+                        if let Some(ids) = q.clean.remove(&p) {
+                            self.release_objects(&ids);
+                        }
+                        dirty.push(p);
+                    }
+                    None => dirty.push(p),
                 }
-                return Err(e);
             }
-            let mut ids = ids.into_iter();
-            for (&p, n) in resident.iter().zip(per_block) {
-                q.spilled.insert(p, ids.by_ref().take(n).collect());
+            let copied = match self.copy_down(space, q.slot, tokens, &dirty, r) {
+                Ok(copied) => copied,
+                Err(e) => {
+                    for p in &clean {
+                        if let Err(e) = self.store.set_redundant(&q.clean[p], true) {
+                            record_deferred(e);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            q.spilled.extend(dirty.iter().copied().zip(copied));
+            for p in &clean {
+                if let Some(ids) = q.clean.remove(p) {
+                    q.spilled.insert(*p, ids);
+                }
             }
             // Every page is a hole afterwards, even when an unmap reports an error.
             let mut first_err = None;
@@ -807,7 +889,8 @@ impl KvBlockManager {
                     first_err.get_or_insert(e);
                 }
             }
-            stats.spills += resident.len() as u64;
+            stats.spills += dirty.len() as u64;
+            stats.clean_spills += clean.len() as u64;
             if let Some(e) = first_err {
                 return Err(e);
             }
@@ -819,6 +902,42 @@ impl KvBlockManager {
             }
         }
         Ok(resident.len())
+    }
+
+    /// Copies `blocks` (resident, of a request with `tokens` tokens in `slot`) into new `Lossy`
+    /// store objects of `owner` and waits until the bytes left the device; returns each
+    /// block's objects (the order of [`Req::spilled`]). All or nothing.
+    fn copy_down(
+        &self,
+        space: &KvSpace,
+        slot: SlotId,
+        tokens: u32,
+        blocks: &[usize],
+        owner: u64,
+    ) -> Result<Vec<Vec<ObjectId>>> {
+        if blocks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut srcs = Vec::new();
+        let mut per_block = Vec::with_capacity(blocks.len());
+        for &p in blocks {
+            let chunks = self.used_chunks(p, tokens);
+            let addrs = self.block_addrs(space, slot, p, chunks)?;
+            per_block.push(addrs.len());
+            srcs.extend(addrs);
+        }
+        let (ids, done) =
+            self.store
+                .put_from_device(&srcs, Durability::Lossy, owner, &self.scope(space))?;
+        if let Err(e) = done.synchronize() {
+            self.release_objects(&ids);
+            return Err(e);
+        }
+        let mut ids = ids.into_iter();
+        Ok(per_block
+            .into_iter()
+            .map(|n| ids.by_ref().take(n).collect())
+            .collect())
     }
 
     /// Spills `r`'s resident blocks to host memory, or to disk with `to == Tier::Disk` (its
@@ -862,9 +981,9 @@ impl KvBlockManager {
     /// Takes `pages` pool pages back for a lender (Harvest's order, under the lock so no new
     /// copy starts): free pool capacity and pages of released requests first; then, block by
     /// block, the requests running furthest away (those used in the current step last): copies
-    /// into the block drain (events), its pages are unmapped without copying (lost, reported
-    /// once through [`KvBlockManager::take_lost`]) and return to the pool, which hands them
-    /// out. When even that is not enough the pool's error is returned; blocks lost on the way
+    /// into the block drain (events), its pages are unmapped without copying and return to the
+    /// pool, which hands them out. A block with an intact clean copy goes first and becomes
+    /// spilled; any other is lost (reported once through [`KvBlockManager::take_lost`]). When even that is not enough the pool's error is returned; blocks lost on the way
     /// stay lost and reported.
     pub fn revoke(&self, pages: usize) -> Result<KvRevocation> {
         let mut inner = self.inner.lock();
@@ -908,9 +1027,9 @@ impl KvBlockManager {
         })
     }
 
-    /// Unmaps the last resident block of `r` without copying it (after the copies into it):
-    /// the block is lost and returned. Surplus pages of a reused slot go first, losing nothing
-    /// (`None`).
+    /// Unmaps a resident block of `r` without copying it (after the copies into it): the last
+    /// one with an intact clean copy, which becomes spilled (`None`), else the last one, which
+    /// is lost and returned. Surplus pages of a reused slot go first, losing nothing (`None`).
     fn lose_last_block(&self, inner: &mut Inner, r: u64) -> Result<Option<usize>> {
         let Inner {
             space, reqs, stats, ..
@@ -924,7 +1043,22 @@ impl KvBlockManager {
             space.shrink(q.slot, tokens)?;
             return Ok(None);
         }
-        let Some(&p) = resident_blocks(space, q)?.last() else {
+        let resident = resident_blocks(space, q)?;
+        let clean: Vec<usize> = q.clean.keys().rev().copied().collect();
+        for p in clean {
+            let Some(ids) = q.clean.remove(&p) else {
+                continue;
+            };
+            if self.store.set_redundant(&ids, false)? {
+                q.spilled.insert(p, ids);
+                stats.clean_revocations += 1;
+                // The block is spilled even when the unmap reports an error.
+                space.evict_page(q.slot, p)?;
+                return Ok(None);
+            }
+            self.release_objects(&ids);
+        }
+        let Some(&p) = resident.last() else {
             return Err(Error::InvalidState(format!(
                 "request {r} holds no resident block"
             )));
@@ -948,7 +1082,7 @@ impl KvBlockManager {
                 first.get_or_insert(e);
             }
         }
-        for &id in q.spilled.values().flatten() {
+        for &id in q.spilled.values().chain(q.clean.values()).flatten() {
             if let Err(e) = self.store.release(id) {
                 first.get_or_insert(e);
             }
@@ -969,6 +1103,7 @@ impl KvBlockManager {
                 .map_or(0, |t| inner.space.pages_for(t)) as u64;
             s.blocks += n;
             s.blocks_spilled += q.spilled.len() as u64;
+            s.blocks_clean += q.clean.len() as u64;
             s.blocks_resident += n.saturating_sub(q.holes() as u64);
         }
         s
@@ -977,14 +1112,22 @@ impl KvBlockManager {
     /// Checks the manager against its `KvSpace` and store (run after every step in tests): the
     /// space's layout; every request's holes are exactly its spilled and lost blocks, below its
     /// tokens, disjoint; every spilled block has one live store object per used chunk and tensor,
-    /// each with a host or disk copy; then the store's own invariants.
+    /// each with a host or disk copy; clean blocks are resident and full, with one live object
+    /// per chunk and tensor (or dropped by the store); no object is held twice; then the
+    /// store's own invariants.
     pub fn check_invariants(&self) -> Result<()> {
         let inner = self.inner.lock();
         let bad = |m: String| Err(Error::InvalidState(format!("kv invariant: {m}")));
         if let Err(m) = inner.space.check_layout() {
             return bad(m);
         }
+        let mut held = HashSet::new();
         for (&r, q) in &inner.reqs {
+            for &id in q.spilled.values().chain(q.clean.values()).flatten() {
+                if !held.insert(id) {
+                    return bad(format!("request {r}: {id} is held twice"));
+                }
+            }
             let tokens = inner.space.tokens(q.slot)?;
             let holes: BTreeSet<usize> = inner.space.evicted_pages(q.slot)?.into_iter().collect();
             let mut expected: BTreeSet<usize> = q.spilled.keys().copied().collect();
@@ -1021,6 +1164,27 @@ impl KvBlockManager {
                     }
                 }
             }
+            let whole = 2 * self.config.layers as usize * self.chunks as usize;
+            for (&p, ids) in &q.clean {
+                if holes.contains(&p) || !self.is_full(p, tokens) {
+                    return bad(format!(
+                        "request {r} block {p} is clean but not resident and full"
+                    ));
+                }
+                if ids.len() != whole {
+                    return bad(format!(
+                        "request {r} clean block {p}: {} objects, {whole} expected",
+                        ids.len()
+                    ));
+                }
+                for &id in ids {
+                    // Dropped by the store for room (lost) is fine; stale is not.
+                    match self.store.residency(id) {
+                        Ok(_) | Err(Error::InvalidState(_)) => {}
+                        Err(e) => return bad(format!("request {r} clean block {p}: {e}")),
+                    }
+                }
+            }
         }
         drop(inner);
         self.store.check_invariants()
@@ -1035,7 +1199,7 @@ impl Drop for KvBlockManager {
             record_deferred(e);
         }
         for q in self.inner.get_mut().reqs.values() {
-            for &id in q.spilled.values().flatten() {
+            for &id in q.spilled.values().chain(q.clean.values()).flatten() {
                 let _ = self.store.release(id);
             }
         }

@@ -3,7 +3,18 @@
 //! write, and revocation of HBM pages in Harvest's order. Objects can also be filled from, and
 //! emptied into, device addresses the store does not own (a `KvSpace`'s tensors, for the
 //! [`KvBlockManager`](crate::KvBlockManager)): [`TierStore::put_from_device`],
-//! [`TierStore::take_to_device`].
+//! [`TierStore::take_to_device`] (restore and release) and [`TierStore::copy_to_device`]
+//! (restore and keep).
+//!
+//! # Redundant objects
+//!
+//! An object is *redundant* while its owner holds the same bytes outside the store (a
+//! [`TierStore::copy_to_device`] restore marks it; [`TierStore::set_redundant`] changes it).
+//! Redundant objects go first under pressure: a full host tier drops them (whole: every copy)
+//! before it moves any other host copy to disk or fails, and a full disk tier drops them before
+//! it fails. A dropped object stays live but lost (like a revoked one: [`TierStore::residency`]
+//! is [`Error::InvalidState`], [`TierStore::release`] works) and no notice is sent: its owner
+//! still has the bytes, and learns of the drop when `set_redundant(ids, false)` returns `false`.
 //!
 //! # Ordering
 //!
@@ -119,6 +130,8 @@ pub struct StoreStats {
     pub prefetched_blocks: u64,
     pub fell_back: u64,
     pub lost: u64,
+    /// Redundant objects dropped for room, ever (see the module documentation).
+    pub redundant_dropped: u64,
     pub pages_revoked: u64,
     pub disk_direct: bool,
 }
@@ -147,11 +160,20 @@ enum HopTarget<'a> {
     },
 }
 
+/// What [`TierStore::to_device`] does with the objects once their copies are queued.
+#[derive(Clone, Copy)]
+enum AfterCopy {
+    Release,
+    KeepRedundant,
+}
+
 #[derive(Clone)]
 struct Obj {
     generation: u32,
     live: bool,
     lost: bool,
+    /// The owner holds these bytes too: dropped first under pressure.
+    redundant: bool,
     durability: Durability,
     owner: u64,
     len: u64,
@@ -219,6 +241,7 @@ struct State {
     prefetched: u64,
     fell_back: u64,
     lost: u64,
+    redundant_dropped: u64,
     pages_revoked: u64,
 }
 
@@ -229,6 +252,7 @@ impl State {
             generation: 0,
             live: true,
             lost: false,
+            redundant: false,
             durability,
             owner,
             len,
@@ -398,6 +422,7 @@ impl TierStore {
             prefetched: 0,
             fell_back: 0,
             lost: 0,
+            redundant_dropped: 0,
             pages_revoked: 0,
         };
         Ok(TierStore {
@@ -705,10 +730,15 @@ impl TierStore {
         u64::from(slot) * self.config.block_size
     }
 
+    /// A free disk slot for object `index`, dropping a redundant object for it when the tier
+    /// is full.
     fn take_disk(&self, st: &mut State, index: u32) -> Result<u32> {
         let Some(cfg) = &self.config.disk else {
             return Err(Error::InvalidState("the store has no disk tier".into()));
         };
+        if st.disk.free.is_empty() {
+            self.drop_redundant(st, |r| r.disk, &HashSet::from([index]));
+        }
         st.disk.take(index).ok_or(Error::LimitExceeded {
             requested: self.config.block_size,
             used: st.disk.used() * self.config.block_size,
@@ -751,6 +781,7 @@ impl TierStore {
         let o = &mut st.objs[index as usize];
         o.live = false;
         o.lost = false;
+        o.redundant = false;
         o.generation = o.generation.wrapping_add(1);
         st.free_objs.push(index);
     }
@@ -937,11 +968,41 @@ impl TierStore {
         st.hbm_policy.remove(key);
     }
 
-    /// Ensures `n` free host slots, moving unprotected host copies to disk (or dropping copies
-    /// that are not the last one).
+    /// Drops one unprotected redundant object that holds a slot of the tier `slot_of` reads
+    /// (the host policy's victim first), whole: it becomes lost. False when there is none.
+    fn drop_redundant(&self, st: &mut State, slot_of: SlotOf, protect: &HashSet<u32>) -> bool {
+        let droppable = |i: u32, o: &Obj| {
+            o.live && o.redundant && !protect.contains(&i) && slot_of(&o.res).is_some()
+        };
+        let objs = &st.objs;
+        let by_policy = st.host_policy.victim(&mut |k| {
+            let id = ObjectId::from_key(k);
+            objs.get(id.index as usize)
+                .is_some_and(|o| o.generation == id.generation && droppable(id.index, o))
+        });
+        let Some(i) = by_policy
+            .map(|k| ObjectId::from_key(k).index)
+            .or_else(|| (0..objs.len() as u32).find(|&i| droppable(i, &objs[i as usize])))
+        else {
+            return false;
+        };
+        self.drop_lower(st, i);
+        self.drop_hbm(st, i);
+        let o = &mut st.objs[i as usize];
+        o.lost = true;
+        o.redundant = false;
+        st.redundant_dropped += 1;
+        true
+    }
+
+    /// Ensures `n` free host slots: drops unprotected redundant objects first, then moves
+    /// host copies to disk (or drops copies that are not the last one).
     fn make_room_host(&self, st: &mut State, n: usize, protect: &HashSet<u32>) -> Result<()> {
         let mut tried: HashSet<u32> = HashSet::new();
         while st.host.free.len() < n {
+            if self.drop_redundant(st, |r| r.host, protect) {
+                continue;
+            }
             let has_disk = self.disk.is_some() && !st.disk.free.is_empty();
             let objs = &st.objs;
             let v = st.host_policy.victim(&mut |k| {
@@ -1348,6 +1409,7 @@ impl TierStore {
             prefetched_blocks: st.prefetched,
             fell_back: st.fell_back,
             lost: st.lost,
+            redundant_dropped: st.redundant_dropped,
             pages_revoked: st.pages_revoked,
             disk_direct: self.disk.as_ref().is_some_and(|d| d.is_direct()),
         }
@@ -1406,8 +1468,8 @@ impl TierStore {
                 continue;
             }
             if o.lost {
-                if o.res != Residency::default() {
-                    return bad(format!("lost object {i} holds copies"));
+                if o.res != Residency::default() || o.redundant {
+                    return bad(format!("lost object {i} holds copies or is redundant"));
                 }
                 continue;
             }
@@ -1534,6 +1596,47 @@ impl TierStore {
         pairs: &[(ObjectId, DevicePtr)],
         scope: &[&Reservation],
     ) -> Result<Arc<Event>> {
+        self.to_device(pairs, scope, AfterCopy::Release)
+    }
+
+    /// As [`TierStore::take_to_device`], but the objects stay, marked redundant: the caller now
+    /// holds their bytes at the destinations, so they are the first to go under pressure (see
+    /// the module documentation). Before the caller's copy goes away it calls
+    /// `set_redundant(ids, false)`, and only on `true` may it rely on them.
+    pub fn copy_to_device(
+        &self,
+        pairs: &[(ObjectId, DevicePtr)],
+        scope: &[&Reservation],
+    ) -> Result<Arc<Event>> {
+        self.to_device(pairs, scope, AfterCopy::KeepRedundant)
+    }
+
+    /// Marks `ids` redundant (`true`: their owner holds the bytes too, so they go first under
+    /// pressure) or the owner's only copy again (`false`: it is about to drop its own). Returns
+    /// `false` and changes nothing when one of them was dropped already; a stale id is
+    /// [`Error::StaleId`].
+    pub fn set_redundant(&self, ids: &[ObjectId], redundant: bool) -> Result<bool> {
+        let mut st = self.state.lock();
+        let mut idx = Vec::with_capacity(ids.len());
+        for &id in ids {
+            match self.check(&st, id) {
+                Ok(i) => idx.push(i),
+                Err(Error::InvalidState(_)) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        for i in idx {
+            st.objs[i].redundant = redundant;
+        }
+        Ok(true)
+    }
+
+    fn to_device(
+        &self,
+        pairs: &[(ObjectId, DevicePtr)],
+        scope: &[&Reservation],
+        after: AfterCopy,
+    ) -> Result<Arc<Event>> {
         let mut st = self.state.lock();
         let mut idx = Vec::with_capacity(pairs.len());
         let mut seen = HashSet::new();
@@ -1587,7 +1690,10 @@ impl TierStore {
             self.two_hop(&mut st, &objs, HopTarget::Outside { dsts: &dsts, scope })?;
         }
         for &i in &idx {
-            self.drop_object(&mut st, i);
+            match after {
+                AfterCopy::Release => self.drop_object(&mut st, i),
+                AfterCopy::KeepRedundant => st.objs[i as usize].redundant = true,
+            }
         }
         drop(st);
         self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced, &[])

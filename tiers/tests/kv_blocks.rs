@@ -1,9 +1,11 @@
 //! KvBlockManager on a KvSpace: spill and restore at fixed addresses through host memory and
-//! disk, lookahead eviction and prefetch, revocation (lost blocks reported once), bad input,
-//! and several engine threads with a revoker.
+//! disk, lookahead eviction and prefetch, revocation (lost blocks reported once), clean copies
+//! of full blocks (free re-spills, lossless revocations, dropped first under host pressure),
+//! bad input, and several engine threads with a revoker.
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -158,7 +160,9 @@ fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
     ev.synchronize().unwrap();
     assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Hbm); 2]);
     assert_eq!(m.stats().hinted_prefetches, 2);
-    assert_eq!(m.store().stats().objects, 0);
+    // Block 0 is full: its objects stay (on disk) as its clean copy; block 1's are released.
+    assert_eq!(m.store().stats().objects, 4 * 4);
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
     assert_eq!(
         ptrs(&m, a),
         addresses,
@@ -169,9 +173,20 @@ fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
     assert_eq!(verify(&m, b, 2).unwrap(), (Tier::Hbm, 1));
     m.advance(10);
     grow(&m, b, 2, 1).unwrap();
+    let copied = m.store().stats().transfers.bytes_d2h;
     assert_eq!(m.spill_idle(5, Tier::Host).unwrap(), 2);
-    assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Host); 2]);
-    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Host, 2));
+    // Block 0 went down without a copy, to its clean copy on disk; block 1 was copied.
+    assert_eq!(
+        m.blocks(a).unwrap(),
+        vec![Some(Tier::Disk), Some(Tier::Host)]
+    );
+    assert_eq!(
+        m.store().stats().transfers.bytes_d2h - copied,
+        4 * 2 * CHUNK,
+        "only block 1's two used chunks per tensor"
+    );
+    assert_eq!(m.stats().clean_spills, 1);
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Disk, 2));
     m.make_resident(&[a]).unwrap().synchronize().unwrap();
     grow(&m, a, 1, 400).unwrap();
     assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 3));
@@ -354,6 +369,148 @@ fn revoked_blocks_are_lost_reported_once_and_rebuilt_at_the_same_addresses() {
     m.check_invariants().unwrap();
 }
 
+/// Bytes copied device → host so far (spills).
+fn bytes_down(m: &KvBlockManager) -> u64 {
+    m.store().stats().transfers.bytes_d2h
+}
+
+#[test]
+fn a_full_restored_block_spills_again_without_a_copy_and_keeps_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(16, 64, 256, dir.path());
+    let a = m.admit().unwrap();
+    grow(&m, a, 3, 2 * TPB + 10).unwrap(); // blocks 0 and 1 full, block 2 holds 10 tokens
+    m.pause(a, Tier::Host).unwrap();
+    for round in 0..3 {
+        m.make_resident(&[a]).unwrap().synchronize().unwrap();
+        assert_eq!(m.clean_blocks(a).unwrap(), vec![0, 1]);
+        assert_eq!(verify(&m, a, 3).unwrap(), (Tier::Hbm, 3));
+        let before = bytes_down(&m);
+        m.pause(a, Tier::Host).unwrap();
+        m.check_invariants().unwrap();
+        // Only block 2 moved: one used chunk in each of the 4 tensors.
+        assert_eq!(bytes_down(&m) - before, 4 * CHUNK, "round {round}");
+        assert_eq!(m.stats().clean_spills, 2 * (round + 1));
+        assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Host); 3]);
+        assert_eq!(verify(&m, a, 3).unwrap(), (Tier::Host, 3));
+    }
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(verify(&m, a, 3).unwrap(), (Tier::Hbm, 3));
+    assert_eq!(m.stats().blocks_clean, 2);
+    m.release(a).unwrap();
+    assert_eq!(m.store().stats().objects, 0, "release drops clean copies");
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn revoking_a_clean_block_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(12, 64, 256, dir.path());
+    let a = m.admit().unwrap();
+    grow(&m, a, 5, 2 * TPB + 10).unwrap(); // 3 blocks: the whole pool
+    m.pause(a, Tier::Host).unwrap();
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0, 1]);
+    m.advance(1);
+    // 4 pages = one block: the last clean one (1) goes down instead of the dirty block 2.
+    let rev = m.revoke(4).unwrap();
+    assert_eq!(rev.pages.len(), 4);
+    assert!(rev.lost.is_empty(), "{:?}", rev.lost);
+    assert_eq!(m.take_lost(a).unwrap(), Vec::<usize>::new());
+    assert_eq!(
+        m.blocks(a).unwrap(),
+        vec![Some(Tier::Hbm), Some(Tier::Host), Some(Tier::Hbm)]
+    );
+    let s = m.stats();
+    assert_eq!((s.lost_blocks, s.clean_revocations), (0, 1));
+    m.check_invariants().unwrap();
+    assert_eq!(verify(&m, a, 5).unwrap(), (Tier::Host, 3));
+    m.store().pool().give(rev.pages);
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(verify(&m, a, 5).unwrap(), (Tier::Hbm, 3));
+    m.release(a).unwrap();
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_that_is_written_again_never_keeps_a_stale_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(16, 64, 256, dir.path());
+    // Partly filled when restored: no clean copy; the append after it reaches the store.
+    let a = m.admit().unwrap();
+    grow(&m, a, 7, 100).unwrap();
+    m.pause(a, Tier::Host).unwrap();
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(m.clean_blocks(a).unwrap(), Vec::<usize>::new());
+    grow(&m, a, 7, TPB - 100).unwrap(); // block 0 full now
+    m.pause(a, Tier::Host).unwrap();
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(verify(&m, a, 7).unwrap(), (Tier::Hbm, 1));
+    // Full and clean; a write into it (a host-side rewrite) drops the copy.
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
+    let b = m.admit().unwrap();
+    grow(&m, b, 8, TPB).unwrap();
+    for (t, l, k) in tensors() {
+        m.write_kv(a, l, k, 0, &pattern(8, t, 0, TPB)).unwrap();
+    }
+    assert_eq!(m.clean_blocks(a).unwrap(), Vec::<usize>::new());
+    m.check_invariants().unwrap();
+    let before = bytes_down(&m);
+    m.pause(a, Tier::Host).unwrap();
+    assert_eq!(
+        bytes_down(&m) - before,
+        16 * CHUNK,
+        "the rewritten block is copied"
+    );
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(
+        verify(&m, a, 8).unwrap(),
+        (Tier::Hbm, 1),
+        "new bytes, not old"
+    );
+    m.release(a).unwrap();
+    m.release(b).unwrap();
+    assert_eq!(m.store().stats().objects, 0);
+}
+
+#[test]
+fn host_pressure_drops_clean_copies_before_moving_anything_to_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    // The host tier holds 2 blocks (16 chunks each).
+    let m = manager(16, 32, 256, dir.path());
+    let a = m.admit().unwrap();
+    let b = m.admit().unwrap();
+    grow(&m, a, 1, 2 * TPB).unwrap();
+    grow(&m, b, 2, TPB).unwrap();
+    m.pause(a, Tier::Host).unwrap();
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0, 1]); // the host tier is full of them
+    let written = m.store().stats().disk_write_bytes;
+    m.pause(b, Tier::Host).unwrap();
+    let st = m.store().stats();
+    assert_eq!(
+        st.disk_write_bytes, written,
+        "a sole copy or a clean one went to disk"
+    );
+    assert_eq!(st.redundant_dropped, 16);
+    assert_eq!(m.blocks(b).unwrap(), vec![Some(Tier::Host)]);
+    assert!(m.clean_blocks(a).unwrap().len() < 2);
+    m.check_invariants().unwrap();
+    // a's blocks are intact; its next spill copies what lost its clean copy, reports no loss.
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 2));
+    m.pause(a, Tier::Host).unwrap();
+    assert_eq!(m.take_lost(a).unwrap(), Vec::<usize>::new());
+    assert_eq!(m.stats().lost_blocks, 0);
+    m.check_invariants().unwrap();
+    for (r, seed) in [(a, 1), (b, 2)] {
+        m.make_resident(&[r]).unwrap().synchronize().unwrap();
+        verify(&m, r, seed).unwrap();
+    }
+    m.release(a).unwrap();
+    m.release(b).unwrap();
+    assert_eq!(m.store().stats().objects, 0);
+}
+
 #[test]
 fn engine_threads_and_a_revoker() {
     let dir = tempfile::tempdir().unwrap();
@@ -488,6 +645,28 @@ struct Model {
     unreported: Vec<usize>,
     /// Reported: recomputed after the next successful `make_resident`.
     to_rebuild: Vec<usize>,
+    /// Full blocks restored and resident since: the manager's clean blocks are among them (the
+    /// store may drop some copies for room).
+    clean: BTreeSet<usize>,
+}
+
+/// Blocks of `r` that are spilled (not resident, not lost).
+fn spilled(m: &KvBlockManager, r: RequestId) -> BTreeSet<usize> {
+    let blocks = m.blocks(r).unwrap();
+    (0..blocks.len())
+        .filter(|&p| blocks[p].is_some_and(|t| t != Tier::Hbm))
+        .collect()
+}
+
+/// The model's clean blocks gain `was_spilled` blocks of `q` now resident and full.
+fn restored(m: &KvBlockManager, q: &mut Model, was_spilled: &BTreeSet<usize>) {
+    let tokens = m.tokens(q.id).unwrap();
+    let blocks = m.blocks(q.id).unwrap();
+    q.clean.extend(
+        was_spilled
+            .iter()
+            .filter(|&&p| blocks[p] == Some(Tier::Hbm) && (p as u32 + 1) * TPB <= tokens),
+    );
 }
 
 /// Rewrites the pattern of block `p` of `r` (the engine's recomputation).
@@ -498,8 +677,9 @@ fn rebuild(m: &KvBlockManager, r: RequestId, seed: u64, p: usize) -> Result<(), 
 }
 
 /// One random walk: every operation, its expected outcome from the model, the invariant checker
-/// after every step, every request's bytes checked whenever none of its blocks is lost.
-fn walk(seed: u64, steps: u32) {
+/// after every step, every request's bytes checked whenever none of its blocks is lost. Returns
+/// the clean hits (spills without a copy, revocations without loss).
+fn walk(seed: u64, steps: u32) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     let m = manager(24, 32, 400, dir.path());
     let mut rng = SmallRng::seed_from_u64(seed);
@@ -517,6 +697,7 @@ fn walk(seed: u64, steps: u32) {
                     seed: seed * 10_000 + u64::from(i),
                     unreported: Vec::new(),
                     to_rebuild: Vec::new(),
+                    clean: BTreeSet::new(),
                 });
             }
             1 | 2 if !live.is_empty() => {
@@ -556,13 +737,22 @@ fn walk(seed: u64, steps: u32) {
                     blocks.iter().map(|t| t.map(|t| t == Tier::Hbm)).collect()
                 };
                 let before: Vec<_> = ids.iter().map(|&r| state(r)).collect();
+                let was_spilled: Vec<_> = ids.iter().map(|&r| spilled(&m, r)).collect();
                 let lost_first = batch.iter().any(|&k| !live[k].unreported.is_empty());
                 match m.make_resident(&ids) {
                     Ok(ev) => {
                         assert!(!lost_first);
                         ev.synchronize().unwrap();
-                        for &k in &batch {
+                        for (j, &k) in batch.iter().enumerate() {
                             let q = &mut live[k];
+                            // Every full block restored keeps a clean copy, at first.
+                            let before = q.clean.clone();
+                            restored(&m, q, &was_spilled[j]);
+                            let fresh: BTreeSet<usize> =
+                                q.clean.difference(&before).copied().collect();
+                            let clean: BTreeSet<usize> =
+                                m.clean_blocks(q.id).unwrap().into_iter().collect();
+                            assert!(fresh.is_subset(&clean), "{fresh:?} not in {clean:?}");
                             assert!(m
                                 .blocks(q.id)
                                 .unwrap()
@@ -594,8 +784,20 @@ fn walk(seed: u64, steps: u32) {
                 } else {
                     Tier::Disk
                 };
+                // When every resident block is clean, the spill copies nothing.
+                let blocks = m.blocks(q.id).unwrap();
+                let resident: Vec<usize> = (0..blocks.len())
+                    .filter(|&p| blocks[p] == Some(Tier::Hbm))
+                    .collect();
+                let all_clean = resident == m.clean_blocks(q.id).unwrap();
+                let down = bytes_down(&m);
                 match m.pause(q.id, to) {
-                    Ok(()) => assert!(!m.blocks(q.id).unwrap().contains(&Some(Tier::Hbm))),
+                    Ok(()) => {
+                        assert!(!m.blocks(q.id).unwrap().contains(&Some(Tier::Hbm)));
+                        if all_clean {
+                            assert_eq!(bytes_down(&m), down, "a clean spill copied");
+                        }
+                    }
                     Err(e) => assert!(e.is_out_of_memory(), "{e}"),
                 }
             }
@@ -608,8 +810,12 @@ fn walk(seed: u64, steps: u32) {
                             .collect()
                     })
                     .collect();
+                let was_spilled: Vec<_> = live.iter().map(|q| spilled(&m, q.id)).collect();
                 if let Some(ev) = m.hint(&schedule).unwrap() {
                     ev.synchronize().unwrap();
+                }
+                for (q, was) in live.iter_mut().zip(&was_spilled) {
+                    restored(&m, q, was);
                 }
             }
             7 => {
@@ -621,15 +827,32 @@ fn walk(seed: u64, steps: u32) {
             }
             8 => {
                 if held.len() < 12 && rng.random_bool(0.6) {
+                    let clean: Vec<Vec<usize>> =
+                        live.iter().map(|q| m.clean_blocks(q.id).unwrap()).collect();
+                    let kept = m.stats().clean_revocations;
                     match m.revoke(4) {
                         Ok(rev) => {
                             assert_eq!(rev.pages.len(), 4);
                             held.extend(rev.pages);
                             for (r, ps) in rev.lost {
                                 lost_total += ps.len();
-                                let q = live.iter_mut().find(|q| q.id == r).unwrap();
-                                q.unreported.extend(ps);
+                                let k = live.iter().position(|q| q.id == r).unwrap();
+                                assert!(
+                                    ps.iter().all(|p| !clean[k].contains(p)),
+                                    "a clean block was lost"
+                                );
+                                live[k].unreported.extend(ps);
                             }
+                            // Clean blocks revoked became spilled, each counted.
+                            let mut went_down = 0;
+                            for (q, c) in live.iter().zip(&clean) {
+                                let blocks = m.blocks(q.id).unwrap();
+                                for &p in c {
+                                    assert_ne!(blocks[p], None, "clean block {p} lost");
+                                    went_down += u64::from(blocks[p] != Some(Tier::Hbm));
+                                }
+                            }
+                            assert_eq!(m.stats().clean_revocations - kept, went_down);
                         }
                         Err(e) => assert!(e.is_out_of_memory(), "{e}"),
                     }
@@ -667,6 +890,17 @@ fn walk(seed: u64, steps: u32) {
         }
         m.check_invariants()
             .unwrap_or_else(|e| panic!("walk {seed}, step {i} (op {op}): {e}"));
+        // The manager's clean blocks are resident full blocks the model restored.
+        for q in &mut live {
+            let clean: BTreeSet<usize> = m.clean_blocks(q.id).unwrap().into_iter().collect();
+            assert!(
+                clean.is_subset(&q.clean),
+                "walk {seed}, step {i}: clean {clean:?}, model {:?}",
+                q.clean
+            );
+            let blocks = m.blocks(q.id).unwrap();
+            q.clean.retain(|&p| blocks.get(p) == Some(&Some(Tier::Hbm)));
+        }
     }
     for q in live {
         m.release(q.id).unwrap();
@@ -676,11 +910,12 @@ fn walk(seed: u64, steps: u32) {
     assert_eq!(m.store().stats().objects, 0);
     assert_eq!(m.stats().lost_blocks as usize, lost_total);
     assert!(checked > 0, "walk {seed} checked nothing");
+    let s = m.stats();
+    s.clean_spills + s.clean_revocations
 }
 
 #[test]
 fn random_walks_against_a_model() {
-    for seed in 1..=2 {
-        walk(seed, 250);
-    }
+    let clean_hits: u64 = (1..=2).map(|seed| walk(seed, 250)).sum();
+    assert!(clean_hits > 0, "the walks never used a clean copy");
 }
