@@ -19,8 +19,9 @@
 //!   ([`KvBlockManager::advance`] moves it) are never chosen.
 //! - **Clean copies**: a block is *full* when every token slot of its page is written; appends
 //!   only go past it, so its bytes never change. A full block keeps its store objects when it
-//!   is restored (its *clean copy*, redundant in the store, in the tier it came from); other
-//!   blocks release theirs. Spilling a block with a clean copy copies nothing: after the copies
+//!   is restored (its *clean copy*, redundant in the store). A copy restored from disk moves
+//!   into a free host slot on the way up, as TierKV keeps the DRAM copy, and stays on disk
+//!   when none is free. Other blocks release theirs. Spilling a block with a clean copy copies nothing: after the copies
 //!   into it, its pages are evicted and the copy becomes its spilled copy; a revocation takes
 //!   such blocks first and loses nothing (they become spilled, not lost). Writing a block
 //!   through [`KvBlockManager::write_kv`] drops its clean copy (an engine's kernels never

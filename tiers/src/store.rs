@@ -10,6 +10,8 @@
 //!
 //! An object is *redundant* while its owner holds the same bytes outside the store (a
 //! [`TierStore::copy_to_device`] restore marks it; [`TierStore::set_redundant`] changes it).
+//! Such a restore reads a disk object into a free host slot rather than staging, and the object
+//! keeps that slot and leaves the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
 //! Redundant objects go first under pressure: a full host tier drops them (whole: every copy)
 //! before it moves any other host copy to disk or fails, and a full disk tier drops them before
 //! it fails. A dropped object stays live but lost (like a revoked one: [`TierStore::residency`]
@@ -154,9 +156,12 @@ enum HopTarget<'a> {
     /// New HBM slots of the store.
     Hbm,
     /// Device addresses of another owner (`dsts[k]` for the k-th object), inside `scope`.
+    /// With `keep_in_host`, an object read into a free host slot instead of staging stays there
+    /// and leaves the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
     Outside {
         dsts: &'a [DevicePtr],
         scope: &'a [&'a Reservation],
+        keep_in_host: bool,
     },
 }
 
@@ -497,11 +502,16 @@ impl TierStore {
         self.reservation.ptr() + u64::from(slot) * self.config.block_size
     }
 
-    fn host_loc(&self, slot: u32) -> (&HostBuffer, u64) {
+    fn host_chunk(&self, slot: u32) -> (&Arc<HostBuffer>, u64) {
         let s = u64::from(slot);
         let chunk = (s / self.blocks_per_chunk) as usize;
         let off = (s % self.blocks_per_chunk) * self.config.block_size;
         (&self.host_chunks[chunk], off)
+    }
+
+    fn host_loc(&self, slot: u32) -> (&HostBuffer, u64) {
+        let (buf, off) = self.host_chunk(slot);
+        (buf, off)
     }
 
     fn host_ptr(&self, slot: u32) -> DevicePtr {
@@ -1138,6 +1148,20 @@ impl TierStore {
         self.submit(Direction::HostToDevice, &[], 0, Submission::Coalesced, &[])
     }
 
+    /// Object `i`'s bytes now sit in host slot `h` (read there from disk; `ev` reads them):
+    /// the host slot becomes its copy and its disk slot is freed.
+    fn move_disk_to_host(&self, st: &mut State, i: u32, h: u32, ev: &Arc<Event>) {
+        st.host.fence[h as usize] = Some(Arc::clone(ev));
+        let (owner, step, key) = (st.objs[i as usize].owner, st.step, self.key(st, i));
+        let o = &mut st.objs[i as usize];
+        o.res.host = Some(h);
+        o.host_ready = None;
+        if let Some(d) = o.res.disk.take() {
+            st.disk.put_back(d, None);
+        }
+        st.host_policy.touch(key, owner, step);
+    }
+
     /// Disk → staging → `target`, pipelined over the two staging halves: one half fills from
     /// disk (parallel reads on the I/O pool) while the other drains to the device.
     fn two_hop(&self, st: &mut State, objs: &[u32], target: HopTarget<'_>) -> Result<()> {
@@ -1150,16 +1174,43 @@ impl TierStore {
             for f in &st.staging_fence[base..base + half] {
                 sync(f)?;
             }
+            // Where each object is read to: a free host slot it keeps, or staging.
+            let keep = matches!(
+                target,
+                HopTarget::Outside {
+                    keep_in_host: true,
+                    ..
+                }
+            );
+            let mut kept: Vec<Option<u32>> = Vec::with_capacity(chunk.len());
+            for &i in chunk {
+                let slot = if keep { st.host.take(i) } else { None };
+                if let Some(h) = slot {
+                    // A free slot's fence names the last copy that read it.
+                    if let Err(e) = sync(&st.host.fence[h as usize]) {
+                        st.host.put_back(h, None);
+                        for h in kept.into_iter().flatten() {
+                            st.host.put_back(h, None);
+                        }
+                        return Err(e);
+                    }
+                }
+                kept.push(slot);
+            }
             // Hop 1: parallel reads on the I/O pool (the other half's H2D is still running).
             let mut tickets = Vec::with_capacity(chunk.len());
             for (j, &i) in chunk.iter().enumerate() {
                 let d = st.objs[i as usize].res.disk.unwrap_or_default();
                 let disk = Arc::clone(disk);
-                let staging = Arc::clone(&self.staging);
                 let file_off = self.disk_offset(d);
-                let staging_off = (base + j) as u64 * b;
-                tickets
-                    .push(io.submit(move || disk.read_into(&staging, staging_off, file_off, b))?);
+                let (buf, off) = match kept[j] {
+                    Some(h) => {
+                        let (buf, off) = self.host_chunk(h);
+                        (Arc::clone(buf), off)
+                    }
+                    None => (Arc::clone(&self.staging), (base + j) as u64 * b),
+                };
+                tickets.push(io.submit(move || disk.read_into(&buf, off, file_off, b))?);
             }
             let mut first_err = None;
             for t in tickets {
@@ -1168,6 +1219,9 @@ impl TierStore {
                 }
             }
             if let Some(e) = first_err {
+                for h in kept.into_iter().flatten() {
+                    st.host.put_back(h, None);
+                }
                 return Err(e);
             }
             // Hop 2: one H2D batch for the chunk.
@@ -1184,7 +1238,8 @@ impl TierStore {
                     }
                     HopTarget::Outside { dsts, .. } => dsts[round * half + j],
                 };
-                pairs.push((self.staging_ptr(base + j), dst));
+                let src = kept[j].map_or_else(|| self.staging_ptr(base + j), |h| self.host_ptr(h));
+                pairs.push((src, dst));
             }
             let outside = match target {
                 HopTarget::Hbm => &[][..],
@@ -1199,9 +1254,13 @@ impl TierStore {
             ) {
                 Ok(ev) => ev,
                 Err(e) => {
-                    // Nothing of this chunk was queued: its HBM slots hold no data.
+                    // Nothing of this chunk was queued: its HBM slots hold no data, and the
+                    // host slots read for keeping are not the objects' yet.
                     if matches!(target, HopTarget::Hbm) {
                         st.unreserve_hbm(chunk);
+                    }
+                    for h in kept.into_iter().flatten() {
+                        st.host.put_back(h, None);
                     }
                     return Err(e);
                 }
@@ -1210,7 +1269,10 @@ impl TierStore {
                 if matches!(target, HopTarget::Hbm) {
                     st.objs[i as usize].hbm_ready = Some(Arc::clone(&ev));
                 }
-                st.staging_fence[base + j] = Some(Arc::clone(&ev));
+                match kept[j] {
+                    Some(h) => self.move_disk_to_host(st, i, h, &ev),
+                    None => st.staging_fence[base + j] = Some(Arc::clone(&ev)),
+                }
             }
         }
         Ok(())
@@ -1687,7 +1749,16 @@ impl TierStore {
         }
         if !from_disk.is_empty() {
             let (objs, dsts): (Vec<u32>, Vec<DevicePtr>) = from_disk.into_iter().unzip();
-            self.two_hop(&mut st, &objs, HopTarget::Outside { dsts: &dsts, scope })?;
+            let keep_in_host = matches!(after, AfterCopy::KeepRedundant);
+            self.two_hop(
+                &mut st,
+                &objs,
+                HopTarget::Outside {
+                    dsts: &dsts,
+                    scope,
+                    keep_in_host,
+                },
+            )?;
         }
         for &i in &idx {
             match after {

@@ -160,9 +160,12 @@ fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
     ev.synchronize().unwrap();
     assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Hbm); 2]);
     assert_eq!(m.stats().hinted_prefetches, 2);
-    // Block 0 is full: its objects stay (on disk) as its clean copy; block 1's are released.
+    // Block 0 is full: its objects stay as its clean copy, kept in host memory on the way up
+    // from disk (the disk slots are freed); block 1's are released.
     assert_eq!(m.store().stats().objects, 4 * 4);
     assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
+    assert_eq!(m.store().stats().disk_used, 0);
+    assert_eq!(m.store().stats().host_used, 4 * 4);
     assert_eq!(
         ptrs(&m, a),
         addresses,
@@ -175,18 +178,15 @@ fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
     grow(&m, b, 2, 1).unwrap();
     let copied = m.store().stats().transfers.bytes_d2h;
     assert_eq!(m.spill_idle(5, Tier::Host).unwrap(), 2);
-    // Block 0 went down without a copy, to its clean copy on disk; block 1 was copied.
-    assert_eq!(
-        m.blocks(a).unwrap(),
-        vec![Some(Tier::Disk), Some(Tier::Host)]
-    );
+    // Block 0 went down without a copy, to its clean copy in host memory; block 1 was copied.
+    assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Host); 2]);
     assert_eq!(
         m.store().stats().transfers.bytes_d2h - copied,
         4 * 2 * CHUNK,
         "only block 1's two used chunks per tensor"
     );
     assert_eq!(m.stats().clean_spills, 1);
-    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Disk, 2));
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Host, 2));
     m.make_resident(&[a]).unwrap().synchronize().unwrap();
     grow(&m, a, 1, 400).unwrap();
     assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 3));

@@ -313,23 +313,42 @@ fn outside(s: &strata_tiers::TierStore) -> Outside {
     }
 }
 
-#[test]
-fn objects_come_from_and_go_to_device_addresses_outside_the_store() {
+/// A store with 4 host blocks (of 8 blocks put from the device, 4 land in host memory, 4 on
+/// disk) and a device page outside it.
+fn eight_outside() -> (
+    Arc<dyn strata_vmm::Backend>,
+    tempfile::TempDir,
+    strata_tiers::TierStore,
+    Outside,
+) {
     let b = backend(None);
     let dir = tempfile::tempdir().unwrap();
-    // 4 host blocks: of 8 blocks put from the device, 4 land in host memory, 4 on disk.
     let s = store(&b, dir.path(), 1, 4, 64);
     let out = outside(&s);
-    let scope = [&*out.reservation];
+    (b, dir, s, out)
+}
+
+/// Puts 8 patterned blocks (`seed + k`) from the start of `out` into `s`, as one Lossy batch.
+fn put_eight(s: &strata_tiers::TierStore, out: &Outside, seed: u64) -> Vec<strata_tiers::ObjectId> {
+    let b = s.backend();
     let at = |k: u64| out.reservation.ptr() + k * BLOCK;
     for k in 0..8 {
-        b.write(at(k), &block(100 + k)).unwrap();
+        b.write(at(k), &block(seed + k)).unwrap();
     }
     let srcs: Vec<u64> = (0..8).map(at).collect();
     let (ids, done) = s
-        .put_from_device(&srcs, Durability::Lossy, 7, &scope)
+        .put_from_device(&srcs, Durability::Lossy, 7, &[&*out.reservation])
         .unwrap();
     done.synchronize().unwrap();
+    ids
+}
+
+#[test]
+fn objects_come_from_and_go_to_device_addresses_outside_the_store() {
+    let (b, _dir, s, out) = eight_outside();
+    let scope = [&*out.reservation];
+    let at = |k: u64| out.reservation.ptr() + k * BLOCK;
+    let ids = put_eight(&s, &out, 100);
     s.check_invariants().unwrap();
     let tiers: Vec<_> = ids
         .iter()
@@ -369,6 +388,64 @@ fn objects_come_from_and_go_to_device_addresses_outside_the_store() {
     }
     assert_eq!(s.stats().objects, 0);
     assert_eq!(s.stats().host_used + s.stats().disk_used, 0);
+}
+
+#[test]
+fn a_kept_restore_from_disk_keeps_the_copy_in_free_host_memory() {
+    let (b, _dir, s, out) = eight_outside();
+    let scope = [&*out.reservation];
+    let at = |k: u64| out.reservation.ptr() + k * BLOCK;
+    let ids = put_eight(&s, &out, 200);
+    let on_disk: Vec<usize> = (0..8)
+        .filter(|&k| s.residency(ids[k]).unwrap().fastest() == Some(Tier::Disk))
+        .collect();
+    assert_eq!(on_disk.len(), 4);
+    // Free two host slots: two of the four disk objects can move up on a kept restore.
+    let in_host: Vec<usize> = (0..8).filter(|k| !on_disk.contains(k)).collect();
+    for &k in &in_host[..2] {
+        s.release(ids[k]).unwrap();
+    }
+    for k in 0..8 {
+        b.write(at(k), &block(0)).unwrap();
+    }
+    let pairs: Vec<_> = on_disk.iter().map(|&k| (ids[k], at(k as u64))).collect();
+    s.copy_to_device(&pairs, &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    s.check_invariants().unwrap();
+    let mut buf = vec![0u8; BLOCK as usize];
+    for &k in &on_disk {
+        b.read(at(k as u64), &mut buf).unwrap();
+        assert_eq!(
+            strata_kernels::pattern::first_mismatch(&buf, 200 + k as u64, 0),
+            None
+        );
+        // The kept copy still holds the bytes, wherever it lives now.
+        check(&s, ids[k], 200 + k as u64);
+    }
+    let tiers: Vec<_> = on_disk
+        .iter()
+        .map(|&k| s.residency(ids[k]).unwrap().fastest().unwrap())
+        .collect();
+    assert_eq!(tiers.iter().filter(|&&t| t == Tier::Host).count(), 2);
+    assert_eq!(tiers.iter().filter(|&&t| t == Tier::Disk).count(), 2);
+    assert_eq!(s.stats().host_used, 4);
+    assert_eq!(s.stats().disk_used, 2);
+    // A restore that releases (take) never moves anything up.
+    let rest: Vec<_> = on_disk
+        .iter()
+        .filter(|&&k| s.residency(ids[k]).unwrap().fastest() == Some(Tier::Disk))
+        .map(|&k| (ids[k], at(k as u64)))
+        .collect();
+    s.release(ids[in_host[2]]).unwrap();
+    s.take_to_device(&rest, &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    assert_eq!(s.stats().disk_used, 0);
+    assert_eq!(s.stats().host_used, 3);
+    s.check_invariants().unwrap();
 }
 
 #[test]
