@@ -27,9 +27,13 @@ pub struct MirageConfig {
     pub layer_bytes: u64,
     /// KV bytes of one token in one layer.
     pub kv_bytes_per_token_layer: u64,
+    /// Decode batch with nothing remapped.
     pub batch: u64,
     /// Mean context length of the batch, tokens.
     pub context: u64,
+    /// Whether the memory `α` remapped layers free admits more requests (MIRAGE's point: the
+    /// freed parameter memory becomes KV), so the batch grows with `α` (Figure 15's rise).
+    pub kv_growth: bool,
     /// Decode steps to replay (the first fills the pipeline; throughput is over the rest).
     pub steps: u32,
 }
@@ -48,6 +52,7 @@ impl MirageConfig {
             kv_bytes_per_token_layer: 2 * h * 2,
             batch: 64,
             context: 1024,
+            kv_growth: false,
             steps: 8,
         }
     }
@@ -55,6 +60,17 @@ impl MirageConfig {
     /// `T_T`: one layer's reload over the link (Eq. 2 of the link model), seconds.
     pub fn t_t(&self) -> f64 {
         self.hw.host_link_latency + self.layer_bytes as f64 / self.hw.host_link_bw
+    }
+
+    /// The batch at `α`: remapping `α` layers frees `α` layers of parameters whatever `β` is
+    /// (`n − m + β = n − α` layers stay resident); with `kv_growth`, whole requests of `context`
+    /// tokens (KV in all `n` layers) fill it.
+    pub fn batch_at(&self, alpha: u32) -> u64 {
+        if !self.kv_growth {
+            return self.batch;
+        }
+        let per_request = self.context * self.kv_bytes_per_token_layer * u64::from(self.layers);
+        self.batch + u64::from(alpha) * self.layer_bytes / per_request.max(1)
     }
 
     /// `T_c`: one layer's decode compute, roofline: max(weights + KV read at HBM bandwidth,
@@ -95,6 +111,8 @@ impl Choice {
 pub struct MirageRow {
     pub alpha: u32,
     pub choice: Choice,
+    /// Decode batch at this `α` ([`MirageConfig::batch_at`]).
+    pub batch: u64,
     /// The buffering used (`None`: the planner refuses this `α`, or `α = 0`).
     pub buffering: Option<Buffering>,
     /// `m`, layers reloaded per step.
@@ -170,6 +188,10 @@ pub fn replay(cfg: &MirageConfig, plan: &LayerPlan, t_c: f64) -> Vec<(f64, f64)>
 /// One row: replay `choice` at `α`. A choice with no plan (`α + β > n`, or the planner refusing)
 /// gives `None`.
 pub fn row(cfg: &MirageConfig, alpha: u32, choice: Choice) -> Option<MirageRow> {
+    let cfg = &MirageConfig {
+        batch: cfg.batch_at(alpha),
+        ..*cfg
+    };
     let (t_t, t_c) = (cfg.t_t(), cfg.t_c());
     let plan = match choice {
         Choice::Single => fixed_plan(cfg.layers, alpha, Buffering::Single)?,
@@ -195,6 +217,7 @@ pub fn row(cfg: &MirageConfig, alpha: u32, choice: Choice) -> Option<MirageRow> 
     Some(MirageRow {
         alpha,
         choice,
+        batch: cfg.batch,
         buffering: plan.buffering,
         m: plan.m(),
         throughput: cfg.batch as f64 * steps / total,
@@ -234,17 +257,15 @@ mod tests {
         assert_eq!(sweep(&c, &alphas), sweep(&c, &alphas));
     }
 
-    #[test]
-    fn dynamic_is_never_worse_than_the_better_fixed_choice() {
-        // The Figure 15 setup (GH200, OPT-13B, batch 64) at every α the planner accepts.
-        let c = cfg();
+    /// At every α the planner accepts, the dynamic choice is at least the better fixed one.
+    fn assert_dynamic_never_loses(c: &MirageConfig) {
         for alpha in 1..c.layers {
-            let Some(d) = row(&c, alpha, Choice::Dynamic) else {
+            let Some(d) = row(c, alpha, Choice::Dynamic) else {
                 continue;
             };
             let best = [Choice::Single, Choice::Double]
                 .iter()
-                .filter_map(|&ch| row(&c, alpha, ch))
+                .filter_map(|&ch| row(c, alpha, ch))
                 .map(|r| r.throughput)
                 .fold(0.0f64, f64::max);
             assert!(
@@ -252,6 +273,12 @@ mod tests {
                 "α {alpha}: dynamic {d:?} vs best fixed {best}"
             );
         }
+    }
+
+    #[test]
+    fn dynamic_is_never_worse_than_the_better_fixed_choice() {
+        // The Figure 15 setup (GH200, OPT-13B, batch 64).
+        assert_dynamic_never_loses(&cfg());
     }
 
     #[test]
@@ -269,6 +296,26 @@ mod tests {
         assert!(b.throughput > d.throughput);
         // The loss is bounded by the one short gap's stall: under 5% here.
         assert!(d.throughput > 0.95 * b.throughput);
+    }
+
+    #[test]
+    fn freed_memory_grows_the_batch_and_the_throughput_until_reloads_stall() {
+        let mut c = cfg();
+        c.kv_growth = true;
+        // OPT-13B: a layer is 629 MB, a 1024-token request's KV 839 MB: 4 layers, 3 requests.
+        assert_eq!(c.batch_at(0), 64);
+        assert_eq!(c.batch_at(4), 67);
+        let base = resident_throughput(&c);
+        let small = row(&c, 4, Choice::Dynamic).unwrap();
+        assert_eq!(small.stall_share, 0.0);
+        assert!(small.throughput > base, "{small:?} vs {base}");
+        // Without growth the same plan cannot beat the resident model.
+        let mut fixed = c;
+        fixed.kv_growth = false;
+        let flat = row(&fixed, 4, Choice::Dynamic).unwrap();
+        assert!(flat.throughput <= base * (1.0 + 1e-9), "{flat:?} vs {base}");
+        // The dynamic choice still never loses to the better fixed one.
+        assert_dynamic_never_loses(&c);
     }
 
     #[test]

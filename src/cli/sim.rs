@@ -37,6 +37,9 @@ pub struct MirageArgs {
     /// Largest α to sweep.
     #[arg(long, default_value_t = 16)]
     max_alpha: u32,
+    /// Let the memory freed by remapping admit more requests (the batch grows with α).
+    #[arg(long)]
+    kv_growth: bool,
     #[arg(long)]
     json: bool,
     /// Write throughput against α as an SVG chart.
@@ -137,7 +140,7 @@ pub fn run(cmd: SimCommand) -> Result<ExitCode, strata::Error> {
         SimCommand::Mirage(a) => {
             let hw =
                 HardwareProfile::by_key(&a.hw).ok_or_else(|| bad("hardware profile", &a.hw))?;
-            super::sim_mirage::run_mirage(hw, a.batch, a.max_alpha, a.json, a.plot)
+            super::sim_mirage::run_mirage(hw, a.batch, a.kv_growth, a.max_alpha, a.json, a.plot)
         }
         SimCommand::Harvest(a) => super::sim_mirage::run_harvest(a.seed, a.json),
     }
