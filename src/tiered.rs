@@ -8,7 +8,9 @@
 //! fit the compute window are prefetched, TierKV Eq. 1), each batch is made resident (an event)
 //! and every block that came back from host memory or disk is checked byte for byte, in every
 //! tensor, against the pattern it was written with. Idle requests spill to host memory, some
-//! paused ones to disk.
+//! paused ones to disk. Out of memory is a normal outcome here, as in a scheduler: a batch that
+//! does not fit HBM runs shorter that step, a prompt that does not fit waits for a later step,
+//! and a token whose new block finds no page waits too.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -61,7 +63,7 @@ impl Default for TieredConfig {
             requests: 80,
             batch: 8,
             lookahead: 1,
-            prompt: (128, 768),
+            prompt: (128, 1280),
             output: (8, 32),
             layers: 2,
             bytes_per_token: 2048,
@@ -218,6 +220,8 @@ pub fn run(
     let mut peak_kv = 0u64;
     let mut step = 0u64;
     let mut cursor = 0usize;
+    // The next request's (prompt, output) lengths, drawn once even if its admission waits.
+    let mut pending: Option<(u32, u32)> = None;
     let tpb = kv.tokens_per_block();
     let mut buf = Vec::new();
     while finished < config.requests {
@@ -229,8 +233,12 @@ pub fn run(
             if admitted == config.requests {
                 break;
             }
-            let prompt = rng.random_range(config.prompt.0..=config.prompt.1);
-            let output = rng.random_range(config.output.0..=config.output.1);
+            let (prompt, output) = *pending.get_or_insert_with(|| {
+                (
+                    rng.random_range(config.prompt.0..=config.prompt.1),
+                    rng.random_range(config.output.0..=config.output.1),
+                )
+            });
             let l = Live {
                 id: kv.admit()?,
                 seed: config
@@ -240,7 +248,17 @@ pub fn run(
                 target: prompt + output,
                 went_down: BTreeSet::new(),
             };
-            decode(&kv, &l, prompt, config)?;
+            match decode(&kv, &l, prompt, config) {
+                Ok(()) => {}
+                // HBM is full of this step's requests: the prompt waits for a later step (it
+                // can never fit when nothing else is live).
+                Err(e) if e.is_out_of_memory() && !live.is_empty() => {
+                    kv.release(l.id)?;
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+            pending = None;
             live.push(l);
             admitted += 1;
         }
@@ -254,7 +272,7 @@ pub fn run(
                 .map(|j| (cursor + k * config.batch as usize + j) % n)
                 .collect()
         };
-        let now: Vec<usize> = batch_of(0);
+        let mut now: Vec<usize> = batch_of(0);
         let ahead: Vec<Vec<RequestId>> = (1..=config.lookahead as usize)
             .map(|k| batch_of(k).into_iter().map(|i| live[i].id).collect())
             .collect();
@@ -269,11 +287,24 @@ pub fn run(
             .collect();
         kv.queue(&rest);
         cursor = (cursor + config.batch as usize) % n;
-        let batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
+        let mut batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
+        for &i in &now {
+            observe(&kv, &mut live[i])?;
+        }
+        // A batch that does not fit HBM runs shorter this step, as a scheduler would.
+        loop {
+            match kv.make_resident(&batch) {
+                Ok(ev) => break ev.synchronize()?,
+                Err(e) if e.is_out_of_memory() && batch.len() > 1 => {
+                    batch.pop();
+                    now.pop();
+                }
+                Err(e) => return Err(e),
+            }
+        }
         // Every block of the batch that went down since its last check is checked once back.
         let mut returning = Vec::new();
         for &i in &now {
-            observe(&kv, &mut live[i])?;
             returning.extend(
                 std::mem::take(&mut live[i].went_down)
                     .into_iter()
@@ -282,7 +313,6 @@ pub fn run(
         }
         let mut hint_schedule = vec![batch.clone()];
         hint_schedule.extend(ahead);
-        kv.make_resident(&batch)?.synchronize()?;
         // Prefetches overlap the "compute" of this step; the next step's make_resident finds
         // them resident (its event covers their copies).
         kv.hint(&hint_schedule)?;
@@ -308,12 +338,26 @@ pub fn run(
         }
         // Decode one token for each request of the batch; finished ones leave.
         let mut done = Vec::new();
+        let mut progressed = false;
         for &i in &now {
             let l = &live[i];
-            decode(&kv, l, 1, config)?;
+            match decode(&kv, l, 1, config) {
+                Ok(()) => progressed = true,
+                // No page for a new block while this step's requests fill HBM: this token
+                // waits for a later step.
+                Err(e) if e.is_out_of_memory() => continue,
+                Err(e) => return Err(e),
+            }
             if kv.tokens(l.id)? >= l.target {
                 done.push(i);
             }
+        }
+        if !progressed {
+            return Err(Error::InvalidArgument(format!(
+                "tiered demo: {} MiB of HBM cannot hold one request's next block; use a smaller \
+                 prompt or a bigger device",
+                hbm_bytes >> 20
+            )));
         }
         done.sort_unstable_by(|a, b| b.cmp(a));
         for i in done {

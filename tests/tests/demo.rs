@@ -105,3 +105,30 @@ fn tiered_demo_spills_to_host_and_disk_and_verifies_every_returning_block() {
     assert!(text.starts_with("<svg") && text.matches("<polyline").count() == 3);
     std::fs::remove_file(svg).unwrap();
 }
+
+#[test]
+fn a_tiered_batch_larger_than_hbm_runs_shorter_instead_of_failing() {
+    use strata::tiered::{self, TieredConfig};
+    // 512-token blocks of 2 pages (K and V of one layer): a request of up to 900 tokens needs
+    // 8 MiB, so 16 MiB of HBM holds two of them, not a batch of four.
+    let config = TieredConfig {
+        requests: 12,
+        batch: 4,
+        prompt: (300, 880),
+        output: (4, 20),
+        layers: 1,
+        bytes_per_token: 4096,
+        hbm_bytes: Some(16 << 20),
+        host_bytes: 8 << 20,
+        disk_bytes: 256 << 20,
+        disk_dir: std::env::temp_dir(),
+        ..TieredConfig::default()
+    };
+    let report = tiered::run(backend(&[64 << 20]), &config, |_, _| {}).unwrap();
+    assert_eq!(report.requests, 12);
+    assert_eq!(report.mismatches, 0);
+    assert!(report.verified_blocks > 0);
+    // Some of those requests fill a block, so restores keep clean copies.
+    assert!(report.kv.clean_spills > 0, "{:?}", report.kv);
+    assert_eq!(report.store.objects, 0);
+}
