@@ -299,6 +299,16 @@ impl KvBlockManager {
         u64::from(tokens) * self.config.bytes_per_token >= (p as u64 + 1) * self.page
     }
 
+    /// A spill that failed after claiming the clean copies of `claimed` blocks: they are
+    /// redundant again (still clean, so they go first under pressure).
+    fn unclaim(&self, q: &Req, claimed: &[usize]) {
+        for p in claimed {
+            if let Err(e) = self.store.set_redundant(&q.clean[p], true) {
+                record_deferred(e);
+            }
+        }
+    }
+
     /// Releases store objects the manager no longer holds (a failure is a bug: recorded).
     fn release_objects(&self, ids: &[ObjectId]) {
         for &id in ids {
@@ -855,25 +865,31 @@ impl KvBlockManager {
             // from now on); the rest of the blocks are copied.
             let (mut clean, mut dirty) = (Vec::new(), Vec::new());
             for &p in &resident {
-                match q.clean.get(&p) {
-                    Some(ids) if self.store.set_redundant(ids, false)? => clean.push(p),
-                    Some(_) => {
+                let claimed = match q.clean.get(&p) {
+                    Some(ids) => self.store.set_redundant(ids, false),
+                    None => {
+                        dirty.push(p);
+                        continue;
+                    }
+                };
+                match claimed {
+                    Ok(true) => clean.push(p),
+                    Ok(false) => {
                         if let Some(ids) = q.clean.remove(&p) {
                             self.release_objects(&ids);
                         }
                         dirty.push(p);
                     }
-                    None => dirty.push(p),
+                    Err(e) => {
+                        self.unclaim(q, &clean);
+                        return Err(e);
+                    }
                 }
             }
             let copied = match self.copy_down(space, q.slot, tokens, &dirty, r) {
                 Ok(copied) => copied,
                 Err(e) => {
-                    for p in &clean {
-                        if let Err(e) = self.store.set_redundant(&q.clean[p], true) {
-                            record_deferred(e);
-                        }
-                    }
+                    self.unclaim(q, &clean);
                     return Err(e);
                 }
             };

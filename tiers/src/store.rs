@@ -1091,6 +1091,7 @@ impl TierStore {
             .collect();
         missing.sort_unstable();
         self.make_room_hbm(&mut st, missing.len(), &protect)?;
+        self.check_not_dropped(&st, &idx)?;
         let (from_host, from_disk): (Vec<u32>, Vec<u32>) = missing
             .iter()
             .partition(|&&i| st.objs[i as usize].res.host.is_some());
@@ -1182,6 +1183,13 @@ impl TierStore {
                     ..
                 }
             );
+            let mut disk_slots = Vec::with_capacity(chunk.len());
+            for &i in chunk {
+                let d = st.objs[i as usize].res.disk.ok_or_else(|| {
+                    Error::InvalidState(format!("object #{i} has no disk copy to read"))
+                })?;
+                disk_slots.push(d);
+            }
             let mut kept: Vec<Option<u32>> = Vec::with_capacity(chunk.len());
             for &i in chunk {
                 let slot = if keep { st.host.take(i) } else { None };
@@ -1199,8 +1207,8 @@ impl TierStore {
             }
             // Hop 1: parallel reads on the I/O pool (the other half's H2D is still running).
             let mut tickets = Vec::with_capacity(chunk.len());
-            for (j, &i) in chunk.iter().enumerate() {
-                let d = st.objs[i as usize].res.disk.unwrap_or_default();
+            let mut first_err = None;
+            for (j, &d) in disk_slots.iter().enumerate() {
                 let disk = Arc::clone(disk);
                 let file_off = self.disk_offset(d);
                 let (buf, off) = match kept[j] {
@@ -1210,9 +1218,15 @@ impl TierStore {
                     }
                     None => (Arc::clone(&self.staging), (base + j) as u64 * b),
                 };
-                tickets.push(io.submit(move || disk.read_into(&buf, off, file_off, b))?);
+                match io.submit(move || disk.read_into(&buf, off, file_off, b)) {
+                    Ok(t) => tickets.push(t),
+                    Err(e) => {
+                        first_err = Some(e);
+                        break;
+                    }
+                }
             }
-            let mut first_err = None;
+            // Every submitted read finishes before its buffer can be reused.
             for t in tickets {
                 if let Err(e) = t.wait() {
                     first_err.get_or_insert(e);
@@ -1351,7 +1365,19 @@ impl TierStore {
                 }
             }
         }
-        Ok(())
+        self.check_not_dropped(&st, &idx)
+    }
+
+    /// Making room may drop redundant objects (see the module docs), the call's own included:
+    /// then the call did not do what it was asked for them, which is an error, not a silent
+    /// loss. (`idx` were all live and not lost when the call checked them.)
+    fn check_not_dropped(&self, st: &State, idx: &[u32]) -> Result<()> {
+        match idx.iter().find(|&&i| st.objs[i as usize].lost) {
+            Some(i) => Err(Error::InvalidState(format!(
+                "object #{i} was a redundant copy and was dropped to make room"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Takes HBM pages back (their indices in `0..page_count()`), in Harvest's order: no new

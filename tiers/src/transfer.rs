@@ -187,6 +187,8 @@ impl TransferEngine {
                             // CUDA without NVRTC (or a kernel it cannot build): DMA from now on.
                             self.kernel_ok.store(false, Ordering::Relaxed);
                         }
+                        // No device memory for the kernel's staging now: DMA this time.
+                        Err(e) if e.is_out_of_memory() => {}
                         other => return other,
                     }
                 }

@@ -449,6 +449,39 @@ fn a_kept_restore_from_disk_keeps_the_copy_in_free_host_memory() {
 }
 
 #[test]
+fn a_prefetch_whose_redundant_objects_are_dropped_for_room_is_an_error_not_wrong_bytes() {
+    let (_backend, _dir, s, out) = eight_outside();
+    let scope = [&*out.reservation];
+    let at = |k: u64| out.reservation.ptr() + k * BLOCK;
+    let ids = put_eight(&s, &out, 300);
+    // The four host objects become redundant (their owner keeps the bytes): host is full.
+    let in_host: Vec<_> = (0..8)
+        .filter(|&k| s.residency(ids[k]).unwrap().fastest() == Some(Tier::Host))
+        .map(|k| (ids[k], at(k as u64)))
+        .collect();
+    assert_eq!(in_host.len(), 4);
+    s.copy_to_device(&in_host, &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    // Fill HBM (32 blocks) with objects that have no lower copy.
+    let fill: Vec<_> = (0..32)
+        .map(|k| s.put(&block(400 + k), Durability::Lossy, 9).unwrap())
+        .collect();
+    // Prefetching the redundant objects demotes four HBM objects to host memory, which drops
+    // redundant objects for room: the prefetch's own. That must be an error, never another
+    // object's bytes loaded in their place.
+    let want: Vec<_> = in_host.iter().map(|&(id, _)| id).collect();
+    let err = s.prefetch(&want).unwrap_err();
+    assert!(matches!(err, Error::InvalidState(_)), "{err}");
+    s.synchronize().unwrap();
+    s.check_invariants().unwrap();
+    for (k, &id) in fill.iter().enumerate() {
+        check(&s, id, 400 + k as u64);
+    }
+}
+
+#[test]
 fn device_puts_and_takes_reject_bad_input_and_change_nothing() {
     let b = backend(None);
     let dir = tempfile::tempdir().unwrap();

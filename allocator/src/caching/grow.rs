@@ -417,10 +417,24 @@ impl CachingAllocator {
         );
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
-            let got = supply.gather(&self.pool, &mut calls)?;
-            self.map_run(start, got, &mut calls)
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let got = supply.gather(&self.pool, &mut calls)?;
+                self.map_run(start, got, &mut calls)
+            }))
         });
         let st = &mut **guard;
+        let mapped = match mapped {
+            Ok(mapped) => mapped,
+            Err(panic) => {
+                // A panic must not leave the record in flight: `sleep` of this tag would wait
+                // for it forever and its pages would count against the limit.
+                if let Err(e) = self.settle(st, id, true) {
+                    strata_vmm::record_deferred(e);
+                }
+                self.settled.notify_all();
+                std::panic::resume_unwind(panic)
+            }
+        };
         calls.add_to(&mut st.totals.counts);
         let settled = self.settle(st, id, mapped.is_err());
         self.settled.notify_all();

@@ -370,10 +370,7 @@ impl Launcher {
         match slot.wait() {
             Ok(()) => Ok(slot),
             Err(e) => {
-                // Not returned to the pool in an unknown state: it drops (its drop waits again
-                // and records what fails).
-                drop(slot);
-                self.pool.lock().made -= 1;
+                self.abandon(slot);
                 Err(e)
             }
         }
@@ -381,6 +378,15 @@ impl Launcher {
 
     fn give_back(&self, slot: Slot) {
         self.pool.lock().idle.push(slot);
+    }
+
+    /// A slot whose last use could not be waited for: the device may still read its pinned
+    /// bytes or device arrays, so neither is freed nor reused. Its memory leaks on purpose (a
+    /// driver error already happened; freeing could be a use-after-free on the device).
+    #[cold]
+    fn abandon(&self, slot: Slot) {
+        std::mem::forget(slot);
+        self.pool.lock().made -= 1;
     }
 
     /// Queues the kernel over `pairs` on `stream`, chunk by chunk (see the module docs).
@@ -402,14 +408,17 @@ impl Launcher {
             let slot = self.acquire()?;
             // SAFETY: the caller's contract for the context, the stream and the ranges.
             let queued = unsafe { self.queue_chunk(&slot, stream, len, chunk) };
-            if queued.is_err() {
-                // Part of the chunk may be queued without the slot's event after it: wait for
-                // the stream before anyone reuses the slot's bytes.
+            if let Err(e) = queued {
+                // Part of the chunk may be queued without the slot's event after it: only a
+                // drained stream makes the slot's bytes reusable.
                 // SAFETY: the stream is null or live with its context current (caller).
-                let _ = unsafe { result::stream::synchronize(stream) };
+                match unsafe { result::stream::synchronize(stream) } {
+                    Ok(()) => self.give_back(slot),
+                    Err(_) => self.abandon(slot),
+                }
+                return Err(e);
             }
             self.give_back(slot);
-            queued?;
         }
         Ok(())
     }

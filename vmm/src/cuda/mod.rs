@@ -453,15 +453,27 @@ impl CudaBackend {
     }
 
     /// The block-copy kernel of `device`, compiled and loaded on first use.
+    /// The device's kernel launcher, built on first use. What cannot change (no NVRTC, a
+    /// compile or load failure) is remembered as `Unsupported`; a context that cannot be entered
+    /// or a device out of memory for the first staging slot is returned as is and tried again
+    /// next time, so a full device at first use does not turn the kernel off for good.
     fn launcher(&self, device: u32) -> Result<&launch::Launcher> {
         let dev = self.device(device)?;
-        let got = self.launchers[device as usize].get_or_init(|| {
-            self.enter(device).map_err(|e| e.to_string())?;
-            launch::Launcher::new(device, dev.cu, dev.granularity).map_err(|e| match e {
+        let cell = &self.launchers[device as usize];
+        if let Some(got) = cell.get() {
+            return got.as_ref().map_err(|msg| Error::Unsupported(msg.clone()));
+        }
+        self.enter(device)?;
+        let built = match launch::Launcher::new(device, dev.cu, dev.granularity) {
+            Err(e) if e.is_out_of_memory() => return Err(e),
+            built => built.map_err(|e| match e {
                 Error::Unsupported(msg) => msg,
                 other => format!("block-copy kernel: {other}"),
-            })
-        });
+            }),
+        };
+        // A launcher another thread stored first wins; this one drops here, its context
+        // current (entered above).
+        let got = cell.get_or_init(|| built);
         got.as_ref().map_err(|msg| Error::Unsupported(msg.clone()))
     }
 
