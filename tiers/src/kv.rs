@@ -724,20 +724,23 @@ impl KvBlockManager {
         if mapped.is_empty() {
             return Ok(None);
         }
+        // Full blocks keep their objects as clean copies; the others' are released.
         let copied = (|| {
-            let mut copies = Vec::new();
+            let (mut copies, mut keep) = (Vec::new(), Vec::new());
             for (r, run) in &mapped {
                 let q = &inner.reqs[r];
+                let tokens = inner.space.tokens(q.slot)?;
                 for p in run.clone() {
                     if let Some(ids) = q.spilled.get(&p) {
                         let per_tensor = (ids.len() / (2 * self.config.layers as usize)) as u64;
                         let addrs = self.block_addrs(&inner.space, q.slot, p, per_tensor)?;
                         copies.extend(ids.iter().copied().zip(addrs));
+                        keep.resize(copies.len(), self.is_full(p, tokens));
                     }
                 }
             }
             self.store
-                .copy_to_device(&copies, &self.scope(&inner.space))
+                .restore_to_device(&copies, &keep, &self.scope(&inner.space))
         })();
         let ev = match copied {
             Ok(ev) => ev,
@@ -757,15 +760,13 @@ impl KvBlockManager {
             let Some(q) = reqs.get_mut(r) else {
                 continue;
             };
-            // A failure here only means "not full": the copy is released.
+            // The same test as above: full blocks' objects were kept, the others' released.
             let tokens = space.tokens(q.slot).unwrap_or(0);
             for p in run.clone() {
                 if let Some(ids) = q.spilled.remove(&p) {
                     stats.restores += 1;
                     if self.is_full(p, tokens) {
                         q.clean.insert(p, ids);
-                    } else {
-                        self.release_objects(&ids);
                     }
                 } else {
                     q.lost_reported.remove(&p);

@@ -156,20 +156,13 @@ enum HopTarget<'a> {
     /// New HBM slots of the store.
     Hbm,
     /// Device addresses of another owner (`dsts[k]` for the k-th object), inside `scope`.
-    /// With `keep_in_host`, an object read into a free host slot instead of staging stays there
-    /// and leaves the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
+    /// An object whose `keep[k]` is set is read into a free host slot instead of staging and
+    /// stays there, leaving the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
     Outside {
         dsts: &'a [DevicePtr],
         scope: &'a [&'a Reservation],
-        keep_in_host: bool,
+        keep: &'a [bool],
     },
-}
-
-/// What [`TierStore::to_device`] does with the objects once their copies are queued.
-#[derive(Clone, Copy)]
-enum AfterCopy {
-    Release,
-    KeepRedundant,
 }
 
 #[derive(Clone)]
@@ -1176,13 +1169,10 @@ impl TierStore {
                 sync(f)?;
             }
             // Where each object is read to: a free host slot it keeps, or staging.
-            let keep = matches!(
-                target,
-                HopTarget::Outside {
-                    keep_in_host: true,
-                    ..
-                }
-            );
+            let keeps = |j: usize| match target {
+                HopTarget::Outside { keep, .. } => keep[round * half + j],
+                HopTarget::Hbm => false,
+            };
             let mut disk_slots = Vec::with_capacity(chunk.len());
             for &i in chunk {
                 let d = st.objs[i as usize].res.disk.ok_or_else(|| {
@@ -1191,8 +1181,8 @@ impl TierStore {
                 disk_slots.push(d);
             }
             let mut kept: Vec<Option<u32>> = Vec::with_capacity(chunk.len());
-            for &i in chunk {
-                let slot = if keep { st.host.take(i) } else { None };
+            for (j, &i) in chunk.iter().enumerate() {
+                let slot = if keeps(j) { st.host.take(i) } else { None };
                 if let Some(h) = slot {
                     // A free slot's fence names the last copy that read it.
                     if let Err(e) = sync(&st.host.fence[h as usize]) {
@@ -1684,7 +1674,7 @@ impl TierStore {
         pairs: &[(ObjectId, DevicePtr)],
         scope: &[&Reservation],
     ) -> Result<Arc<Event>> {
-        self.to_device(pairs, scope, AfterCopy::Release)
+        self.restore_to_device(pairs, &vec![false; pairs.len()], scope)
     }
 
     /// As [`TierStore::take_to_device`], but the objects stay, marked redundant: the caller now
@@ -1696,7 +1686,7 @@ impl TierStore {
         pairs: &[(ObjectId, DevicePtr)],
         scope: &[&Reservation],
     ) -> Result<Arc<Event>> {
-        self.to_device(pairs, scope, AfterCopy::KeepRedundant)
+        self.restore_to_device(pairs, &vec![true; pairs.len()], scope)
     }
 
     /// Marks `ids` redundant (`true`: their owner holds the bytes too, so they go first under
@@ -1719,12 +1709,22 @@ impl TierStore {
         Ok(true)
     }
 
-    fn to_device(
+    /// Both in one call, with one event: pair `k` is kept (as by
+    /// [`TierStore::copy_to_device`]) when `keep[k]`, else released (as by
+    /// [`TierStore::take_to_device`]). `keep` has one entry per pair.
+    pub fn restore_to_device(
         &self,
         pairs: &[(ObjectId, DevicePtr)],
+        keep: &[bool],
         scope: &[&Reservation],
-        after: AfterCopy,
     ) -> Result<Arc<Event>> {
+        if keep.len() != pairs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keep flags for {} objects",
+                keep.len(),
+                pairs.len()
+            )));
+        }
         let mut st = self.state.lock();
         let mut idx = Vec::with_capacity(pairs.len());
         let mut seen = HashSet::new();
@@ -1743,16 +1743,17 @@ impl TierStore {
             }
             idx.push(i);
         }
-        type Moves = Vec<(u32, DevicePtr)>;
+        type Moves = Vec<(u32, DevicePtr, bool)>;
         let (from_host, from_disk): (Moves, Moves) = idx
             .iter()
             .zip(pairs)
-            .map(|(&i, &(_, dst))| (i, dst))
-            .partition(|&(i, _)| st.objs[i as usize].res.host.is_some());
+            .zip(keep)
+            .map(|((&i, &(_, dst)), &k)| (i, dst, k))
+            .partition(|&(i, _, _)| st.objs[i as usize].res.host.is_some());
         if !from_host.is_empty() {
             let mut copies = Vec::with_capacity(from_host.len());
             let mut waited: HashSet<*const Event> = HashSet::new();
-            for &(i, dst) in &from_host {
+            for &(i, dst, _) in &from_host {
                 if let Some(ev) = st.objs[i as usize].host_ready.clone() {
                     if waited.insert(Arc::as_ptr(&ev)) {
                         self.engine.wait(Direction::HostToDevice, &ev)?;
@@ -1768,28 +1769,30 @@ impl TierStore {
                 self.config.submission,
                 scope,
             )?;
-            for &(i, _) in &from_host {
+            for &(i, _, _) in &from_host {
                 let h = st.objs[i as usize].res.host.unwrap_or_default();
                 st.host.fence[h as usize] = Some(Arc::clone(&ev));
             }
         }
         if !from_disk.is_empty() {
-            let (objs, dsts): (Vec<u32>, Vec<DevicePtr>) = from_disk.into_iter().unzip();
-            let keep_in_host = matches!(after, AfterCopy::KeepRedundant);
+            let objs: Vec<u32> = from_disk.iter().map(|m| m.0).collect();
+            let dsts: Vec<DevicePtr> = from_disk.iter().map(|m| m.1).collect();
+            let keeps: Vec<bool> = from_disk.iter().map(|m| m.2).collect();
             self.two_hop(
                 &mut st,
                 &objs,
                 HopTarget::Outside {
                     dsts: &dsts,
                     scope,
-                    keep_in_host,
+                    keep: &keeps,
                 },
             )?;
         }
-        for &i in &idx {
-            match after {
-                AfterCopy::Release => self.drop_object(&mut st, i),
-                AfterCopy::KeepRedundant => st.objs[i as usize].redundant = true,
+        for (&i, &k) in idx.iter().zip(keep) {
+            if k {
+                st.objs[i as usize].redundant = true;
+            } else {
+                self.drop_object(&mut st, i);
             }
         }
         drop(st);

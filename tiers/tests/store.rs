@@ -482,6 +482,32 @@ fn a_prefetch_whose_redundant_objects_are_dropped_for_room_is_an_error_not_wrong
 }
 
 #[test]
+fn a_mixed_restore_keeps_some_objects_and_releases_the_others() {
+    let (_backend, _dir, s, out) = eight_outside();
+    let scope = [&*out.reservation];
+    let at = |k: u64| out.reservation.ptr() + k * BLOCK;
+    let ids = put_eight(&s, &out, 500);
+    let pairs: Vec<_> = (0..8).map(|k| (ids[k], at(k as u64))).collect();
+    let keep: Vec<bool> = (0..8).map(|k| k % 2 == 0).collect();
+    let err = s.restore_to_device(&pairs, &keep[..7], &scope).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert_eq!(s.stats().objects, 8);
+    s.restore_to_device(&pairs, &keep, &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    s.check_invariants().unwrap();
+    for (k, &id) in ids.iter().enumerate() {
+        if keep[k] {
+            check(&s, id, 500 + k as u64);
+        } else {
+            assert!(matches!(s.residency(id), Err(Error::StaleId { .. })));
+        }
+    }
+    assert_eq!(s.stats().objects, 4);
+}
+
+#[test]
 fn device_puts_and_takes_reject_bad_input_and_change_nothing() {
     let b = backend(None);
     let dir = tempfile::tempdir().unwrap();
