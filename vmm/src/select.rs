@@ -37,12 +37,21 @@ impl Choice {
 
 /// Builds the backend `choice` names (host devices from `STRATA_HOST_*`).
 pub fn open(choice: Choice) -> Result<Arc<dyn Backend>> {
+    open_with(choice, HostConfig::from_env)
+}
+
+/// Builds the backend `choice` names; a host backend (chosen, or `Auto` without a CUDA device)
+/// takes its configuration from `host`.
+pub fn open_with(
+    choice: Choice,
+    host: impl FnOnce() -> Result<HostConfig>,
+) -> Result<Arc<dyn Backend>> {
     match choice {
         Choice::Cuda => crate::cuda::open(),
-        Choice::Host => crate::host::open(HostConfig::from_env()?),
+        Choice::Host => crate::host::open(host()?),
         Choice::Auto => match crate::cuda::open() {
             Ok(cuda) => Ok(cuda),
-            Err(Error::NoDriver(_) | Error::NoDevice(_)) => open(Choice::Host),
+            Err(Error::NoDriver(_) | Error::NoDevice(_)) => crate::host::open(host()?),
             Err(other) => Err(other),
         },
     }
