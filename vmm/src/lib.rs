@@ -1,13 +1,13 @@
 //! The VMM layer of strata: one contract ([`Backend`]) over the CUDA virtual-memory API, with a
 //! CUDA backend and a faithful host emulation, plus RAII owners of reservations, physical memory,
-//! mappings, streams and events.
+//! mappings, streams and events. Kernels and library calls on a backend's streams (block copy,
+//! GEMM) are a separate trait, [`DeviceWork`].
 //!
 //! Only this crate (and `ffi`) touches raw driver or C pointers.
 
 mod backend;
 pub mod cuda;
 mod error;
-mod gemm;
 pub mod host;
 mod hostbuf;
 pub mod ipc;
@@ -15,11 +15,11 @@ mod raii;
 mod select;
 mod types;
 mod vatable;
+mod work;
 
 pub use backend::Backend;
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
-pub use gemm::GemmF32;
 pub use host::{HostBackend, HostConfig};
 pub use hostbuf::{copy_async_in, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{
@@ -31,3 +31,4 @@ pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,
 };
+pub use work::{device_work, DeviceWork, GemmF32};
