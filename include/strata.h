@@ -35,7 +35,8 @@ extern "C" {
 typedef struct CUstream_st *cudaStream_t;
 #endif
 
-/* Status codes. Stable: values never change once published; 0 is success. */
+/* Status codes. Stable: values never change once published; 0 is success. The source is
+ * ffi/src/status.rs; its tests check this enum and python/strata/_status.py against it. */
 typedef enum strata_status_t {
     STRATA_OK = 0,
     STRATA_OUT_OF_MEMORY = 1,     /* physical memory or address space exhausted (recoverable) */

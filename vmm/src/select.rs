@@ -63,11 +63,13 @@ pub fn from_env() -> Result<Arc<dyn Backend>> {
 }
 
 /// The process-wide backend, opened from the environment on first use. A failure is returned
-/// again on every call (the environment is read once).
+/// again, as the same typed error, on every call (the environment is read once): a malformed
+/// `STRATA_*` variable stays [`Error::Config`], CUDA asked for without a driver
+/// [`Error::NoDriver`].
 pub fn global() -> Result<Arc<dyn Backend>> {
-    static GLOBAL: OnceLock<std::result::Result<Arc<dyn Backend>, String>> = OnceLock::new();
-    match GLOBAL.get_or_init(|| from_env().map_err(|e| e.to_string())) {
+    static GLOBAL: OnceLock<Result<Arc<dyn Backend>>> = OnceLock::new();
+    match GLOBAL.get_or_init(from_env) {
         Ok(backend) => Ok(Arc::clone(backend)),
-        Err(message) => Err(Error::Unsupported(format!("no backend: {message}"))),
+        Err(e) => Err(e.clone()),
     }
 }
