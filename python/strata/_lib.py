@@ -7,9 +7,6 @@ import threading
 
 from ._status import Status
 
-# Numeric status -> the header's constant name (kept for callers of the old table).
-STATUS_NAMES = {s.value: s.c_name for s in Status}
-
 
 class StrataError(RuntimeError):
     """A strata call failed. `status` is the strata_status_t (a `Status`, an int), `message` its
