@@ -87,15 +87,7 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
         size(config.disk_bytes),
         config.disk_dir.display()
     );
-    let bar = if args.quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(u64::from(config.workload.requests))
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(args.quiet, config.workload.requests);
     let report = tiered::run(backend, &config, |step, finished| {
         bar.set_position(finished as u64);
         if step % 16 == 0 {
@@ -177,15 +169,7 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
         tiered::write_svg(path, &report.samples)?;
         println!("plot: {}", path.display());
     }
-    println!(
-        "verified: {} blocks, {} mismatches",
-        report.verified_blocks, report.mismatches
-    );
-    Ok(if report.mismatches == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(verdict(report.verified_blocks, report.mismatches))
 }
 
 pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
@@ -215,15 +199,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
         config.max_slots,
         config.max_tokens
     );
-    let bar = if args.quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(u64::from(config.workload.requests))
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(args.quiet, config.workload.requests);
     let report = classic::run(backend, &config, |p| {
         bar.set_position(p.finished as u64);
         if p.step % 16 == 0 {
@@ -310,13 +286,29 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
         table.add_row([k.to_string(), v]);
     }
     println!("{table}");
-    println!(
-        "verified: {} blocks, {} mismatches",
-        report.verified_blocks, report.mismatches
+    Ok(verdict(report.verified_blocks, report.mismatches))
+}
+
+/// The progress bar of a run of `requests` (hidden with `--quiet`).
+fn progress_bar(quiet: bool, requests: u32) -> ProgressBar {
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(u64::from(requests))
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    Ok(if report.mismatches == 0 {
+    bar
+}
+
+/// Prints the content checks' outcome; the exit code fails the run on any mismatch.
+fn verdict(verified: u64, mismatches: u64) -> ExitCode {
+    println!("verified: {verified} blocks, {mismatches} mismatches");
+    if mismatches == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
 }
