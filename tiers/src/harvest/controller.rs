@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use strata_allocator::{Page, PagePool, PageSource, PoolConfig};
+use strata_allocator::{MappedRun, PageLease, PagePool, PageSource, PoolConfig, Return};
 use strata_vmm::{
     copy_async_in, Access, Backend, CopyDesc, CopyKind, CopyScope, DevicePtr, Error, Event,
-    HostBuffer, Location, Mapping, Reservation, Result, Stream, StreamHandle,
+    HostBuffer, Location, Reservation, Result, Stream, StreamHandle,
 };
 
 use super::config::{HarvestConfig, HarvestHints, PeerLimits};
@@ -110,13 +110,14 @@ pub struct HarvestStats {
     pub live: u64,
 }
 
+/// A placement's memory. Dropping it unmaps the run and releases every page to its pool (the
+/// memory goes back to the lender).
 struct Placement {
-    reservation: Arc<Reservation>,
-    mappings: Vec<Mapping>,
-    /// Pages from the lender's pool (its accounting) ...
-    pages: Vec<Page>,
+    /// Pages from the lender's pool (its accounting), mapped at `reservation` ...
+    _run: MappedRun,
     /// ... and the same memory adopted by the requester's pool as `Borrowed { lender }`.
-    borrowed: Vec<Page>,
+    _borrowed: PageLease,
+    reservation: Arc<Reservation>,
 }
 
 struct Live {
@@ -312,44 +313,26 @@ impl HarvestController {
     ) -> Result<HarvestHandle> {
         let lender = &self.pools[peer as usize];
         let requester_pool = &self.pools[hints.requester as usize];
-        let pages = lender.take(n)?;
-        let placement = (|| {
-            let reservation = Arc::new(Reservation::new(&self.backend, bytes, 0)?);
-            let grants = [
-                (Location::Device(hints.requester), Access::ReadWrite),
-                (Location::Device(peer), Access::ReadWrite),
-            ];
-            let grants = if peer == hints.requester {
-                &grants[..1]
-            } else {
-                &grants[..]
-            };
-            let mut mappings = Vec::with_capacity(n);
-            let mut borrowed = Vec::with_capacity(n);
-            for (i, page) in pages.iter().enumerate() {
-                let va = reservation.ptr() + i as u64 * self.page_size;
-                mappings.push(Mapping::new(
-                    &reservation,
-                    va,
-                    Arc::clone(page.phys()),
-                    0,
-                    self.page_size,
-                    grants,
-                )?);
-                borrowed.push(requester_pool.adopt(
-                    Arc::clone(page.phys()),
-                    PageSource::Borrowed { lender: peer },
-                )?);
-            }
-            Ok::<_, Error>((reservation, mappings, borrowed))
-        })();
-        let (reservation, mappings, borrowed) = match placement {
-            Ok(p) => p,
-            Err(e) => {
-                lender.release(pages);
-                return Err(e);
-            }
+        let reservation = Arc::new(Reservation::new(&self.backend, bytes, 0)?);
+        let grants = [
+            (Location::Device(hints.requester), Access::ReadWrite),
+            (Location::Device(peer), Access::ReadWrite),
+        ];
+        let grants = if peer == hints.requester {
+            &grants[..1]
+        } else {
+            &grants[..]
         };
+        // On any error below, what was built drops: unmapped, pages released to their pools.
+        let lease = PageLease::take(lender, n)?.returning(Return::Release);
+        let run = MappedRun::map(lease, &reservation, reservation.ptr(), grants)?;
+        let mut borrowed = PageLease::empty(requester_pool).returning(Return::Release);
+        for page in run.pages() {
+            borrowed.push(requester_pool.adopt(
+                Arc::clone(page.phys()),
+                PageSource::Borrowed { lender: peer },
+            )?);
+        }
         let mut st = self.state.lock();
         let index = match st.free_slots.pop() {
             Some(i) => i,
@@ -374,9 +357,8 @@ impl HarvestController {
             callbacks: Vec::new(),
             placement: Placement {
                 reservation,
-                mappings,
-                pages,
-                borrowed,
+                _run: run,
+                _borrowed: borrowed,
             },
         });
         st.stats.allocs += 1;
@@ -707,16 +689,7 @@ impl HarvestController {
 
     /// Unmaps a placement and returns its pages (memory goes back to the peer).
     fn give_back(&self, live: Live) {
-        let Placement {
-            reservation,
-            mappings,
-            pages,
-            borrowed,
-        } = live.placement;
-        drop(mappings);
-        drop(reservation);
-        self.pools[live.requester as usize].release(borrowed);
-        self.pools[live.handle.device as usize].release(pages);
+        drop(live.placement);
     }
 }
 
