@@ -2,7 +2,8 @@
 //!
 //! - [`PageLease`]: pages taken from (or adopted by) a [`PagePool`] that go back to it when
 //!   dropped, with the pool's counters: to the free list ([`Return::Give`]) or to the driver
-//!   ([`Return::Release`]).
+//!   ([`Return::Release`]). A lease made by [`PageLease::lend`] counts its pages as lent to a
+//!   peer (`PoolStats::lent`) for as long as it holds them.
 //! - [`MappedRun`]: a lease whose pages are mapped back to back at `va` inside a reservation,
 //!   one mapping per page, with one `set_access` over the whole run. Building one is all or
 //!   nothing: on an error every page mapped so far is unmapped and every page returns to its
@@ -34,6 +35,8 @@ pub struct PageLease {
     pool: Arc<PagePool>,
     pages: Vec<Page>,
     on_drop: Return,
+    /// The pages are counted lent by the pool while this lease holds them.
+    lent: bool,
 }
 
 impl PageLease {
@@ -43,12 +46,22 @@ impl PageLease {
         Ok(PageLease::from_pages(pool, pages))
     }
 
+    /// Takes `n` pages of `pool` to lend to a peer device: counted in `PoolStats::lent` until
+    /// they leave the lease.
+    pub fn lend(pool: &Arc<PagePool>, n: usize) -> Result<PageLease> {
+        let mut lease = PageLease::take(pool, n)?;
+        pool.mark_lent(n, true);
+        lease.lent = true;
+        Ok(lease)
+    }
+
     /// Owns `pages`, already counted in use by `pool` (taken or adopted there).
     pub fn from_pages(pool: &Arc<PagePool>, pages: Vec<Page>) -> PageLease {
         PageLease {
             pool: Arc::clone(pool),
             pages,
             on_drop: Return::Give,
+            lent: false,
         }
     }
 
@@ -84,15 +97,29 @@ impl PageLease {
         self.pages.is_empty()
     }
 
-    /// Hands the pages to the caller, still counted in use by the pool.
+    /// Hands the pages to the caller, still counted in use by the pool (no longer lent).
     pub fn into_pages(mut self) -> Vec<Page> {
-        std::mem::take(&mut self.pages)
+        self.take_pages()
+    }
+
+    /// Moves every page out (uncounting them as lent).
+    fn take_pages(&mut self) -> Vec<Page> {
+        let pages = std::mem::take(&mut self.pages);
+        self.unlend(pages.len());
+        pages
+    }
+
+    /// `n` pages left this lease: a lent lease stops counting them as lent.
+    fn unlend(&self, n: usize) {
+        if self.lent && n > 0 {
+            self.pool.mark_lent(n, false);
+        }
     }
 }
 
 impl Drop for PageLease {
     fn drop(&mut self) {
-        let pages = std::mem::take(&mut self.pages);
+        let pages = self.take_pages();
         match self.on_drop {
             Return::Give => self.pool.give(pages),
             Return::Release => self.pool.release(pages),
@@ -106,6 +133,7 @@ impl std::fmt::Debug for PageLease {
             .field("device", &self.pool.device())
             .field("pages", &self.pages.len())
             .field("on_drop", &self.on_drop)
+            .field("lent", &self.lent)
             .finish()
     }
 }
@@ -208,11 +236,12 @@ impl MappedRun {
         self.lease.pool()
     }
 
-    /// Hands the mapped pages to the caller (still mapped, still counted in use by the pool):
+    /// Hands the mapped pages to the caller (still mapped, still counted in use by the pool,
+    /// no longer lent):
     /// for owners that keep and recycle pages one by one.
     pub fn into_mapped_pages(mut self) -> Vec<MappedPage> {
         let mappings = std::mem::take(&mut self.mappings);
-        let pages = std::mem::take(&mut self.lease.pages);
+        let pages = self.lease.take_pages();
         mappings
             .into_iter()
             .zip(pages)
@@ -226,7 +255,7 @@ impl MappedRun {
     pub fn unmap(mut self) -> Result<Vec<Page>> {
         let first = self.unmap_all();
         match first {
-            None => Ok(std::mem::take(&mut self.lease.pages)),
+            None => Ok(self.lease.take_pages()),
             Some(e) => Err(e),
         }
     }
@@ -246,6 +275,7 @@ impl MappedRun {
             for i in failed.into_iter().rev() {
                 lost.push(self.lease.pages.swap_remove(i));
             }
+            self.lease.unlend(lost.len());
             self.lease.pool.release(lost);
         }
         first

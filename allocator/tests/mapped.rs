@@ -144,3 +144,34 @@ fn unmap_hands_the_pages_over_and_a_lease_releases_on_request() {
     assert_eq!(pool.stats().in_use, 0);
     assert_eq!(b.mem_info(0).unwrap().free, free_before + 3 * PAGE);
 }
+
+#[test]
+fn lent_pages_are_counted_once_while_lent() {
+    let b = strata_vmm::host::open(HostConfig {
+        devices: vec![16 * PAGE, 16 * PAGE],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .unwrap();
+    let lender = pool(&b);
+    let config = lender.config().clone();
+    let requester = PagePool::new(Arc::clone(&b), 1, config).unwrap();
+    let res = Arc::new(Reservation::new(&b, 3 * PAGE, 0).unwrap());
+    let lease = PageLease::lend(&lender, 3).unwrap();
+    let run = MappedRun::map(lease, &res, res.ptr(), &RW).unwrap();
+    let mut view = PageLease::empty(&requester);
+    for p in run.pages() {
+        let phys = Arc::clone(p.phys());
+        let source = strata_allocator::PageSource::Borrowed { lender: 0 };
+        view.push(requester.adopt(phys, source).unwrap());
+    }
+    let (l, r) = (lender.stats(), requester.stats());
+    assert_eq!((l.in_use, l.lent, l.borrowed), (3, 3, 0));
+    assert_eq!((r.in_use, r.borrowed, r.held_bytes()), (0, 3, 0));
+    drop(view.returning(Return::Release));
+    drop(run.returning(Return::Release));
+    let (l, r) = (lender.stats(), requester.stats());
+    assert_eq!((l.in_use, l.lent, r.borrowed, r.in_use), (0, 0, 0, 0));
+    assert_eq!(l.released_total, 3);
+}

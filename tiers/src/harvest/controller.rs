@@ -154,11 +154,12 @@ pub struct HarvestController {
 }
 
 impl HarvestController {
-    /// A controller over every device of `backend`, each with its own page pool (no background
-    /// refill: pages are created when lent and released when returned, so memory really goes
-    /// back to the peer).
+    /// A standalone controller over every device of `backend`, each with a page pool of its
+    /// own (no background refill: pages are created when lent and released when returned, so
+    /// memory really goes back to the peer). In a process with other users of the devices,
+    /// share their pools instead ([`HarvestController::with_pools`]; `strata_runtime::Runtime`
+    /// does), so that a page is counted once.
     pub fn new(backend: Arc<dyn Backend>, config: HarvestConfig) -> Result<Arc<Self>> {
-        let n = backend.device_count();
         let pool_config = PoolConfig {
             low_watermark: 0,
             high_watermark: 0,
@@ -166,16 +167,39 @@ impl HarvestController {
             idle_trim_after: None,
             background: false,
         };
-        let mut pools = Vec::new();
-        let mut streams = Vec::new();
-        for d in 0..n {
-            pools.push(PagePool::new(Arc::clone(&backend), d, pool_config.clone())?);
-            streams.push(Stream::new(&backend, d)?);
+        let pools = (0..backend.device_count())
+            .map(|d| PagePool::new(Arc::clone(&backend), d, pool_config.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        Self::with_pools(pools, config)
+    }
+
+    /// A controller lending pages of `pools` (one per device, in device order, over one
+    /// backend) — the pools the devices' other users (caching allocator, KV spaces) draw on.
+    /// Lent pages are counted in use and `lent` by their pool, borrowed ones `borrowed` by the
+    /// requester's; a device's free memory, for its reserve, includes its pool's idle pages
+    /// (they are lent first).
+    pub fn with_pools(pools: Vec<Arc<PagePool>>, config: HarvestConfig) -> Result<Arc<Self>> {
+        let first = pools.first().ok_or(Error::NoDevice(0))?;
+        let backend = Arc::clone(first.backend());
+        let page_size = first.page_size();
+        let n = backend.device_count();
+        for (d, pool) in pools.iter().enumerate() {
+            if pool.device() != d as u32 || !Arc::ptr_eq(pool.backend(), &backend) {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {d} is device {} of another backend or out of order",
+                    pool.device()
+                )));
+            }
         }
-        let page_size = pools
-            .first()
-            .map(|p| p.page_size())
-            .ok_or(Error::NoDevice(0))?;
+        if pools.len() != n as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} pools for {n} devices",
+                pools.len()
+            )));
+        }
+        let streams = (0..n)
+            .map(|d| Stream::new(&backend, d))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(HarvestController {
             backend,
             pools,
@@ -230,7 +254,7 @@ impl HarvestController {
             .get(device as usize)
             .ok_or(Error::NoDevice(device.into()))?;
         let PeerLimits { reserve, quota } = st.config.limits_of(device);
-        let free = self.backend.mem_info(device)?.free;
+        let free = self.device_free(device)?;
         let room = free.saturating_sub(reserve).min(quota.saturating_sub(lent));
         Ok(PeerCapacity {
             device,
@@ -240,6 +264,14 @@ impl HarvestController {
             lent,
             harvestable: room - room % self.page_size,
         })
+    }
+
+    /// Free memory of `device` as its owner sees it: the device's free memory plus the idle
+    /// pages of its pool (lent first, before new ones are created).
+    fn device_free(&self, device: u32) -> Result<u64> {
+        let idle = self.pool(device)?.stats();
+        let idle = idle.free as u64 * idle.page_size;
+        Ok(self.backend.mem_info(device)?.free.saturating_add(idle))
     }
 
     /// Allocates `size` bytes (rounded up to pages) on the best-fit peer of `hints.requester`.
@@ -324,14 +356,17 @@ impl HarvestController {
             &grants[..]
         };
         // On any error below, what was built drops: unmapped, pages released to their pools.
-        let lease = PageLease::take(lender, n)?.returning(Return::Release);
+        let lease = PageLease::lend(lender, n)?.returning(Return::Release);
         let run = MappedRun::map(lease, &reservation, reservation.ptr(), grants)?;
         let mut borrowed = PageLease::empty(requester_pool).returning(Return::Release);
-        for page in run.pages() {
-            borrowed.push(requester_pool.adopt(
-                Arc::clone(page.phys()),
-                PageSource::Borrowed { lender: peer },
-            )?);
+        if peer != hints.requester {
+            // A device lending to itself (`allow_self`) counts its pages once, as lent.
+            for page in run.pages() {
+                borrowed.push(requester_pool.adopt(
+                    Arc::clone(page.phys()),
+                    PageSource::Borrowed { lender: peer },
+                )?);
+            }
         }
         let mut st = self.state.lock();
         let index = match st.free_slots.pop() {
@@ -588,7 +623,7 @@ impl HarvestController {
             if lent == 0 {
                 continue;
             }
-            let free = self.backend.mem_info(d)?.free;
+            let free = self.device_free(d)?;
             if free < reserve {
                 let r = self.reclaim_for(d, reserve - free, RevokeReason::Pressure)?;
                 report.revoked.extend(r.revoked);
