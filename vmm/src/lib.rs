@@ -7,6 +7,7 @@
 
 mod backend;
 pub mod cuda;
+mod devbuf;
 mod error;
 pub mod host;
 mod hostbuf;
@@ -19,6 +20,7 @@ mod work;
 
 pub use backend::Backend;
 pub use cuda::CudaBackend;
+pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
 pub use host::{HostBackend, HostConfig};
 pub use hostbuf::{copy_async_in, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
