@@ -554,3 +554,40 @@ fn device_puts_and_takes_reject_bad_input_and_change_nothing() {
     s.release(hbm_only).unwrap();
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn a_held_disk_read_does_not_stop_another_objects_device_read() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(store(&b, dir.path(), 1, 4, 16));
+    let on_disk = s.put(&block(1), Durability::Backed, 1).unwrap();
+    s.spill(&[on_disk], Tier::Disk).unwrap();
+    let in_hbm = s.put(&block(2), Durability::Lossy, 2).unwrap();
+    assert_eq!(s.residency(in_hbm).unwrap().fastest(), Some(Tier::Hbm));
+    let hold = s.disk_file().unwrap().hold_reads();
+    let slow = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || check(&s, on_disk, 1))
+    };
+    assert!(
+        hold.wait_for_readers(1, Duration::from_secs(10)),
+        "the disk read never started"
+    );
+    let (done, finished) = mpsc::channel();
+    let fast = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || done.send(check(&s, in_hbm, 2)).unwrap())
+    };
+    let got = finished.recv_timeout(Duration::from_secs(10));
+    drop(hold);
+    fast.join().unwrap();
+    assert_eq!(slow.join().unwrap(), Tier::Disk);
+    assert_eq!(
+        got,
+        Ok(Tier::Hbm),
+        "the HBM read waited for another object's disk read"
+    );
+    s.check_invariants().unwrap();
+}
