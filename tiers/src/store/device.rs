@@ -37,7 +37,6 @@ impl TierStore {
             .collect();
         op.pin(&idx);
         if let Err(e) = self.fill_from_device(&mut op, &idx, srcs, scope) {
-            op.settle();
             for &i in &idx {
                 op.st.drop_object(i);
             }

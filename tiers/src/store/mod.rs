@@ -60,9 +60,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use strata_allocator::{Page, PagePool};
+use strata_allocator::{MappedPage, MappedRun, Page, PagePool};
 use strata_vmm::{
-    Access, Backend, DevicePtr, Error, Event, HostBuffer, Location, Mapping, Reservation, Result,
+    Access, Backend, DevicePtr, Error, Event, HostBuffer, Location, Reservation, Result,
     MAX_HOST_CHUNK,
 };
 
@@ -72,7 +72,7 @@ use crate::policy::PolicyKind;
 use crate::transfer::{Submission, TransferEngine, TransferStats};
 use io::sync;
 use slots::{Returns, SlotTier, Slots};
-use state::{stale, HbmPage, Op, State};
+use state::{stale, Op, State};
 
 /// Capacity, bandwidth and latency of a tier: configured, or measured at start
 /// ([`crate::calibrate`], [`StoreConfig::with_measured_links`]).
@@ -230,35 +230,15 @@ impl TierStore {
         }
         let slots_per_page = (page_size / b) as u32;
         let n_pages = config.hbm.capacity / page_size;
-        let pages = pool.take(n_pages as usize)?;
         let reservation = Arc::new(Reservation::new(&backend, (n_pages.max(1)) * page_size, 0)?);
-        let grant = [(Location::Device(config.device), Access::ReadWrite)];
-        let mut mapped = Vec::with_capacity(pages.len());
-        let mut pages = pages.into_iter();
-        for i in 0..n_pages {
-            let Some(page) = pages.next() else { break };
-            let va = reservation.ptr() + i * page_size;
-            match Mapping::new(
-                &reservation,
-                va,
-                Arc::clone(page.phys()),
-                0,
-                page_size,
-                &grant,
-            ) {
-                Ok(mapping) => mapped.push(Some(HbmPage { mapping, page })),
-                Err(e) => {
-                    let mut back: Vec<Page> = vec![page];
-                    back.extend(pages);
-                    for p in mapped.into_iter().flatten() {
-                        drop(p.mapping);
-                        back.push(p.page);
-                    }
-                    pool.give(back);
-                    return Err(e);
-                }
-            }
-        }
+        // Until the state owns them page by page, an error returns every page to the pool.
+        let hbm = MappedRun::take(
+            &pool,
+            &reservation,
+            reservation.ptr(),
+            n_pages as usize,
+            &[(Location::Device(config.device), Access::ReadWrite)],
+        )?;
         let host_blocks = config.host.capacity / b;
         let blocks_per_chunk = (MAX_HOST_CHUNK / b).max(1);
         let mut host_chunks = Vec::new();
@@ -279,14 +259,14 @@ impl TierStore {
             None => (None, None, 0),
         };
         let engine = TransferEngine::new(&backend, config.device)?;
-        let hbm_slots = (mapped.len() as u64 * u64::from(slots_per_page)) as u32;
+        let hbm_slots = (hbm.len() as u64 * u64::from(slots_per_page)) as u32;
         let state = State {
             objs: Vec::new(),
             free_objs: Vec::new(),
             hbm: Slots::new(hbm_slots),
             host: Slots::new(host_blocks as u32),
             disk: Slots::new(disk_blocks as u32),
-            pages: mapped,
+            pages: hbm.into_mapped_pages().into_iter().map(Some).collect(),
             hbm_policy: config.hbm_policy.build(),
             host_policy: config.host_policy.build(),
             step: 0,
@@ -444,7 +424,6 @@ impl TierStore {
         match self.store_contents(&mut op, index, data) {
             Ok(()) => Ok(id),
             Err(e) => {
-                op.settle();
                 op.st.drop_object(index);
                 Err(e)
             }
@@ -599,7 +578,7 @@ impl TierStore {
 impl Drop for TierStore {
     fn drop(&mut self) {
         let _ = self.engine.synchronize();
-        let pages: Vec<HbmPage> = self.state.get_mut().pages.drain(..).flatten().collect();
+        let pages: Vec<MappedPage> = self.state.get_mut().pages.drain(..).flatten().collect();
         let mut back = Vec::with_capacity(pages.len());
         for hp in pages {
             drop(hp.mapping);

@@ -3,10 +3,9 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use strata_allocator::MappedPage;
 use strata_vmm::{Error, Event, Result};
 
-use super::io::sync;
-use super::state::HbmPage;
 use super::{Revocation, TierStore};
 use crate::object::{Notice, ObjectId};
 
@@ -62,7 +61,7 @@ impl TierStore {
         for &i in &owners {
             drain.extend(op.st.objs[i as usize].hbm_ready.clone());
         }
-        op.unlocked(|| drain.into_iter().try_for_each(|ev| sync(&Some(ev))))?;
+        op.unlocked(|| drain.iter().try_for_each(|ev| ev.synchronize()))?;
         // 3. Invalidate residency.
         let mut notices = Vec::new();
         let mut out = Revocation::default();
@@ -89,7 +88,7 @@ impl TierStore {
                 st.lost += 1;
             }
         }
-        let taken: Vec<HbmPage> = set
+        let taken: Vec<MappedPage> = set
             .iter()
             .filter_map(|&p| st.pages[p as usize].take())
             .collect();

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use parking_lot::{Condvar, MutexGuard};
-use strata_allocator::Page;
-use strata_vmm::{Error, Event, Mapping, Result};
+use strata_allocator::MappedPage;
+use strata_vmm::{Error, Event, Result};
 
 use super::slots::{Returns, SlotLease, SlotTier, Slots};
 use crate::object::{Durability, ObjectId, Residency};
@@ -36,18 +36,14 @@ impl Obj {
     }
 }
 
-pub(super) struct HbmPage {
-    pub(super) mapping: Mapping,
-    pub(super) page: Page,
-}
-
 pub(super) struct State {
     pub(super) objs: Vec<Obj>,
     pub(super) free_objs: Vec<u32>,
     pub(super) hbm: Slots,
     pub(super) host: Slots,
     pub(super) disk: Slots,
-    pub(super) pages: Vec<Option<HbmPage>>,
+    /// The HBM pages, mapped back to back (`None`: revoked).
+    pub(super) pages: Vec<Option<MappedPage>>,
     pub(super) hbm_policy: Box<dyn EvictionPolicy>,
     pub(super) host_policy: Box<dyn EvictionPolicy>,
     pub(super) step: u64,
