@@ -35,7 +35,8 @@
 //! leases. Other operations wait for pinned objects and never pick them as victims, so a held
 //! disk read of one object does not stop a read of another. A revocation retires its slots
 //! under the lock (no new copy starts on them), waits for the operations on their objects,
-//! and drains their copies with those objects pinned.
+//! and drains their copies with those objects pinned. The staging buffer of the disk paths has
+//! a lock of its own, taken only while the state lock is not held.
 //!
 //! # Layout
 //!
