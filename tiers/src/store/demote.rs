@@ -290,14 +290,7 @@ impl TierStore {
             })?;
             op.st.objs[i as usize].res.disk = Some(lease.keep());
         }
-        let st = &mut *op.st;
-        let key = st.key(i);
-        let o = &mut st.objs[i as usize];
-        o.host_ready = None;
-        if let Some(h) = o.res.host.take() {
-            st.host.put_back(h, None);
-        }
-        st.host_policy.remove(key);
+        op.st.drop_host(i);
         Ok(())
     }
 }

@@ -160,9 +160,8 @@ impl State {
         self.host_policy.touch(key, owner, self.step);
     }
 
-    /// Drops the host and disk copies (their fences already name the last copy that touched
-    /// them).
-    pub(super) fn drop_lower(&mut self, index: u32) {
+    /// Drops the host copy (its slot's fence already names the last copy that touched it).
+    pub(super) fn drop_host(&mut self, index: u32) {
         let key = self.key(index);
         let o = &mut self.objs[index as usize];
         o.host_ready = None;
@@ -170,6 +169,11 @@ impl State {
             self.host.put_back(h, None);
             self.host_policy.remove(key);
         }
+    }
+
+    /// Drops the host and disk copies.
+    pub(super) fn drop_lower(&mut self, index: u32) {
+        self.drop_host(index);
         if let Some(d) = self.objs[index as usize].res.disk.take() {
             self.disk.put_back(d, None);
         }
