@@ -21,7 +21,9 @@
 
 mod boundary;
 mod global;
+mod handles;
 mod harvest;
+mod kv;
 mod status;
 #[cfg(test)]
 mod tests;

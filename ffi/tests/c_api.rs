@@ -154,6 +154,11 @@ fn c_sleep_wake() {
 }
 
 #[test]
+fn c_kv_spaces() {
+    c_test("kv");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

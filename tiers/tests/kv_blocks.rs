@@ -73,6 +73,7 @@ fn manager(
                 host_to_hbm: (Duration::from_micros(5), 50e9),
                 disk_to_host: (Duration::from_micros(80), 7e9),
             },
+            zero_page: true,
         },
     )
     .unwrap()
