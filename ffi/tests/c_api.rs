@@ -159,6 +159,16 @@ fn c_kv_spaces() {
 }
 
 #[test]
+fn c_kv_threads_with_a_revoker() {
+    c_test("kv_threads");
+}
+
+#[test]
+fn c_kv_random_walk() {
+    c_test("kv_walk");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

@@ -487,8 +487,12 @@ impl KvBlockManager {
         let total = have
             .checked_add(tokens)
             .filter(|_| tokens > 0)
+            .filter(|&t| t <= self.config.max_tokens)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("append of {tokens} tokens to {have}"))
+                Error::InvalidArgument(format!(
+                    "append of {tokens} tokens to {have} (0 tokens, or past max_tokens {})",
+                    self.config.max_tokens
+                ))
             })?;
         let first = (u64::from(have) * self.config.bytes_per_token / self.page) as usize;
         if let Some(p) = inner
