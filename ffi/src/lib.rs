@@ -24,6 +24,7 @@ mod global;
 mod handles;
 mod harvest;
 mod kv;
+mod sleep;
 mod status;
 #[cfg(test)]
 mod tests;

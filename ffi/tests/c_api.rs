@@ -154,6 +154,11 @@ fn c_sleep_wake() {
 }
 
 #[test]
+fn c_sleep_to_disk() {
+    c_test("sleep_disk");
+}
+
+#[test]
 fn c_kv_spaces() {
     c_test("kv");
 }

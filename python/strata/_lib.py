@@ -167,6 +167,7 @@ PROTOTYPES = {
     "strata_tag_depth": (_c_int, []),
     "strata_sleep": (_c_int, [_c_char_p, _c_int]),
     "strata_wake": (_c_int, [_c_char_p]),
+    "strata_sleep_to_disk": (_c_int, [_c_char_p, _c_char_p]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),
     "strata_stream_synchronize": (_c_int, [_c_void_p]),
