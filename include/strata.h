@@ -81,7 +81,10 @@ typedef struct strata_stats_t {
     uint64_t ooms;                  /* out-of-memory and limit failures */
     uint64_t sleeps;
     uint64_t wakes;
-    uint64_t spare[8];              /* zero; room to grow */
+    uint64_t pool_in_use_bytes;     /* pool pages in use (allocator, lent to peers, ...) */
+    uint64_t lent_bytes;            /* of those, lent to peers (Harvest placements here) */
+    uint64_t borrowed_bytes;        /* peers' pages this device borrowed (not in the above) */
+    uint64_t spare[5];              /* zero; room to grow */
 } strata_stats_t;
 
 /* Per-tag statistics on one device (strata_tag_stats). */

@@ -116,7 +116,10 @@ class Stats(ctypes.Structure):
         ("ooms", ctypes.c_uint64),
         ("sleeps", ctypes.c_uint64),
         ("wakes", ctypes.c_uint64),
-        ("spare", ctypes.c_uint64 * 8),
+        ("pool_in_use_bytes", ctypes.c_uint64),
+        ("lent_bytes", ctypes.c_uint64),
+        ("borrowed_bytes", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 5),
     ]
 
 
