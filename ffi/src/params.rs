@@ -55,13 +55,17 @@ fn with_device<T>(device: u32, f: impl FnOnce(&mut Mirage) -> Result<T>) -> Resu
     f(mirage)
 }
 
+/// The device and model of a handle; anything no registration returned is a stale handle.
 fn model_of(handle: u64) -> Result<(u32, ModelId)> {
     let stale = || Error::StaleId {
         kind: "parameter model",
         index: (handle & 0xffff_ffff) as u32,
         generation: (handle >> 32) as u32,
     };
-    let device = ((handle >> 32) as u32).checked_sub(1).ok_or_else(stale)?;
+    let device = ((handle >> 32) as u32)
+        .checked_sub(1)
+        .filter(|&d| (d as usize) < global().map_or(0, |g| g.device_count()))
+        .ok_or_else(stale)?;
     let id = ((handle & 0xffff_ffff) as u32)
         .checked_sub(1)
         .ok_or_else(stale)?;

@@ -43,6 +43,7 @@ int main(void) {
     CHECK_ERR("host_layers[1] is NULL");
     CHECK(strata_params_set_active(0, 1) == STRATA_INVALID_HANDLE);
     CHECK(strata_params_set_active(0x100000005ull, 1) == STRATA_INVALID_HANDLE);
+    CHECK(strata_params_set_active(0x900000001ull, 1) == STRATA_INVALID_HANDLE); /* device 8 */
 
     CHECK_OK(strata_params_register(0, LAYERS, LAYER_BYTES, 4, ptrs, &idle));
     CHECK_OK(strata_params_register(0, 2, LAYER_BYTES, 2, ptrs, &serving));
