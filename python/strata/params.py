@@ -12,7 +12,6 @@ when pressure falls; streamed layers are reloaded into slots by `prepare_layer`.
 """
 
 import ctypes
-import threading
 
 from . import _lib
 
@@ -55,28 +54,10 @@ PROTOTYPES = {
     "strata_params_model_stats": (_int, [_u64, _P(ModelStats)]),
 }
 
-_bound = None
-_lock = threading.Lock()
 
 
-def _c():
-    global _bound
-    if _bound is None:
-        with _lock:
-            if _bound is None:
-                lib = _lib.lib()
-                for name, (restype, argtypes) in PROTOTYPES.items():
-                    fn = getattr(lib, name)
-                    fn.restype = restype
-                    fn.argtypes = argtypes
-                _bound = lib
-    return _bound
+_c = _lib.binder(PROTOTYPES)
 
-
-def _stream(stream):
-    if stream is None:
-        return None
-    return getattr(stream, "cuda_stream", stream) or None
 
 
 class Model:
@@ -101,10 +82,10 @@ class Model:
 
     def prepare_layer(self, layer, stream=None):
         """Makes `layer` ready; `stream` waits for its reload (None: the default stream)."""
-        _lib.check(_c().strata_params_prepare_layer(self.handle, layer, _stream(stream)))
+        _lib.check(_c().strata_params_prepare_layer(self.handle, layer, _lib.stream_handle(stream)))
 
     def layer_done(self, layer, stream=None):
-        _lib.check(_c().strata_params_layer_done(self.handle, layer, _stream(stream)))
+        _lib.check(_c().strata_params_layer_done(self.handle, layer, _lib.stream_handle(stream)))
 
     def read(self, layer, offset, length):
         """`length` bytes of `layer` at `offset`, wherever it is now (a backend copy)."""
