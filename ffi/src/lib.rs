@@ -22,7 +22,11 @@
 
 mod boundary;
 mod global;
+mod handles;
 mod harvest;
+mod kv;
+mod params;
+mod sleep;
 mod status;
 #[cfg(test)]
 mod tests;
