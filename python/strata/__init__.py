@@ -19,10 +19,31 @@ target/release or target/debug.
 import contextlib
 
 from . import _lib
-from ._lib import StrataError, library_path
+from ._lib import (
+    DoubleFree,
+    InvalidArgument,
+    InvalidState,
+    LimitExceeded,
+    NoDevice,
+    OutOfMemory,
+    StaleHandle,
+    StrataError,
+    UnknownPointer,
+    Unsupported,
+    library_path,
+)
 
 __all__ = [
+    "DoubleFree",
+    "InvalidArgument",
+    "InvalidState",
+    "LimitExceeded",
+    "NoDevice",
+    "OutOfMemory",
+    "StaleHandle",
     "StrataError",
+    "UnknownPointer",
+    "Unsupported",
     "device_count",
     "empty_cache",
     "library_path",
@@ -44,7 +65,7 @@ def device_count():
     """Number of devices of the backend strata uses."""
     n = _lib.lib().strata_device_count()
     if n < 0:
-        raise StrataError(9, _lib.last_error())
+        raise _lib.error(9, _lib.last_error())
     return n
 
 
@@ -116,4 +137,4 @@ def empty_cache():
     l.strata_empty_cache()
     message = _lib.last_error()
     if message:
-        raise StrataError(_lib._status_from_message(message), message)
+        raise _lib.error(_lib._status_from_message(message), message)

@@ -36,6 +36,60 @@ class StrataError(RuntimeError):
         self.message = message
 
 
+class OutOfMemory(StrataError):
+    """STRATA_OUT_OF_MEMORY: physical memory, address space or a tier is exhausted (recoverable)."""
+
+
+class LimitExceeded(OutOfMemory):
+    """STRATA_LIMIT_EXCEEDED: the memory-fraction cap would be exceeded."""
+
+
+class InvalidArgument(StrataError, ValueError):
+    """STRATA_INVALID_ARGUMENT: an argument is outside what the call accepts."""
+
+
+class UnknownPointer(StrataError):
+    """STRATA_UNKNOWN_POINTER: not a pointer strata handed out."""
+
+
+class DoubleFree(StrataError):
+    """STRATA_DOUBLE_FREE: freed twice."""
+
+
+class StaleHandle(StrataError):
+    """STRATA_INVALID_HANDLE: a destroyed, released or unknown handle (never someone else's)."""
+
+
+class InvalidState(StrataError):
+    """STRATA_INVALID_STATE: the call conflicts with the current state."""
+
+
+class Unsupported(StrataError):
+    """STRATA_UNSUPPORTED: the operation or backend is not available here."""
+
+
+class NoDevice(StrataError):
+    """STRATA_NO_DEVICE: no driver, or no such device."""
+
+
+ERROR_CLASSES = {
+    1: OutOfMemory,
+    2: LimitExceeded,
+    3: InvalidArgument,
+    4: UnknownPointer,
+    5: DoubleFree,
+    6: StaleHandle,
+    7: InvalidState,
+    9: Unsupported,
+    10: NoDevice,
+}
+
+
+def error(status, message):
+    """The typed exception for `status` (StrataError for statuses without a subclass)."""
+    return ERROR_CLASSES.get(status, StrataError)(status, message)
+
+
 class Stats(ctypes.Structure):
     """strata_stats_t."""
 
@@ -176,9 +230,9 @@ def last_error():
 
 
 def check(status):
-    """Raises StrataError for a non-zero status."""
+    """Raises the typed StrataError subclass of a non-zero status."""
     if status != 0:
-        raise StrataError(status, last_error())
+        raise error(status, last_error())
 
 
 def encode(name):
@@ -204,7 +258,7 @@ def malloc(size, device=0, stream=None):
         message = last_error()
         if size == 0 and not message:
             return 0
-        raise StrataError(_status_from_message(message), message)
+        raise error(_status_from_message(message), message)
     return ptr
 
 
