@@ -81,7 +81,10 @@ typedef struct strata_stats_t {
     uint64_t ooms;                  /* out-of-memory and limit failures */
     uint64_t sleeps;
     uint64_t wakes;
-    uint64_t spare[8];              /* zero; room to grow */
+    uint64_t pool_in_use_bytes;     /* pool pages in use (allocator, lent to peers, ...) */
+    uint64_t lent_bytes;            /* of those, lent to peers (Harvest placements here) */
+    uint64_t borrowed_bytes;        /* peers' pages this device borrowed (not in the above) */
+    uint64_t spare[5];              /* zero; room to grow */
 } strata_stats_t;
 
 /* Per-tag statistics on one device (strata_tag_stats). */
@@ -174,7 +177,13 @@ int strata_tag_depth(void);
  * A device used for the first time while the tag sleeps starts with the tag awake. */
 int strata_sleep(const char *tag, int keep_host_copy);
 
-/* Maps fresh pages at the same addresses and restores the host copies (or zeros). A tag asleep
+/* strata_sleep keeping the copies on disk: in an unlinked file in directory `dir` (which must
+ * exist), not in host memory (at most three 8 MiB chunks of host memory per device while they
+ * move; device reads overlap file writes). strata_wake reads them back, file reads overlapping
+ * device writes. A failed copy (no such directory, disk full) leaves the tag awake. */
+int strata_sleep_to_disk(const char *tag, const char *dir);
+
+/* Maps fresh pages at the same addresses and restores the host or disk copies (or zeros). A tag asleep
  * nowhere is STRATA_INVALID_STATE. On failure (e.g. out of memory) the tag stays asleep where
  * it was not woken yet: call again. */
 int strata_wake(const char *tag);

@@ -159,17 +159,16 @@ pub struct KvEntry {
 static SPACES: HandleTable<KvEntry> = HandleTable::new("kv space");
 static SERIALS: AtomicU64 = AtomicU64::new(1);
 
-/// The seam to the per-device runtime: `device`'s ordinal and page pool (the one its caching
-/// allocator maps from, so KV and `strata_malloc` share one budget).
+/// `device`'s ordinal and page pool: the device runtime's one pool, which its caching
+/// allocator maps from and Harvest lends from, so KV and `strata_malloc` share one budget.
 fn device_pool(device: i32) -> Result<(u32, Arc<PagePool>)> {
-    let g = global()?;
-    let d = g.ordinal(device)?;
-    Ok((d as u32, Arc::clone(g.allocator(device)?.pool())))
+    let d = global()?.device(device)?;
+    Ok((d.device(), Arc::clone(d.pool()?)))
 }
 
 /// DLPack's device type for this process's KV addresses.
 fn dlpack_device_type() -> Result<i32> {
-    Ok(match global()?.backend.kind() {
+    Ok(match global()?.backend().kind() {
         BackendKind::Cuda => 2,
         BackendKind::Host => match std::env::var("STRATA_HOST_STRICT").as_deref() {
             Ok("1") => 0,

@@ -139,6 +139,11 @@ fn c_harvest_alloc_revoke_and_callbacks() {
 }
 
 #[test]
+fn c_malloc_and_harvest_share_one_pool() {
+    c_test("shared_pool");
+}
+
+#[test]
 fn c_random_walk_with_patterns_and_tags() {
     c_test("walk");
 }
@@ -151,6 +156,11 @@ fn c_threads() {
 #[test]
 fn c_sleep_wake() {
     c_test("sleep_wake");
+}
+
+#[test]
+fn c_sleep_to_disk() {
+    c_test("sleep_disk");
 }
 
 #[test]

@@ -74,11 +74,17 @@ fn python_kv_tensors_through_dlpack() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
     assert!(out.status.success(), "DLPack tests failed:\n{stderr}");
-    assert!(!stderr.contains("skipped"), "DLPack tests skipped:\n{stderr}");
+    assert!(
+        !stderr.contains("skipped"),
+        "DLPack tests skipped:\n{stderr}"
+    );
     for test in [
         "test_spill_to_host_and_disk_and_back_bit_for_bit_at_the_same_address",
         "test_lost_blocks_called_back_once_each_then_recomputed_in_place",
     ] {
-        assert!(stderr.contains(&format!("{test} (")), "{test} did not run:\n{stderr}");
+        assert!(
+            stderr.contains(&format!("{test} (")),
+            "{test} did not run:\n{stderr}"
+        );
     }
 }

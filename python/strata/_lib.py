@@ -116,7 +116,10 @@ class Stats(ctypes.Structure):
         ("ooms", ctypes.c_uint64),
         ("sleeps", ctypes.c_uint64),
         ("wakes", ctypes.c_uint64),
-        ("spare", ctypes.c_uint64 * 8),
+        ("pool_in_use_bytes", ctypes.c_uint64),
+        ("lent_bytes", ctypes.c_uint64),
+        ("borrowed_bytes", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 5),
     ]
 
 
@@ -167,6 +170,7 @@ PROTOTYPES = {
     "strata_tag_depth": (_c_int, []),
     "strata_sleep": (_c_int, [_c_char_p, _c_int]),
     "strata_wake": (_c_int, [_c_char_p]),
+    "strata_sleep_to_disk": (_c_int, [_c_char_p, _c_char_p]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),
     "strata_stream_synchronize": (_c_int, [_c_void_p]),

@@ -31,9 +31,8 @@ use std::sync::Arc;
 
 use strata_kernels::gemm::{Gemm, GemmError};
 use strata_vmm::{
-    copy_async_in, round_up, Access, Backend, CopyDesc, CopyKind, CopyScope, CreateFlags,
-    DevicePtr, Error, Event, GemmF32, HostBuffer, Location, Mapping, PhysicalMemory, Reservation,
-    Result, Stream,
+    copy_async_in, Backend, CopyDesc, CopyKind, CopyScope, DeviceBuffer, DevicePtr, Error, Event,
+    GemmF32, HostBuffer, Result, Stream,
 };
 
 /// Profiled inputs of the planner.
@@ -231,45 +230,6 @@ fn f32_len(count: usize) -> Result<u64> {
     (count as u64)
         .checked_mul(F32)
         .ok_or(Error::Overflow("f32 bytes"))
-}
-
-/// Device memory for the runtime: one reservation with one mapping behind it, read-write for
-/// one device; unmapped, released and freed on drop (callers drain its streams first).
-struct DeviceBuffer {
-    mapping: Mapping,
-}
-
-impl DeviceBuffer {
-    /// At least `bytes` (rounded up to the granularity, at least one granule).
-    fn new(backend: &Arc<dyn Backend>, device: u32, bytes: u64) -> Result<Self> {
-        let location = Location::Device(device);
-        let size = round_up(bytes.max(1), backend.granularity(location)?)
-            .ok_or(Error::Overflow("device buffer size"))?;
-        let phys = Arc::new(PhysicalMemory::create(
-            backend,
-            location,
-            size,
-            CreateFlags::empty(),
-        )?);
-        let reservation = Arc::new(Reservation::new(backend, size, 0)?);
-        let mapping = Mapping::new(
-            &reservation,
-            reservation.ptr(),
-            phys,
-            0,
-            size,
-            &[(location, Access::ReadWrite)],
-        )?;
-        Ok(DeviceBuffer { mapping })
-    }
-
-    fn ptr(&self) -> DevicePtr {
-        self.mapping.va()
-    }
-
-    fn reservation(&self) -> &Reservation {
-        self.mapping.reservation()
-    }
 }
 
 /// One layer's activations and KV cache staged in pinned host memory (`X | K | V`, row-major

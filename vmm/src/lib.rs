@@ -6,6 +6,7 @@
 
 mod backend;
 pub mod cuda;
+mod devbuf;
 mod error;
 mod gemm;
 pub mod host;
@@ -18,6 +19,7 @@ mod vatable;
 
 pub use backend::Backend;
 pub use cuda::CudaBackend;
+pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
 pub use gemm::GemmF32;
 pub use host::{HostBackend, HostConfig};
