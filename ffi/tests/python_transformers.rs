@@ -1,7 +1,8 @@
 //! Runs `python/tests/test_transformers.py` (strata.transformers: real transformers models
 //! generating with `StrataCache`) against the `libstrata.so` cargo built, on the host backend
 //! outside strict mode, where KV tensors are CPU tensors torch's kernels read. Pages of 64 KiB
-//! make the tiny models' sequences cross page boundaries while they generate. With torch and
+//! make the tiny models' sequences cross page boundaries while they generate; torch uses one
+//! thread. With torch and
 //! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
 //! without them this test says why and returns.
 
@@ -34,6 +35,9 @@ fn python_transformers_generate_on_strata_kv() {
         .env("STRATA_HOST_DEVICES", "1x512MiB")
         .env("STRATA_HOST_GRANULARITY", "64KiB")
         .env("STRATA_HOST_STRICT", "0")
+        // One torch thread: tiny matrices gain nothing from two, and OpenMP's spinning threads
+        // crawl on a machine whose cores are busy with the other tests.
+        .env("OMP_NUM_THREADS", "1")
         .env_remove("STRATA_HOST_LINK");
     if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
         cmd.env("STRATA_BACKEND", "host");

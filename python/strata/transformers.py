@@ -35,6 +35,8 @@ on the host backend outside strict mode). Errors are strata's typed exceptions
 (`strata.InvalidArgument`, `strata.OutOfMemory`, `strata.InvalidState`, `strata.Unsupported`).
 """
 
+import warnings
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
@@ -70,7 +72,8 @@ class StrataLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         start = self.length
         end = start + key_states.shape[-2]
-        self._cache._hold(end, key_states)
+        if end > self._cache._mapped:
+            self._cache._hold(end)
         self._k[:, start:end].copy_(key_states.transpose(1, 2))
         self._v[:, start:end].copy_(value_states.transpose(1, 2))
         self._set_length(end)
@@ -163,6 +166,7 @@ class StrataCache(Cache):
         self._space = None
         self._requests = []  # batch row i -> the request at slot i
         self._held = []  # tokens appended per request
+        self._mapped = 0  # every request holds this many (update's fast path: no call below it)
         self._closed = False
         super().__init__(layers=[StrataLayer(self, i) for i in range(len(types))])
 
@@ -220,11 +224,12 @@ class StrataCache(Cache):
             raise
         self._space = space
         self._shape = (batch, heads, dim, key_states.dtype)
+        self._tokens_per_page = space.stats()["tokens_per_block"]
 
     def _tensors(self, layer):
         return tuple(torch.from_dlpack(self._space.tensor(layer, kind)) for kind in ("k", "v"))
 
-    def _hold(self, tokens, key_states):
+    def _hold(self, tokens):
         """Every row holds at least `tokens` positions (pages mapped in every layer)."""
         self._live()
         if tokens > self.max_cache_len:
@@ -235,10 +240,14 @@ class StrataCache(Cache):
             )
         if not self._requests:
             self._admit()
+        # Whole pages at a time: the next tokens up to the page's end need no call.
+        page = self._tokens_per_page
+        upto = min(-(-tokens // page) * page, self.max_cache_len)
         for i, r in enumerate(self._requests):
             if self._held[i] < tokens:
-                r.append(tokens - self._held[i])
-                self._held[i] = tokens
+                r.append(upto - self._held[i])
+                self._held[i] = upto
+        self._mapped = upto
 
     def _admit(self):
         batch = self._shape[0]
@@ -255,7 +264,7 @@ class StrataCache(Cache):
         self._held = [0] * batch
 
     def _release_requests(self):
-        requests, self._requests, self._held = self._requests, [], []
+        requests, self._requests, self._held, self._mapped = self._requests, [], [], 0
         for r in requests:
             r.release()
 
@@ -289,10 +298,10 @@ class StrataCache(Cache):
         if self._space is None:
             return {"tokens": 0, "token_bytes": 0, "kv_bytes": 0, "pages": 0}
         s = self._space.stats()
-        tokens = max(self._held, default=0)
+        tokens = self.get_seq_length()
         layers = len(self.layers)
         s.update(
-            tokens=self.get_seq_length(),
+            tokens=tokens,
             token_bytes=2 * layers * len(self._held) * tokens * self._space.bytes_per_token,
             kv_bytes=s["blocks_resident"] * s["block_bytes"],
             pages=s["blocks_resident"] * 2 * layers,
@@ -301,7 +310,7 @@ class StrataCache(Cache):
 
     def close(self):
         """Releases the space. Views the caller still holds keep it alive: then
-        `strata.InvalidState`, and the cache stays usable until they are gone."""
+        `strata.InvalidState`, and the cache is left empty but usable."""
         if self._closed:
             return
         if self._space is not None:
@@ -311,6 +320,15 @@ class StrataCache(Cache):
             self._space.close()
             self._space = None
         self._closed = True
+
+    def __del__(self):
+        # A cache dropped without close(): give the space back, or say why not.
+        if getattr(self, "_closed", True) or getattr(self, "_space", None) is None:
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - a finalizer cannot raise
+            warnings.warn(f"StrataCache dropped without close(); closing failed: {e}", ResourceWarning)
 
     def __enter__(self):
         return self
