@@ -6,7 +6,7 @@ decode time per token and peak KV bytes at a short and a long context.
 
 Model: a random-initialised Llama (4 layers, hidden 256, 8 heads over 4 KV heads, float32),
 batch 4, 64-token prompts, greedy. Decode time per token is (generate(N) - generate(1)) / (N - 1)
-per configuration, so the prefill is not counted. Peak KV bytes: DynamicCache's tensors at the
+per configuration, so the prefill is not counted; the fastest of `--rounds` interleaved rounds. Peak KV bytes: DynamicCache's tensors at the
 end (its largest), StaticCache's reservation, StrataCache's mapped pages (largest seen).
 """
 
@@ -76,6 +76,7 @@ def main(argv=None):
     p.add_argument("--short", type=int, default=192, help="new tokens of the short run")
     p.add_argument("--long", type=int, default=1984, help="new tokens of the long run (context 2048)")
     p.add_argument("--static-len", type=int, default=4096, help="StaticCache's max_cache_len")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the fastest counts")
     p.add_argument("--quick", action="store_true", help="short 32 and long 128 new tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -87,15 +88,22 @@ def main(argv=None):
           f"StrataCache reserve {args.static_len} tokens")
     print("| context | cache | total s | decode ms/token | peak KV bytes | KV bytes of the tokens held |")
     print("|---|---|---|---|---|---|")
+    for name in names:
+        run(model, ids, name, 2, args.static_len)  # warm-up
     for new in (args.short, args.long):
         context = args.prompt + new
-        outs = {}
+        outs, best = {}, {}
+        # Rounds interleave the caches, so load that comes and goes hits all of them; the fastest
+        # round of each counts.
+        for _ in range(args.rounds):
+            for name in names:
+                one, _, _ = run(model, ids, name, 1, args.static_len)
+                total, held, outs[name] = run(model, ids, name, new, args.static_len)
+                per = (total - one) / (new - 1) * 1e3
+                if name not in best or per < best[name][1]:
+                    best[name] = (total, per, held)
         for name in names:
-            run(model, ids, name, 2, args.static_len)  # warm-up
-            one, _, _ = run(model, ids, name, 1, args.static_len)
-            total, held, out = run(model, ids, name, new, args.static_len)
-            outs[name] = out
-            per = (total - one) / (new - 1) * 1e3
+            total, per, held = best[name]
             tokens = args.batch * (context - 1) * bpt
             print(f"| {context} | {name} | {total:.2f} | {per:.2f} | {held} | {tokens} |", flush=True)
         same = all(bool((outs[n] == outs["dynamic"]).all()) for n in names)
