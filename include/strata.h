@@ -468,6 +468,71 @@ int strata_kv_stats(strata_kv_t kv, strata_kv_stats_t *out);
 /* Checks the space's invariants (tests): STRATA_INVALID_STATE with the broken one. */
 int strata_kv_check(strata_kv_t kv);
 
+/* ---- Parameters (MIRAGE): idle models' layer memory lent to the KV cache ------------------ */
+
+/* A model's layers live in strata parameter memory, each with a pinned host copy that is the
+ * authority (copied from the caller's buffers at registration). When the KV cache runs short,
+ * strata_params_step has the device's remapping controller pick idle models (lowest priority,
+ * most recently active last, up to `cap` layers each, within the budget T_T x N <= T_compute)
+ * and give alpha layers' worth of their pages to the device's pool, where KV spaces and
+ * strata_malloc grow; those models then stream m = alpha + 1 or alpha + 2 evenly spaced layers
+ * through beta slots, reloaded by strata_params_prepare_layer. When pressure falls the pages
+ * come back (reversion) and the layers are reloaded at their own addresses. One controller per
+ * device; a model handle stays valid for the process's life (models are not unregistered). */
+typedef uint64_t strata_model_t;
+
+typedef struct strata_params_model_stats_t {
+    int32_t device;
+    uint32_t layers;
+    uint64_t layer_bytes;      /* rounded up to pages */
+    uint64_t pages_per_layer;
+    uint32_t remapped_layers;  /* alpha: layers' worth of pages given to the pool */
+    uint32_t streamed_layers;  /* m: layers loaded into slots when they run */
+    uint32_t slots;            /* beta */
+    uint32_t remap_limit;      /* most layers remappable now (0 until compute is reported) */
+    uint64_t gpu_pages;        /* pages the model holds on the device */
+    uint64_t spare[4];         /* zero */
+} strata_params_model_stats_t;
+
+/* Registers a model of `layers` layers of `layer_bytes` bytes on `device`; host_layers[i] holds
+ * layer i (copied now into strata's host copy, then loaded to the device; the call measures
+ * the reload time T_T). At most `cap` layers are ever remapped. A new model is idle. */
+int strata_params_register(int device, uint32_t layers, uint64_t layer_bytes, uint32_t cap,
+                           const void *const *host_layers, strata_model_t *out);
+
+/* Where `layer` is now: its own address when resident, its slot when streamed and prepared;
+ * streamed and not prepared: STRATA_INVALID_STATE. */
+int strata_params_layer_ptr(strata_model_t model, uint32_t layer, uint64_t *out);
+
+/* Marks the model serving (never remapped while active) or idle. */
+int strata_params_set_active(strata_model_t model, int active);
+
+/* Reports the model's compute time per layer (T_c); until then none of its layers is remapped. */
+int strata_params_report_compute(strata_model_t model, uint64_t per_layer_ns);
+
+/* One controller step on `device`: `pages_short` pages the KV cache could not get remap layers
+ * until covered; 0 reverts what the pool's free pages cover. *decisions (if not NULL) receives
+ * the number of models changed. The caller has synchronized the compute reading the models. */
+int strata_params_step(int device, uint64_t pages_short, uint32_t *decisions);
+
+/* Reverts every remapped layer on `device` (pages taken back from the pool, layers reloaded). */
+int strata_params_revert_all(int device);
+
+/* Makes `layer` ready to run: a streamed layer is reloaded into a slot behind the previous
+ * occupant's strata_params_layer_done; `stream` waits for the copy, the host does not. A
+ * resident layer needs nothing. */
+int strata_params_prepare_layer(strata_model_t model, uint32_t layer, cudaStream_t stream);
+
+/* The layer's kernels were queued on `stream`: its slot may be reloaded after them. */
+int strata_params_layer_done(strata_model_t model, uint32_t layer, cudaStream_t stream);
+
+/* Copies `len` bytes of `layer` at `offset` (where it is now) into host memory (test support). */
+int strata_params_read(strata_model_t model, uint32_t layer, uint64_t offset, void *dst,
+                       size_t len);
+
+/* Fills *out with the model's figures. */
+int strata_params_model_stats(strata_model_t model, strata_params_model_stats_t *out);
+
 /* ---- Test support: streams and copies ----------------------------------------------------- */
 
 /* Creates a stream on `device` (a real CUstream on CUDA). */

@@ -278,7 +278,7 @@ fn main() {
     println!(
         "kv_abi on the {} backend: {LAYERS} layers, {BLOCKS} blocks of {} MiB per request",
         backend.kind(),
-        2 * u64::from(LAYERS) * page >> 20
+        (2 * u64::from(LAYERS) * page) >> 20
     );
     println!("| call | C ABI | Rust (same run) | C / Rust |");
     println!("|---|---|---|---|");

@@ -25,6 +25,7 @@ mod global;
 mod handles;
 mod harvest;
 mod kv;
+mod params;
 mod sleep;
 mod status;
 #[cfg(test)]

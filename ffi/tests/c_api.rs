@@ -164,6 +164,11 @@ fn c_sleep_to_disk() {
 }
 
 #[test]
+fn c_params_remap_and_revert() {
+    c_test("params");
+}
+
+#[test]
 fn c_kv_spaces() {
     c_test("kv");
 }

@@ -8,6 +8,25 @@ mod support;
 
 use std::process::Command;
 
+/// `python -m unittest` against the built library, on the host backend (unless a GPU run asks
+/// for CUDA) with two small devices, strict mode as given ("1" or "0"); arguments follow.
+fn unittest(python: &str, strict: &str) -> Command {
+    let repo = support::repo();
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "unittest"])
+        .current_dir(&repo)
+        .env("PYTHONPATH", repo.join("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("STRATA_LIB", support::library())
+        .env("STRATA_HOST_DEVICES", "2x512MiB")
+        .env("STRATA_HOST_STRICT", strict)
+        .env_remove("STRATA_HOST_LINK");
+    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
+        cmd.env("STRATA_BACKEND", "host");
+    }
+    cmd
+}
+
 #[test]
 fn python_package_unittests() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
@@ -19,22 +38,12 @@ fn python_package_unittests() {
         eprintln!("skipping the Python tests: {python} not found (set PYTHON to override)");
         return;
     }
-    let lib = support::library();
     let repo = support::repo();
-    let mut cmd = Command::new(&python);
-    cmd.args(["-m", "unittest", "discover", "-v", "-s"])
+    let out = unittest(&python, "1")
+        .args(["discover", "-v", "-s"])
         .arg(repo.join("python/tests"))
-        .current_dir(&repo)
-        .env("PYTHONPATH", repo.join("python"))
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("STRATA_LIB", &lib)
-        .env("STRATA_HOST_DEVICES", "2x512MiB")
-        .env("STRATA_HOST_STRICT", "1")
-        .env_remove("STRATA_HOST_LINK");
-    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
-        cmd.env("STRATA_BACKEND", "host");
-    }
-    let out = cmd.output().expect("run python3 -m unittest");
+        .output()
+        .expect("run python3 -m unittest");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
     assert!(out.status.success(), "Python tests failed:\n{stderr}");
@@ -56,21 +65,11 @@ fn python_kv_tensors_through_dlpack() {
         eprintln!("skipping the DLPack tests: {python} cannot import torch (.ci/run installs it)");
         return;
     }
-    let lib = support::library();
-    let repo = support::repo();
-    let mut cmd = Command::new(&python);
-    cmd.args(["-m", "unittest", "-v", "test_kv_torch"])
-        .current_dir(repo.join("python/tests"))
-        .env("PYTHONPATH", repo.join("python"))
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("STRATA_LIB", &lib)
-        .env("STRATA_HOST_DEVICES", "2x512MiB")
-        .env("STRATA_HOST_STRICT", "0")
-        .env_remove("STRATA_HOST_LINK");
-    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
-        cmd.env("STRATA_BACKEND", "host");
-    }
-    let out = cmd.output().expect("run python3 -m unittest");
+    let out = unittest(&python, "0")
+        .args(["-v", "test_kv_torch"])
+        .current_dir(support::repo().join("python/tests"))
+        .output()
+        .expect("run python3 -m unittest");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
     assert!(out.status.success(), "DLPack tests failed:\n{stderr}");

@@ -10,7 +10,10 @@ A thin ctypes layer over libstrata.so (no torch needed to import it):
     strata.wake("weights")                          # same addresses, contents restored
 
 PyTorch integration lives in `strata.torch` (imports torch lazily): `strata.torch.pool(tag)`
-(the MemPool route) and `strata.torch.use_globally()` (the global route).
+(the MemPool route) and `strata.torch.use_globally()` (the global route). Engines reach the rest
+through `strata.kv` (KV spaces: tensors at fixed addresses, exported by DLPack, spilled to host
+memory and disk), `strata.params` (MIRAGE parameter remapping) and `strata.harvest` (peer
+memory). Failures raise subclasses of StrataError (OutOfMemory, StaleHandle, InvalidArgument, ...).
 
 The library is found through $STRATA_LIB, next to this package, or in a source checkout's
 target/release or target/debug.

@@ -223,6 +223,35 @@ def lib():
     return _lib
 
 
+def binder(prototypes):
+    """A function returning the library with `prototypes` ({name: (restype, argtypes)})
+    declared, on first use: the modules over the optional calls (kv, params, harvest) declare
+    theirs this way."""
+    bound = []
+    lock = threading.Lock()
+
+    def bound_lib():
+        if not bound:
+            handle = lib()
+            with lock:
+                if not bound:
+                    for name, (restype, argtypes) in prototypes.items():
+                        fn = getattr(handle, name)
+                        fn.restype = restype
+                        fn.argtypes = argtypes
+                    bound.append(handle)
+        return bound[0]
+
+    return bound_lib
+
+
+def stream_handle(stream):
+    """A cudaStream_t value from None, an int or a torch stream (its `cuda_stream`)."""
+    if stream is None:
+        return None
+    return getattr(stream, "cuda_stream", stream) or None
+
+
 def loaded_path():
     """The path the library was loaded from (loads it if needed)."""
     lib()

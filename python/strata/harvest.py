@@ -62,25 +62,13 @@ PROTOTYPES = {
     ),
 }
 
-_bound = None
 _lock = threading.Lock()
 # Registered callbacks, kept alive until they ran: key -> (RevokeFn, Allocation, callable).
 _callbacks = {}
 _next_key = 0
 
 
-def _c():
-    global _bound
-    if _bound is None:
-        with _lock:
-            if _bound is None:
-                lib = _lib.lib()
-                for name, (restype, argtypes) in PROTOTYPES.items():
-                    fn = getattr(lib, name)
-                    fn.restype = restype
-                    fn.argtypes = argtypes
-                _bound = lib
-    return _bound
+_c = _lib.binder(PROTOTYPES)
 
 
 def _durability(d):

@@ -128,23 +128,9 @@ PROTOTYPES = {
     "strata_kv_check": (_int, [_u64]),
 }
 
-_bound = None
-_bind_lock = threading.Lock()
 
 
-def _c():
-    """The library with the KV prototypes declared."""
-    global _bound
-    if _bound is None:
-        with _bind_lock:
-            if _bound is None:
-                lib = _lib.lib()
-                for name, (restype, argtypes) in PROTOTYPES.items():
-                    fn = getattr(lib, name)
-                    fn.restype = restype
-                    fn.argtypes = argtypes
-                _bound = lib
-    return _bound
+_c = _lib.binder(PROTOTYPES)
 
 
 def _choice(table, value, what):
@@ -161,12 +147,6 @@ def _kind(kind):
 def _tier(tier):
     return _choice(_TIERS, tier, "tier")
 
-
-def _stream(stream):
-    """A cudaStream_t value from None, an int or a torch stream (its `cuda_stream`)."""
-    if stream is None:
-        return None
-    return getattr(stream, "cuda_stream", stream) or None
 
 
 def _handles(requests):
@@ -395,7 +375,7 @@ class KvSpace:
         """Every block of `requests` resident; `stream` waits on the copies (None: the default
         stream, which on the host backend means the copies are done on return)."""
         arr, n = _handles(list(requests))
-        _lib.check(_c().strata_kv_make_resident(self._space(), arr, n, _stream(stream)))
+        _lib.check(_c().strata_kv_make_resident(self._space(), arr, n, _lib.stream_handle(stream)))
 
     def hint(self, steps, stream=None):
         """Lookahead: `steps` is a list of the next steps' batches (lists of requests)."""
@@ -403,7 +383,7 @@ class KvSpace:
         flat = [r for s in steps for r in s]
         arr, _ = _handles(flat)
         counts = (ctypes.c_uint32 * max(len(steps), 1))(*[len(s) for s in steps])
-        _lib.check(_c().strata_kv_hint(self._space(), arr, counts, len(steps), _stream(stream)))
+        _lib.check(_c().strata_kv_hint(self._space(), arr, counts, len(steps), _lib.stream_handle(stream)))
 
     def queue(self, waiting):
         arr, n = _handles(list(waiting))
