@@ -37,12 +37,20 @@ impl Choice {
 
 /// Builds the backend `choice` names (host devices from `STRATA_HOST_*`).
 pub fn open(choice: Choice) -> Result<Arc<dyn Backend>> {
+    open_explained(choice).map(|(backend, _)| backend)
+}
+
+/// As [`open`], and for `Auto` falling back to the host emulation, why CUDA was not taken
+/// (the typed error's message: no driver library, no device, ...). `None` otherwise.
+pub fn open_explained(choice: Choice) -> Result<(Arc<dyn Backend>, Option<String>)> {
     match choice {
-        Choice::Cuda => crate::cuda::open(),
-        Choice::Host => crate::host::open(HostConfig::from_env()?),
+        Choice::Cuda => crate::cuda::open().map(|b| (b, None)),
+        Choice::Host => crate::host::open(HostConfig::from_env()?).map(|b| (b, None)),
         Choice::Auto => match crate::cuda::open() {
-            Ok(cuda) => Ok(cuda),
-            Err(Error::NoDriver(_) | Error::NoDevice(_)) => open(Choice::Host),
+            Ok(cuda) => Ok((cuda, None)),
+            Err(e @ (Error::NoDriver(_) | Error::NoDevice(_))) => {
+                open(Choice::Host).map(|b| (b, Some(e.to_string())))
+            }
             Err(other) => Err(other),
         },
     }
@@ -51,6 +59,11 @@ pub fn open(choice: Choice) -> Result<Arc<dyn Backend>> {
 /// Builds the backend the environment selects.
 pub fn from_env() -> Result<Arc<dyn Backend>> {
     open(Choice::from_env()?)
+}
+
+/// [`open_explained`] for the backend the environment selects.
+pub fn from_env_explained() -> Result<(Arc<dyn Backend>, Option<String>)> {
+    open_explained(Choice::from_env()?)
 }
 
 /// The process-wide backend, opened from the environment on first use. A failure is returned

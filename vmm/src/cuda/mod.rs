@@ -21,6 +21,8 @@
 
 mod blas;
 mod launch;
+#[cfg(test)]
+mod real_libs;
 pub mod result;
 
 use std::collections::{BTreeMap, HashMap};
