@@ -4,9 +4,7 @@
 //! Without the libraries each test prints why and passes as skipped.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 
 mod common;
 
@@ -14,23 +12,8 @@ mod common;
 #[path = "../src/table.rs"]
 mod table;
 
-use common::{cc, cuda_libs, report, shim};
+use common::{cuda_libs, probe, report, shim};
 use table::{proc_lookup, PROC_TABLE};
-
-/// The probe program, built once per test binary.
-fn probe() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("strata-preload-real");
-            std::fs::create_dir_all(&dir).expect("create the probe's directory");
-            let out = dir.join("real");
-            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/real/real.c");
-            cc(&["-o", &out.to_string_lossy(), &src.to_string_lossy(), "-ldl"]);
-            out
-        })
-        .clone()
-}
 
 /// Runs the probe in `mode` over the real libraries, preloaded or not; `None` when the
 /// libraries are not installed (the test is then skipped).

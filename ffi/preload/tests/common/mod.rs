@@ -74,3 +74,52 @@ pub fn report(outcome: &str, test: &str) {
         .expect("open STRATA_CUDA_REPORT");
     writeln!(file, "{outcome} preload::{test}").expect("write STRATA_CUDA_REPORT");
 }
+
+/// The probe program, built once per test binary.
+#[allow(dead_code)]
+pub fn probe() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("strata-preload-real");
+            std::fs::create_dir_all(&dir).expect("create the probe's directory");
+            let out = dir.join("real");
+            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/real/real.c");
+            cc(&["-o", &out.to_string_lossy(), &src.to_string_lossy(), "-ldl"]);
+            out
+        })
+        .clone()
+}
+
+/// A folder holding the emulated driver (`tests/cuda-emu`, built first) as `libcuda.so.1`.
+#[allow(dead_code)]
+pub fn emulator() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("current_exe");
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>/deps/<test>")
+                .to_path_buf();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build.args(["build", "--quiet", "-p", "strata-cuda-emu"]);
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            assert!(
+                build.status().expect("cargo build").success(),
+                "building the emulated driver failed"
+            );
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("strata-cuda-emu");
+            std::fs::create_dir_all(&dir).expect("create the emulator's directory");
+            let link = dir.join("libcuda.so.1");
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(profile_dir.join("libstrata_cuda_emu.so"), &link)
+                .expect("link libcuda.so.1");
+            dir
+        })
+        .clone()
+}

@@ -7,9 +7,13 @@
  *                 exactly one), or "null".
  *   real runtime  the runtime's cudaGetDeviceCount, cudaMalloc and cudaFree (looked up with
  *                 dlsym on the runtime's own handle, as frameworks do), one "key value" line each,
- *                 and whether strata owns the pointer. */
+ *                 and whether strata owns the pointer.
+ *   real driver   the driver's allocation calls as an engine makes them (primary context current,
+ *                 cuMemAlloc/cuMemFree, the stream-ordered pair, cuMemGetInfo), then cuMemAlloc on
+ *                 a thread with no current context; one "key value" line each. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,9 +98,69 @@ static int runtime(void) {
   return 0;
 }
 
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+typedef int (*free_fn)(unsigned long long);
+typedef int (*alloc_async_fn)(unsigned long long *, size_t, void *);
+typedef int (*free_async_fn)(unsigned long long, void *);
+
+static alloc_fn drv_alloc;
+
+static void *no_context_thread(void *arg) {
+  unsigned long long p = 0;
+  *(int *)arg = drv_alloc(&p, 1 << 20);
+  return NULL;
+}
+
+static int driver(void) {
+  void *cuda = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!cuda) {
+    fprintf(stderr, "dlopen libcuda.so.1: %s\n", dlerror());
+    return 1;
+  }
+  int (*init)(unsigned) = (int (*)(unsigned))dlsym(cuda, "cuInit");
+  int (*retain)(void **, int) = (int (*)(void **, int))dlsym(cuda, "cuDevicePrimaryCtxRetain");
+  int (*set_current)(void *) = (int (*)(void *))dlsym(cuda, "cuCtxSetCurrent");
+  int (*info)(size_t *, size_t *) = (int (*)(size_t *, size_t *))dlsym(cuda, "cuMemGetInfo_v2");
+  drv_alloc = (alloc_fn)dlsym(cuda, "cuMemAlloc_v2");
+  free_fn drv_free = (free_fn)dlsym(cuda, "cuMemFree_v2");
+  alloc_async_fn alloc_async = (alloc_async_fn)dlsym(cuda, "cuMemAllocAsync");
+  free_async_fn free_async = (free_async_fn)dlsym(cuda, "cuMemFreeAsync");
+  int (*owns)(unsigned long long) =
+      (int (*)(unsigned long long))dlsym(RTLD_DEFAULT, "strata_preload_owns");
+  if (!init || !retain || !set_current || !info || !drv_alloc || !drv_free || !alloc_async ||
+      !free_async) {
+    fprintf(stderr, "libcuda.so.1 lacks an entry point\n");
+    return 1;
+  }
+  void *ctx = NULL;
+  printf("cuInit %d\n", init(0));
+  printf("cuDevicePrimaryCtxRetain %d\n", retain(&ctx, 0));
+  printf("cuCtxSetCurrent %d\n", set_current(ctx));
+  unsigned long long p = 0;
+  printf("cuMemAlloc %d\n", drv_alloc(&p, 3 << 20));
+  printf("owned %d\n", p && owns ? owns(p) : 0);
+  printf("cuMemFree %d\n", drv_free(p));
+  printf("owned_after_free %d\n", p && owns ? owns(p) : 0);
+  unsigned long long q = 0;
+  printf("cuMemAllocAsync %d\n", alloc_async(&q, 1 << 20, NULL));
+  printf("async_owned %d\n", q && owns ? owns(q) : 0);
+  printf("cuMemFreeAsync %d\n", free_async(q, NULL));
+  size_t free_bytes = 0, total = 0;
+  printf("cuMemGetInfo %d\n", info(&free_bytes, &total));
+  printf("total %zu\n", total);
+  printf("free_below_total %d\n", free_bytes < total);
+  int rc = -1;
+  pthread_t t;
+  pthread_create(&t, NULL, no_context_thread, &rc);
+  pthread_join(t, NULL);
+  printf("cuMemAlloc_without_context %d\n", rc);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc == 2 && strcmp(argv[1], "table") == 0) return table();
   if (argc == 2 && strcmp(argv[1], "runtime") == 0) return runtime();
-  fprintf(stderr, "usage: real table|runtime\n");
+  if (argc == 2 && strcmp(argv[1], "driver") == 0) return driver();
+  fprintf(stderr, "usage: real table|runtime|driver\n");
   return 2;
 }
