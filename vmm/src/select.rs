@@ -61,6 +61,16 @@ pub fn from_env() -> Result<Arc<dyn Backend>> {
     open(Choice::from_env()?)
 }
 
+/// The host backend `config` describes or, with `STRATA_BACKEND=cuda`, the CUDA backend (its
+/// devices, sizes and granularity come from the driver, not from `config`). For the test suites,
+/// which run on both (CI: over the emulated driver).
+pub fn host_or_cuda(config: HostConfig) -> Result<Arc<dyn Backend>> {
+    match Choice::from_env()? {
+        Choice::Cuda => crate::cuda::open(),
+        _ => crate::host::open(config),
+    }
+}
+
 /// [`open_explained`] for the backend the environment selects.
 pub fn from_env_explained() -> Result<(Arc<dyn Backend>, Option<String>)> {
     open_explained(Choice::from_env()?)

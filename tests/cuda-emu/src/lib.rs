@@ -2,18 +2,20 @@
 //! host memory, so that `CudaBackend`, the C ABI and the preload shim run their CUDA code paths
 //! in CI without a GPU.
 //!
-//! It follows the driver API's documented semantics and result codes (CONTRIBUTING.md, "The
-//! emulated driver", lists each rule and its source):
+//! It follows the driver API's documented semantics and result codes (CONTRIBUTING.md, "Driver
+//! rules the emulator and the host backend follow", lists each rule and its source):
 //!
 //! - `cuInit` first, else `CUDA_ERROR_NOT_INITIALIZED`; devices from `STRATA_CUDA_EMU_DEVICES`
-//!   (`2x8GiB`: count × memory; default `2x8GiB`), 2 MiB granularity, compute capability 9.0;
+//!   (`2x8GiB`: count × memory, the default) and `STRATA_CUDA_EMU_GRANULARITY` (`2MiB`), compute
+//!   capability 9.0;
 //! - primary contexts with a per-thread current context: calls that work "in the current
 //!   context" (`cuMemGetInfo`, `cuMemAlloc*`, `cuMemHostAlloc`, streams, events, work on the
 //!   default stream) fail with `CUDA_ERROR_INVALID_CONTEXT` without one, and with
 //!   `CUDA_ERROR_CONTEXT_IS_DESTROYED` once its primary context was released;
 //! - VMM (`mem.rs`): reservations are `PROT_NONE` address space that the CPU can never touch
 //!   (device memory is not CPU-accessible, as on a GPU); physical memory is a `memfd` per handle,
-//!   shared by mappings and exportable as a file descriptor;
+//!   shared by mappings and exportable as a file descriptor; unmapping a range that queued work
+//!   still touches is a device fault (a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` from then on);
 //! - streams are in-order worker threads, events complete when their stream reaches them,
 //!   copies and fills really copy (`stream.rs`);
 //! - kernels are not emulated: `cuModuleLoadData` is `CUDA_ERROR_NOT_SUPPORTED`.
@@ -34,15 +36,21 @@ mod mem;
 mod proc;
 mod stream;
 
-/// Bytes of the mapping granularity (every location).
-pub(crate) const GRANULARITY: u64 = 2 << 20;
+/// Bytes of the mapping granularity (every location): `STRATA_CUDA_EMU_GRANULARITY`
+/// (`64KiB`, `2MiB`, ...; a power of two of at least 64 KiB), 2 MiB by default.
+static GRANULARITY: AtomicU64 = AtomicU64::new(2 << 20);
 
-/// Device memory an active primary context takes for itself (as a real context does: its
-/// free memory is below the device's total).
-const CONTEXT_BYTES: u64 = 32 << 20;
+pub(crate) fn granularity() -> u64 {
+    GRANULARITY.load(Ordering::Relaxed)
+}
 
-/// The driver version the emulator reports (CUDA 12.8; it does not export
-/// `cuMemcpyBatchAsync`, so callers must probe the symbol, not only the version).
+/// Device memory an active primary context takes for itself (one granule here; a real
+/// context's is larger): its free memory is below the device's total, as on a GPU.
+fn context_bytes() -> u64 {
+    granularity()
+}
+
+/// The driver version the emulator reports (CUDA 12.8, with `cuMemcpyBatchAsync`).
 const DRIVER_VERSION: c_int = 12080;
 
 /// One emulated device and its primary context.
@@ -80,9 +88,25 @@ pub(crate) use CUresult::CUDA_SUCCESS as SUCCESS;
 /// `Ok` or a driver error code.
 pub(crate) type Res<T = ()> = Result<T, CUresult>;
 
+/// A sticky error (as after a device fault): once set, every call returns it.
+static STICKY: AtomicU32 = AtomicU32::new(0);
+
+/// Records a device fault: `CUDA_ERROR_ILLEGAL_ADDRESS` from every later call, as a real
+/// context is unusable after a kernel or copy touched unmapped memory.
+pub(crate) fn fault(why: &str) {
+    eprintln!("strata-cuda-emu: device fault: {why}; every later call fails");
+    STICKY.store(
+        CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as u32,
+        Ordering::Release,
+    );
+}
+
 /// Turns a body's result into the code the C caller gets; a panic becomes
 /// `CUDA_ERROR_UNKNOWN` (never an unwind into C).
 pub(crate) fn api(f: impl FnOnce() -> Res) -> CUresult {
+    if STICKY.load(Ordering::Acquire) != 0 {
+        return CUresult::CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => SUCCESS,
         Ok(Err(code)) => code,
@@ -117,25 +141,37 @@ pub(crate) unsafe fn raw_u32(base: *const c_void, offset: usize) -> u32 {
     unsafe { base.cast::<u8>().add(offset).cast::<u32>().read_unaligned() }
 }
 
-/// Parses `STRATA_CUDA_EMU_DEVICES` (`NxSIZE`, SIZE with an optional KiB/MiB/GiB suffix).
+/// `SIZE` with an optional KiB/MiB/GiB suffix.
+fn parse_size(size: &str) -> Option<u64> {
+    let size = size.trim();
+    let (digits, unit) = size
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((size, ""), |i| size.split_at(i));
+    let unit = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(unit)
+}
+
+/// Reads `STRATA_CUDA_EMU_GRANULARITY` and `STRATA_CUDA_EMU_DEVICES` (`NxSIZE`).
 fn device_config() -> Vec<u64> {
+    if let Ok(spec) = std::env::var("STRATA_CUDA_EMU_GRANULARITY") {
+        match parse_size(&spec).filter(|g| g.is_power_of_two() && *g >= 64 << 10) {
+            Some(g) => GRANULARITY.store(g, Ordering::Relaxed),
+            None => eprintln!("strata-cuda-emu: bad STRATA_CUDA_EMU_GRANULARITY={spec:?}; 2MiB"),
+        }
+    }
     let spec = std::env::var("STRATA_CUDA_EMU_DEVICES").unwrap_or_else(|_| "2x8GiB".into());
     let parse = |s: &str| -> Option<Vec<u64>> {
         let (n, size) = s.trim().split_once('x')?;
         let n: usize = n.parse().ok()?;
-        let size = size.trim();
-        let (digits, unit) = size
-            .find(|c: char| !c.is_ascii_digit())
-            .map_or((size, ""), |i| size.split_at(i));
-        let unit = match unit {
-            "" | "B" => 1,
-            "KiB" => 1 << 10,
-            "MiB" => 1 << 20,
-            "GiB" => 1 << 30,
-            _ => return None,
-        };
-        let bytes = digits.parse::<u64>().ok()?.checked_mul(unit)?;
-        (n > 0 && bytes >= CONTEXT_BYTES + GRANULARITY).then(|| vec![bytes; n])
+        let bytes = parse_size(size)?;
+        let g = granularity();
+        (n > 0 && bytes % g == 0 && bytes >= 2 * g).then(|| vec![bytes; n])
     };
     parse(&spec).unwrap_or_else(|| {
         eprintln!("strata-cuda-emu: bad STRATA_CUDA_EMU_DEVICES={spec:?}; using 2x8GiB");
@@ -297,7 +333,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, dev: CUde
         let d = &emu.devices[device_index(emu, dev)?];
         out(ctx, ctx_value(d) as CUcontext)?;
         if d.retains.fetch_add(1, Ordering::AcqRel) == 0 {
-            d.used.fetch_add(CONTEXT_BYTES, Ordering::AcqRel);
+            d.used.fetch_add(context_bytes(), Ordering::AcqRel);
         }
         Ok(())
     })
@@ -331,7 +367,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult
         if n == 1 {
             stream::destroy_context_objects(index);
             mem::free_context_allocations(index);
-            d.used.fetch_sub(CONTEXT_BYTES, Ordering::AcqRel);
+            d.used.fetch_sub(context_bytes(), Ordering::AcqRel);
         }
         Ok(())
     })
@@ -405,6 +441,10 @@ fn error_strings() -> &'static HashMap<u32, (CString, CString)> {
             (R::CUDA_ERROR_NOT_FOUND, "named symbol not found"),
             (R::CUDA_ERROR_NOT_READY, "device not ready"),
             (R::CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+            (
+                R::CUDA_ERROR_ILLEGAL_ADDRESS,
+                "an illegal memory access was encountered",
+            ),
             (R::CUDA_ERROR_UNKNOWN, "unknown error"),
         ]
         .into_iter()
@@ -418,10 +458,13 @@ fn error_strings() -> &'static HashMap<u32, (CString, CString)> {
 }
 
 fn error_string(code: c_uint, out_ptr: *mut *const c_char, name: bool) -> CUresult {
-    api(|| {
-        let (n, s) = error_strings().get(&code).ok_or(INVALID_VALUE)?;
-        out(out_ptr, if name { n.as_ptr() } else { s.as_ptr() })
-    })
+    let Some((n, s)) = error_strings().get(&code) else {
+        return INVALID_VALUE;
+    };
+    match out(out_ptr, if name { n.as_ptr() } else { s.as_ptr() }) {
+        Ok(()) => SUCCESS,
+        Err(e) => e,
+    }
 }
 
 /// Works before `cuInit`, as the driver's does.

@@ -21,7 +21,7 @@ use cudarc::driver::sys::{
 use parking_lot::Mutex;
 
 use crate::{
-    api, current_device, device_index, emu, out, raw_u32, Res, GRANULARITY, INVALID_VALUE,
+    api, current_device, device_index, emu, granularity, out, raw_u32, Res, INVALID_VALUE,
     NOT_SUPPORTED, OUT_OF_MEMORY,
 };
 
@@ -110,7 +110,7 @@ fn with_state<T>(f: impl FnOnce(&mut State) -> Res<T>) -> Res<T> {
 }
 
 fn aligned(v: u64) -> bool {
-    v % GRANULARITY == 0
+    v % granularity() == 0
 }
 
 /// The place a caller's `CUmemLocation` names (validated).
@@ -280,7 +280,7 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
         if option > 1 {
             return Err(INVALID_VALUE);
         }
-        out(granularity, GRANULARITY as usize)
+        out(granularity, crate::granularity() as usize)
     })
 }
 
@@ -288,7 +288,7 @@ fn reserve(size: u64, alignment: u64) -> Res<u64> {
     if size == 0 || !aligned(size) || (alignment != 0 && !alignment.is_power_of_two()) {
         return Err(INVALID_VALUE);
     }
-    let align = alignment.max(GRANULARITY);
+    let align = alignment.max(granularity());
     let len = size.checked_add(align).ok_or(INVALID_VALUE)?;
     let len = usize::try_from(len).map_err(|_| INVALID_VALUE)?;
     // SAFETY: fresh inaccessible address space at a kernel-chosen address.
@@ -424,7 +424,7 @@ pub unsafe extern "C" fn cuMemMap(
             if !inside || overlap {
                 return Err(INVALID_VALUE);
             }
-            let granules = (size / GRANULARITY) as usize;
+            let granules = (size / granularity()) as usize;
             s.mappings.insert(
                 ptr,
                 Mapping {
@@ -475,7 +475,14 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
             return Err(INVALID_VALUE);
         }
         with_state(|s| {
-            for m in covering(s, ptr, size, true)? {
+            let maps = covering(s, ptr, size, true)?;
+            if crate::stream::touched_in_flight(ptr, size) {
+                // The driver does not wait: the queued copy would touch unmapped memory.
+                crate::fault(&format!(
+                    "cuMemUnmap({ptr:#x}, {size:#x}) while queued work still uses the range"
+                ));
+            }
+            for m in maps {
                 s.mappings.remove(&m);
             }
             Ok(())
@@ -530,7 +537,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
                 let map = s.mappings.get_mut(&m).expect("covering found it");
                 let from = ptr.max(m);
                 let to = end.min(m + map.size);
-                for g in ((from - m) / GRANULARITY)..((to - m) / GRANULARITY) {
+                for g in ((from - m) / granularity())..((to - m) / granularity()) {
                     for &(place, flags) in &grants {
                         let (mask, set) = bits(place, flags);
                         let a = &mut map.access[g as usize];
@@ -561,7 +568,7 @@ pub unsafe extern "C" fn cuMemGetAccess(
         let a = with_state(|s| {
             let m = covering(s, ptr, 1, false)?[0];
             let map = &s.mappings[&m];
-            Ok(map.access[((ptr - m) / GRANULARITY) as usize])
+            Ok(map.access[((ptr - m) / granularity()) as usize])
         })?;
         let (mask, _) = bits(place, 3);
         let got = (a & mask) >> mask.trailing_zeros();
@@ -774,7 +781,7 @@ fn alloc(size: usize) -> Res<u64> {
         return Err(INVALID_VALUE);
     }
     let size = (size as u64)
-        .checked_next_multiple_of(GRANULARITY)
+        .checked_next_multiple_of(granularity())
         .ok_or(OUT_OF_MEMORY)?;
     let phys = new_phys(Place::Device(d), size, false)?;
     let va = reserve(size, 0)?;
@@ -786,7 +793,7 @@ fn alloc(size: usize) -> Res<u64> {
                 size,
                 phys,
                 offset: 0,
-                access: vec![set; (size / GRANULARITY) as usize],
+                access: vec![set; (size / granularity()) as usize],
             },
         );
         s.allocs.insert(va, (d, size));
@@ -843,19 +850,19 @@ pub unsafe extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
     })
 }
 
-fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream, per_thread: bool) -> Res {
+fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> Res {
     // The stream must be valid in the current context; memory allocated now is valid at
     // every later point of the stream.
-    crate::stream::target(stream, per_thread)?;
+    crate::stream::target(stream)?;
     if dptr.is_null() {
         return Err(INVALID_VALUE);
     }
     out(dptr, alloc(size)?)
 }
 
-fn free_async(ptr: CUdeviceptr, stream: CUstream, per_thread: bool) -> Res {
+fn free_async(ptr: CUdeviceptr, stream: CUstream) -> Res {
     with_state(|s| s.allocs.get(&ptr).map(drop).ok_or(INVALID_VALUE))?;
-    let target = crate::stream::target(stream, per_thread)?;
+    let target = crate::stream::target(stream)?;
     crate::stream::submit(
         &target,
         Box::new(move || {
@@ -874,7 +881,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(
     size: usize,
     stream: CUstream,
 ) -> CUresult {
-    api(|| alloc_async(dptr, size, stream, false))
+    api(|| alloc_async(dptr, size, stream))
 }
 
 /// # Safety
@@ -886,7 +893,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     size: usize,
     stream: CUstream,
 ) -> CUresult {
-    api(|| alloc_async(dptr, size, stream, true))
+    api(|| alloc_async(dptr, size, stream))
 }
 
 /// # Safety
@@ -894,7 +901,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
 /// As the driver's `cuMemFreeAsync`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    api(|| free_async(ptr, stream, false))
+    api(|| free_async(ptr, stream))
 }
 
 /// # Safety
@@ -902,7 +909,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream) -> C
 /// As the driver's `cuMemFreeAsync_ptsz`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    api(|| free_async(ptr, stream, true))
+    api(|| free_async(ptr, stream))
 }
 
 /// One contiguous piece of a copy's source or destination, as a CPU address the copy engine
@@ -956,8 +963,8 @@ pub(crate) fn resolve(ptr: u64, len: u64, device: usize, write: bool) -> Res<End
             let map = &s.mappings[&m];
             let from = ptr.max(m);
             let to = end.min(m + map.size);
-            let first = (from - m) / GRANULARITY;
-            let last = (to - 1 - m) / GRANULARITY;
+            let first = (from - m) / granularity();
+            let last = (to - 1 - m) / granularity();
             if (first..=last).any(|g| map.access[g as usize] & need != need) {
                 return Err(INVALID_VALUE);
             }

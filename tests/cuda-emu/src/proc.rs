@@ -114,6 +114,7 @@ fn table() -> &'static [(&'static str, c_int, *const c_void, *const c_void)] {
                 one("cuEventQuery", 2000, f!(cuEventQuery)),
                 one("cuEventSynchronize", 2000, f!(cuEventSynchronize)),
                 one("cuMemcpyAsync", 4000, f!(cuMemcpyAsync)),
+                one("cuMemcpyBatchAsync", 12080, f!(cuMemcpyBatchAsync)),
                 one("cuMemsetD8Async", 3020, f!(cuMemsetD8Async)),
                 one("cuModuleLoadData", 2000, f!(cuModuleLoadData)),
                 one("cuGetProcAddress", 12000, f!(cuGetProcAddress_v2)),

@@ -12,7 +12,7 @@ use std::ffi::{c_uint, c_void};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUdeviceptr, CUevent, CUresult, CUstream};
+use cudarc::driver::sys::{CUdeviceptr, CUevent, CUmemcpyAttributes, CUresult, CUstream};
 use parking_lot::{Condvar, Mutex};
 
 use crate::mem::{resolve, Endpoint, Piece};
@@ -136,7 +136,7 @@ const PER_THREAD: usize = 2;
 
 /// The target of `stream` for work queued with the current context (a created stream must
 /// belong to it).
-pub(crate) fn target(stream: CUstream, _per_thread: bool) -> Res<Target> {
+pub(crate) fn target(stream: CUstream) -> Res<Target> {
     let d = current_device()?;
     match stream as usize {
         0 | LEGACY | PER_THREAD => {
@@ -167,6 +167,52 @@ pub(crate) fn submit(target: &Target, op: Op) {
     match target {
         Target::Now(_) => op(),
         Target::Stream(s) => s.submit(op),
+    }
+}
+
+/// Device VA ranges that queued, not yet finished, copies and fills touch.
+#[derive(Default)]
+struct Busy {
+    next: u64,
+    /// operation id → its `(va, len)` ranges
+    ranges: HashMap<u64, Vec<(u64, u64)>>,
+}
+
+static IN_FLIGHT: Mutex<Option<Busy>> = Mutex::new(None);
+
+/// Registers `ranges` as in flight until the returned guard drops (in the operation).
+fn in_flight(ranges: Vec<(u64, u64)>) -> InFlight {
+    let mut g = IN_FLIGHT.lock();
+    let busy = g.get_or_insert_with(Busy::default);
+    busy.next += 1;
+    busy.ranges.insert(busy.next, ranges);
+    InFlight(busy.next)
+}
+
+struct InFlight(u64);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(busy) = IN_FLIGHT.lock().as_mut() {
+            busy.ranges.remove(&self.0);
+        }
+    }
+}
+
+/// True when queued work still touches `va..va+len` (unmapping it now would fault the device).
+pub(crate) fn touched_in_flight(va: u64, len: u64) -> bool {
+    IN_FLIGHT.lock().as_ref().is_some_and(|busy| {
+        busy.ranges
+            .values()
+            .flatten()
+            .any(|&(a, n)| a < va.saturating_add(len) && va < a.saturating_add(n))
+    })
+}
+
+fn device_ranges(e: &Endpoint, va: u64, len: u64) -> Vec<(u64, u64)> {
+    match e {
+        Endpoint::Device(_) => vec![(va, len)],
+        _ => Vec::new(),
     }
 }
 
@@ -240,7 +286,7 @@ pub unsafe extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
     api(|| {
         match stream as usize {
             0 | LEGACY | PER_THREAD => {
-                target(stream, false)?;
+                target(stream)?;
             }
             id => {
                 let s = tables(|t| t.streams.get(&id).cloned()).ok_or(INVALID_HANDLE)?;
@@ -300,7 +346,7 @@ pub unsafe extern "C" fn cuEventDestroy_v2(e: CUevent) -> CUresult {
 pub unsafe extern "C" fn cuEventRecord(e: CUevent, stream: CUstream) -> CUresult {
     api(|| {
         let ev = event(e)?;
-        let target = target(stream, false)?;
+        let target = target(stream)?;
         if target.device() != ev.device {
             return Err(INVALID_HANDLE);
         }
@@ -360,7 +406,7 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
             return Err(INVALID_VALUE);
         }
         let ev = event(e)?;
-        let target = target(stream, false)?;
+        let target = target(stream)?;
         let generation = ev.state.lock().0;
         submit(&target, Box::new(move || ev.wait_for(generation)));
         Ok(())
@@ -414,6 +460,61 @@ unsafe fn copy_spans(dst: &[Span], src: &[Span]) {
     }
 }
 
+/// A copy validated for `target` and ready to queue.
+struct Copy {
+    op: Op,
+    /// Into pageable memory: the call returns once it completed.
+    wait: bool,
+}
+
+/// Validates one copy of `len` bytes for the target's device; `stage` snapshots the source
+/// now (pageable memory, or a batch's `DURING_API_CALL` order).
+fn prepare_copy(target: &Target, dst: u64, src: u64, len: u64, stage: bool) -> Res<Copy> {
+    let d = target.device();
+    let to = resolve(dst, len, d, true)?;
+    let from = resolve(src, len, d, false)?;
+    let staged: Option<Vec<u8>> = match &from {
+        Endpoint::Pageable(p) => Some(p),
+        Endpoint::Pinned(p) if stage => Some(p),
+        _ => None,
+    }
+    // SAFETY: the caller's host range is readable during the call.
+    .map(|p| unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len) }.to_vec());
+    let wait = matches!(to, Endpoint::Pageable(_));
+    let mut ranges = device_ranges(&to, dst, len);
+    ranges.extend(device_ranges(&from, src, len));
+    let busy = in_flight(ranges);
+    let (dst_pieces, src_pieces) = (pieces(to), pieces(from));
+    let src_spans = match &staged {
+        Some(v) => vec![Span {
+            addr: v.as_ptr() as usize,
+            len: v.len(),
+        }],
+        None => spans(&src_pieces),
+    };
+    let dst_spans = spans(&dst_pieces);
+    let op: Op = Box::new(move || {
+        // SAFETY: device spans are views of memory kept alive by the pieces moved here; host
+        // spans are valid until completion (the caller's contract); the staging vector moves
+        // with the closure.
+        unsafe { copy_spans(&dst_spans, &src_spans) };
+        drop((dst_pieces, src_pieces, staged, busy));
+    });
+    Ok(Copy { op, wait })
+}
+
+fn queue(target: &Target, copies: Vec<Copy>) {
+    let wait = copies.iter().any(|c| c.wait);
+    for c in copies {
+        submit(target, c.op);
+    }
+    if wait {
+        if let Target::Stream(s) = target {
+            s.synchronize();
+        }
+    }
+}
+
 /// # Safety
 ///
 /// As the driver's `cuMemcpyAsync`: host ranges valid until the copy completes.
@@ -425,44 +526,87 @@ pub unsafe extern "C" fn cuMemcpyAsync(
     stream: CUstream,
 ) -> CUresult {
     api(|| {
-        let target = target(stream, false)?;
+        let target = target(stream)?;
         if len == 0 {
             return Ok(());
         }
-        let d = target.device();
-        let to = resolve(dst, len as u64, d, true)?;
-        let from = resolve(src, len as u64, d, false)?;
-        // Pageable source: staged now, so the caller may reuse it when the call returns.
-        let staged: Option<Vec<u8>> = match &from {
-            Endpoint::Pageable(p) => {
-                // SAFETY: the caller's host range is readable during the call.
-                Some(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len) }.to_vec())
+        let copy = prepare_copy(&target, dst, src, len as u64, false)?;
+        queue(&target, vec![copy]);
+        Ok(())
+    })
+}
+
+/// The CUDA 12.8 batch: every copy validated before any is queued; `failIdx` names the copy
+/// that failed (`SIZE_MAX` when the failure is not one copy's). Not on the legacy default
+/// stream; `attrsIdxs` starts at 0 and increases strictly; a valid `srcAccessOrder` each.
+///
+/// # Safety
+///
+/// As the driver's `cuMemcpyBatchAsync` (12.8 ABI): the arrays hold `count` and `num_attrs`
+/// entries.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyBatchAsync(
+    dsts: *const CUdeviceptr,
+    srcs: *const CUdeviceptr,
+    sizes: *const usize,
+    count: usize,
+    attrs: *const CUmemcpyAttributes,
+    attrs_idxs: *const usize,
+    num_attrs: usize,
+    fail_idx: *mut usize,
+    stream: CUstream,
+) -> CUresult {
+    api(|| {
+        let _ = out(fail_idx, usize::MAX);
+        let ptrs_ok = !(dsts.is_null() || srcs.is_null() || sizes.is_null());
+        let attrs_ok = !(attrs.is_null() || attrs_idxs.is_null());
+        if count == 0 || !ptrs_ok || !attrs_ok || num_attrs == 0 || num_attrs > count {
+            return Err(INVALID_VALUE);
+        }
+        if matches!(stream as usize, 0 | LEGACY) {
+            return Err(INVALID_VALUE);
+        }
+        let target = target(stream)?;
+        // SAFETY: the caller's arrays hold `count` / `num_attrs` entries.
+        let (dsts, srcs, sizes, idxs) = unsafe {
+            (
+                std::slice::from_raw_parts(dsts, count),
+                std::slice::from_raw_parts(srcs, count),
+                std::slice::from_raw_parts(sizes, count),
+                std::slice::from_raw_parts(attrs_idxs, num_attrs),
+            )
+        };
+        if idxs[0] != 0 || idxs.windows(2).any(|w| w[1] <= w[0]) || idxs[num_attrs - 1] >= count {
+            return Err(INVALID_VALUE);
+        }
+        let mut copies = Vec::with_capacity(count);
+        for i in 0..count {
+            let a = idxs.partition_point(|&start| start <= i) - 1;
+            // SAFETY: `a < num_attrs` entries of the caller's array; the enum field is read as
+            // a raw integer at its offset in cudarc's binding.
+            let order = unsafe {
+                crate::raw_u32(
+                    attrs.add(a).cast(),
+                    std::mem::offset_of!(CUmemcpyAttributes, srcAccessOrder),
+                )
+            };
+            if !(1..=3).contains(&order) {
+                let _ = out(fail_idx, i);
+                return Err(INVALID_VALUE);
             }
-            _ => None,
-        };
-        let wait = matches!(to, Endpoint::Pageable(_));
-        let (dst_pieces, src_pieces) = (pieces(to), pieces(from));
-        let src_spans = match &staged {
-            Some(v) => vec![Span {
-                addr: v.as_ptr() as usize,
-                len: v.len(),
-            }],
-            None => spans(&src_pieces),
-        };
-        let dst_spans = spans(&dst_pieces);
-        let op: Op = Box::new(move || {
-            // SAFETY: device spans are views of memory kept alive by the pieces moved here;
-            // host spans are valid until completion (the caller's contract); the staging
-            // vector moves with the closure.
-            unsafe { copy_spans(&dst_spans, &src_spans) };
-            drop((dst_pieces, src_pieces, staged));
-        });
-        submit(&target, op);
-        if wait {
-            if let Target::Stream(s) = &target {
-                s.synchronize();
+            if sizes[i] == 0 {
+                continue;
+            }
+            // DURING_API_CALL (2): the source is read before the call returns.
+            match prepare_copy(&target, dsts[i], srcs[i], sizes[i] as u64, order == 2) {
+                Ok(c) => copies.push(c),
+                Err(e) => {
+                    let _ = out(fail_idx, i);
+                    return Err(e);
+                }
             }
         }
+        queue(&target, copies);
         Ok(())
     })
 }
@@ -485,7 +629,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(
     stream: CUstream,
 ) -> CUresult {
     api(|| {
-        let target = target(stream, false)?;
+        let target = target(stream)?;
         if len == 0 {
             return Ok(());
         }
@@ -493,6 +637,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(
             return Err(INVALID_VALUE);
         };
         let dst_spans = spans(&pieces);
+        let busy = in_flight(vec![(dst, len as u64)]);
         submit(
             &target,
             Box::new(move || {
@@ -500,7 +645,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(
                     // SAFETY: views of device memory kept alive by `pieces`.
                     unsafe { std::ptr::write_bytes(s.addr as *mut u8, value, s.len) };
                 }
-                drop(pieces);
+                drop((pieces, busy));
             }),
         );
         Ok(())
@@ -521,4 +666,50 @@ pub unsafe extern "C" fn cuModuleLoadData(
         current_device()?;
         Err(crate::NOT_SUPPORTED)
     })
+}
+
+/// Never reached (no module loads).
+///
+/// # Safety
+///
+/// As the driver's `cuModuleUnload`.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleUnload(_module: *mut c_void) -> CUresult {
+    api(|| Err(INVALID_HANDLE))
+}
+
+/// Never reached (no module loads).
+///
+/// # Safety
+///
+/// As the driver's `cuModuleGetFunction`.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleGetFunction(
+    _function: *mut *mut c_void,
+    _module: *mut c_void,
+    _name: *const std::ffi::c_char,
+) -> CUresult {
+    api(|| Err(INVALID_HANDLE))
+}
+
+/// Kernels are not emulated.
+///
+/// # Safety
+///
+/// As the driver's `cuLaunchKernel`.
+#[no_mangle]
+pub unsafe extern "C" fn cuLaunchKernel(
+    _f: *mut c_void,
+    _grid_x: c_uint,
+    _grid_y: c_uint,
+    _grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    _stream: CUstream,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    api(|| Err(crate::NOT_SUPPORTED))
 }

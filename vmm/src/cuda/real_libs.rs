@@ -2,21 +2,17 @@
 //! (`libcuda.so.1`, CUDA 12.2 from Debian's `libcuda1`) and NVRTC (`libnvrtc.so.12`), installed
 //! by `.ci/cuda-libs` into `target/cuda-libs/lib` (or the folder `STRATA_CUDA_LIBS` names).
 //!
-//! cudarc loads each library once per process by name, so every test re-runs itself in a child
-//! process with that folder on `LD_LIBRARY_PATH` (`STRATA_REAL_CUDA_CHILD` set) and checks the
-//! child passed. Without the libraries a test prints why and passes as skipped; with
+//! Every test re-runs itself in a child process with that folder on `LD_LIBRARY_PATH`
+//! (`child.rs`). Without the libraries a test prints why and passes as skipped; with
 //! `STRATA_CUDA_REPORT` set, each appends `ran NAME` or `skipped NAME` to that file (`.ci/run`
 //! counts them).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use super::{launch, result, CudaBackend};
 use crate::error::Error;
 use crate::types::BackendKind;
-
-const CHILD: &str = "STRATA_REAL_CUDA_CHILD";
 
 /// The folder holding NVIDIA's libraries, when they are installed.
 fn libs() -> Option<PathBuf> {
@@ -39,40 +35,24 @@ fn report(outcome: &str, test: &str) {
 }
 
 /// True in the child (run the checks). In the parent: runs `test` in a child with the libraries
-/// on the library path and asserts it passed (or prints that it is skipped), then returns false.
+/// on the library path (or prints that it is skipped), then returns false.
 fn in_child(test: &str) -> bool {
-    if std::env::var_os(CHILD).is_some() {
+    if super::child::is_child() {
         return true;
     }
-    let test = format!(
+    let name = format!(
         "{}::{test}",
         module_path!().trim_start_matches("strata_vmm::")
     );
     let Some(dir) = libs() else {
         eprintln!(
-            "skipped {test}: NVIDIA's CUDA libraries are not installed (run .ci/cuda-libs or set STRATA_CUDA_LIBS)"
+            "skipped {name}: NVIDIA's CUDA libraries are not installed (run .ci/cuda-libs or set STRATA_CUDA_LIBS)"
         );
-        report("skipped", &test);
+        report("skipped", &name);
         return false;
     };
-    let out = Command::new(std::env::current_exe().expect("current_exe"))
-        .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .env("LD_LIBRARY_PATH", &dir)
-        .env_remove("STRATA_BACKEND")
-        .output()
-        .expect("re-run the test binary");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "{test} over the real libraries in {}:\n{text}",
-        dir.display()
-    );
-    report("ran", &test);
+    super::child::rerun(module_path!(), test, dir.as_os_str(), &[]);
+    report("ran", &name);
     false
 }
 
