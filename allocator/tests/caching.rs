@@ -10,7 +10,7 @@ use strata_allocator::{
     CachingAllocator, CachingConfig, Error, MemoryResource, PagePool, PoolConfig,
 };
 use strata_kernels::pattern;
-use strata_vmm::host::{self, FaultOp, Link, LinkModel, OpGate};
+use strata_vmm::host::{FaultOp, Link, LinkModel, OpGate};
 use strata_vmm::{Backend, CopyDesc, HostBackend, HostConfig, StreamHandle};
 
 const MIB: u64 = 1 << 20;
@@ -24,7 +24,7 @@ struct Env {
 }
 
 fn host_backend(device_bytes: u64, link: Option<LinkModel>) -> Arc<dyn Backend> {
-    host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: vec![device_bytes],
         granularity: PAGE,
         strict: true,

@@ -28,7 +28,9 @@ pub use raii::{
     check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
     Reservation, Stream,
 };
-pub use select::{from_env, global, open, open_with, Choice};
+pub use select::{
+    from_env, from_env_explained, global, host_or_cuda, open, open_explained, open_with, Choice,
+};
 pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,

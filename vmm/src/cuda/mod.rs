@@ -21,8 +21,14 @@
 //! an event can only be recorded on a stream of its own context).
 
 mod blas;
+#[cfg(test)]
+mod child;
+#[cfg(test)]
+mod emulated;
 mod launch;
 pub mod nvrtc;
+#[cfg(test)]
+mod real_libs;
 pub mod result;
 mod work;
 
@@ -841,6 +847,9 @@ impl Backend for CudaBackend {
         state
             .table
             .check_set_access(va, size, grants, granularity)?;
+        state.table.check_host_grants(va, size, grants, |h| {
+            state.handles.get(&h.0).map(|info| info.location)
+        })?;
         let descs = grants
             .iter()
             .map(|&(l, a)| self.access_desc(l, a))
