@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod replay;
 pub mod tiered;
 
 pub use strata_allocator as allocator;
