@@ -47,6 +47,7 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode, strata::Error> {
         "peak reserved",
         "reserved ÷ allocated",
         "ns per op",
+        "pages mapped",
     ]);
     let mut failed = false;
     for file in &args.files {
@@ -86,6 +87,7 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode, strata::Error> {
             size(report.peak_reserved),
             format!("{:.3}", report.ratio()),
             format!("{:.0}", report.ns_per_op()),
+            report.map_calls.to_string(),
         ]);
         if let Some(plot) = &args.plot {
             let path = plot_path(plot, file, args.files.len() > 1);

@@ -31,6 +31,8 @@ pub struct ReplayReport {
     pub peak_reserved: u64,
     /// Time spent in allocate and free calls (the whole loop).
     pub elapsed: Duration,
+    /// Pages mapped during the replay (fresh or recycled).
+    pub map_calls: u64,
     pub samples: Vec<Sample>,
 }
 
@@ -140,6 +142,7 @@ pub fn replay(
         peak_allocated: stats.peak_allocated_bytes,
         peak_reserved: stats.peak_reserved_bytes,
         elapsed,
+        map_calls: stats.counts.map_calls,
         samples,
     })
 }

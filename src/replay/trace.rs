@@ -316,7 +316,8 @@ mod tests {
 
     #[test]
     fn csv_with_header_comments_and_unmatched_frees() {
-        let text = "op,id,bytes\n# a comment\nalloc,1,4096\nalloc,2,100\nfree,7,5\nfree,1,4096\nfree,2\n";
+        let text =
+            "op,id,bytes\n# a comment\nalloc,1,4096\nalloc,2,100\nfree,7,5\nfree,1,4096\nfree,2\n";
         let t = Trace::from_csv(text.as_bytes()).unwrap();
         assert_eq!(t.format, Format::Csv);
         assert_eq!(t.counts(), (2, 2));

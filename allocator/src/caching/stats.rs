@@ -79,6 +79,10 @@ pub struct AllocatorStats {
     pub mapped_pages: u64,
     /// Bytes of freed large runs kept mapped for reuse.
     pub cached_large_bytes: u64,
+    /// Bytes of pages held by large segments (live large blocks and the free room between
+    /// and after them), and the free part of them.
+    pub large_segment_bytes: u64,
+    pub large_free_bytes: u64,
     pub peak_allocated_bytes: u64,
     pub peak_allocated_block_bytes: u64,
     pub peak_reserved_bytes: u64,
