@@ -146,3 +146,59 @@ pub fn replay(
         samples,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use strata_allocator::{CachingConfig, PagePool, PoolConfig};
+    use strata_vmm::host::{self, HostConfig};
+
+    use super::*;
+
+    fn traces() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/traces")
+    }
+
+    fn replay_fresh(trace: &Trace) -> ReplayReport {
+        let backend = host::open(HostConfig {
+            devices: vec![4 << 30],
+            granularity: 2 << 20,
+            strict: true,
+            link: None,
+        })
+        .expect("host backend");
+        let pool = PagePool::new(backend, 0, PoolConfig::default()).expect("pool");
+        let alloc = CachingAllocator::new(pool, CachingConfig::default()).expect("allocator");
+        let report = replay(&alloc, trace, StreamHandle::DEFAULT, Some(1000)).expect("replay");
+        alloc.check_invariants().expect("invariants");
+        report
+    }
+
+    #[test]
+    fn a_python_pickled_snapshot_reads_like_its_csv() {
+        // The snapshot is the training trace written in `_dump_snapshot`'s format by Python's
+        // pickle (alloc, free_requested, free_completed; no GPU was at hand to record one).
+        let csv = Trace::load(&traces().join("llama-train.csv.gz"), None).unwrap();
+        let snap = Trace::load(&traces().join("llama-train-as-snapshot.pickle.gz"), None).unwrap();
+        assert_eq!((csv.format, snap.format), (Format::Csv, Format::Snapshot));
+        assert_eq!(csv.ops, snap.ops);
+        assert_eq!(snap.unmatched_frees, 0);
+    }
+
+    #[test]
+    fn committed_training_traces_reserve_at_most_five_percent_over_their_peak() {
+        for name in ["llama-train.csv.gz", "llama-mix.csv.gz"] {
+            let trace = Trace::load(&traces().join(name), None).unwrap();
+            let report = replay_fresh(&trace);
+            assert_eq!(report.failed, 0);
+            assert_eq!(report.peak_allocated, trace.peak_live_bytes(), "{name}");
+            assert!(report.ratio() <= 1.05, "{name}: {:.3}", report.ratio());
+            assert!(report.samples.len() as u64 > report.ops / 1000);
+            assert!(report
+                .samples
+                .iter()
+                .all(|s| s.allocated <= s.reserved && s.reserved <= report.peak_reserved));
+        }
+    }
+}
