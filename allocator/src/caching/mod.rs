@@ -3,7 +3,9 @@
 //! - **Small sizes** (below [`CachingConfig::small_threshold`], 1 MiB by default) are rounded to
 //!   a size class (multiples of 256 B, four geometric sub-steps per power of two) and carved from
 //!   runs of a few 1/32-page chunks inside pages shared by all classes of a tag (classes larger
-//!   than a page: segments of their own). Freed blocks go back to their class's free list. Pages
+//!   than a page: segments of their own). Freed blocks go back to their class's free list;
+//!   when a tag's pages have no room for a new run, runs whose blocks are all free return to
+//!   their page for any class before a page is mapped. Pages
 //!   and bins are per tag, so blocks of two tags never share a page.
 //! - **Large sizes** are rounded to 512 bytes and placed in *large segments*: runs of whole
 //!   pages mapped, page by page, behind a range of one VA arena reserved once (access set over
@@ -119,7 +121,7 @@ pub struct LiveAllocation {
     pub ptr: DevicePtr,
     /// Requested bytes.
     pub size: u64,
-    /// Bytes of the block that holds it (size class or whole pages).
+    /// Bytes of the block that holds it (size class, or the request rounded to 512 bytes).
     pub block_size: u64,
     pub tag: TagId,
     /// The stream it was allocated on.
@@ -505,7 +507,7 @@ impl CachingAllocator {
     }
 
     /// Allocates `size` bytes under `tag` for use on `stream`. The pointer is aligned to at
-    /// least 256 bytes (a page for large sizes). Allocating under a sleeping tag is
+    /// least 256 bytes (512 for large sizes). Allocating under a sleeping tag is
     /// [`Error::InvalidState`]; exhaustion is [`Error::OutOfMemory`] or
     /// [`Error::LimitExceeded`], after which the allocator is still fully usable.
     #[inline]
