@@ -65,7 +65,7 @@ typedef struct strata_stats_t {
     uint64_t total_bytes;           /* physical memory of the device */
     uint64_t page_size;             /* mapping granularity */
     uint64_t allocated_bytes;       /* requested bytes of live allocations */
-    uint64_t allocated_block_bytes; /* bytes of the blocks holding them (class or pages) */
+    uint64_t allocated_block_bytes; /* bytes of the blocks holding them (class or 512 B units) */
     uint64_t reserved_bytes;        /* bytes of pages held mapped (live, segments, cache) */
     uint64_t mapped_pages;          /* reserved_bytes / page_size */
     uint64_t cached_large_bytes;    /* freed large blocks kept mapped for reuse */

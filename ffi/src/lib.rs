@@ -65,7 +65,7 @@ pub struct strata_stats_t {
     pub page_size: u64,
     /// Requested bytes of live allocations.
     pub allocated_bytes: u64,
-    /// Bytes of the blocks holding live allocations (size classes or whole pages).
+    /// Bytes of the blocks holding live allocations (size classes, or 512-byte multiples).
     pub allocated_block_bytes: u64,
     /// Bytes of pages the allocator holds mapped (live blocks, small segments, cache).
     pub reserved_bytes: u64,

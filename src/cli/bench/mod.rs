@@ -13,6 +13,8 @@ use crate::cli::size;
 pub enum BenchCommand {
     /// Scattered blocks of 8 KiB, 32 KiB, 256 KiB and 2 MiB between host memory and HBM.
     Copy(CopyArgs),
+    /// Replays recorded allocation traces: peak reserved ÷ peak allocated, time per operation.
+    Replay(super::replay::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -35,7 +37,10 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 pub fn run(cmd: BenchCommand) -> Result<ExitCode, strata::Error> {
-    let BenchCommand::Copy(args) = cmd;
+    let args = match cmd {
+        BenchCommand::Copy(args) => args,
+        BenchCommand::Replay(args) => return super::replay::run(args),
+    };
     let backend = strata::vmm::from_env()?;
     let sizes = [8 << 10, 32 << 10, 256 << 10, 2 << 20];
     println!(
