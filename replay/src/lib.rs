@@ -157,7 +157,7 @@ mod tests {
     use super::*;
 
     fn traces() -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/traces")
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../benches/traces")
     }
 
     fn replay_fresh(trace: &Trace) -> ReplayReport {
