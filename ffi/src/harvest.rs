@@ -79,6 +79,12 @@ fn to_c(h: &HarvestHandle) -> strata_harvest_handle_t {
 unsafe fn from_c(handle: *const strata_harvest_handle_t) -> Result<HarvestHandle> {
     // SAFETY: the caller's contract; NULL is refused by `as_ref`.
     let h = unsafe { handle.as_ref() }.ok_or(Error::InvalidArgument("handle is NULL".into()))?;
+    if h.reserved != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "handle's reserved field is {} (must be zero: not a handle from strata_harvest_alloc?)",
+            h.reserved
+        )));
+    }
     let device = u32::try_from(h.device)
         .map_err(|_| Error::InvalidArgument(format!("device {}", h.device)))?;
     Ok(HarvestHandle {
@@ -214,6 +220,23 @@ pub unsafe extern "C" fn strata_harvest_reclaim(
     })
 }
 
+/// Most bytes of host staging one Harvest read or write holds at once: longer transfers go in
+/// chunks, so the staging never grows with the caller's length.
+const STAGING_CHUNK: u64 = 8 << 20;
+
+/// Checks `offset..offset+len` against the handle before anything is allocated (the controller
+/// checks the handle itself on each copy).
+fn check_range(h: &HarvestHandle, offset: u64, len: usize) -> Result<u64> {
+    let len = len as u64;
+    match offset.checked_add(len) {
+        Some(end) if end <= h.size => Ok(len),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {offset:#x}+{len:#x} beyond the allocation's {:#x} bytes",
+            h.size
+        ))),
+    }
+}
+
 /// Copies `len` host bytes at `src` into the allocation at `offset` and waits.
 ///
 /// # Safety
@@ -232,22 +255,26 @@ pub unsafe extern "C" fn strata_harvest_write(
         if src.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL src or zero length".into()));
         }
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), len as u64)?;
+        let total = check_range(&h, offset, len)?;
         // SAFETY: `src` is readable for `len` bytes (the caller's contract).
-        staging.write_at(0, unsafe {
-            std::slice::from_raw_parts(src.cast::<u8>(), len)
-        })?;
-        c.copy_in(
-            &h,
-            offset,
-            Endpoint::Host {
-                buffer: &staging,
-                offset: 0,
-            },
-            len as u64,
-        )?
-        .synchronize()
+        let src = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
+        let c = controller()?;
+        let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
+        for (i, chunk) in src.chunks(STAGING_CHUNK as usize).enumerate() {
+            let at = i as u64 * STAGING_CHUNK;
+            staging.write_at(0, chunk)?;
+            c.copy_in(
+                &h,
+                offset + at,
+                Endpoint::Host {
+                    buffer: &staging,
+                    offset: 0,
+                },
+                chunk.len() as u64,
+            )?
+            .synchronize()?;
+        }
+        Ok(())
     })
 }
 
@@ -269,21 +296,25 @@ pub unsafe extern "C" fn strata_harvest_read(
         if dst.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL dst or zero length".into()));
         }
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), len as u64)?;
-        c.copy_out(
-            &h,
-            offset,
-            Endpoint::Host {
-                buffer: &staging,
-                offset: 0,
-            },
-            len as u64,
-        )?
-        .synchronize()?;
+        let total = check_range(&h, offset, len)?;
         // SAFETY: `dst` is writable for `len` bytes (the caller's contract).
-        staging.read_at(0, unsafe {
-            std::slice::from_raw_parts_mut(dst.cast::<u8>(), len)
-        })
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
+        let c = controller()?;
+        let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
+        for (i, chunk) in dst.chunks_mut(STAGING_CHUNK as usize).enumerate() {
+            let at = i as u64 * STAGING_CHUNK;
+            c.copy_out(
+                &h,
+                offset + at,
+                Endpoint::Host {
+                    buffer: &staging,
+                    offset: 0,
+                },
+                chunk.len() as u64,
+            )?
+            .synchronize()?;
+            staging.read_at(0, chunk)?;
+        }
+        Ok(())
     })
 }

@@ -82,7 +82,7 @@ fn build(cc: &str, name: &str, asan: bool) -> PathBuf {
     exe
 }
 
-fn run(exe: &Path, name: &str) {
+fn run(exe: &Path, name: &str, env: &[(&str, &str)]) {
     let mut cmd = Command::new(exe);
     if name == "dlopen" {
         cmd.arg(library());
@@ -97,9 +97,11 @@ fn run(exe: &Path, name: &str) {
         // protect_shadow_gap=0: the CUDA driver maps memory inside ASan's shadow gap.
         .env(
             "ASAN_OPTIONS",
-            "detect_leaks=0:abort_on_error=0:protect_shadow_gap=0",
+            // allocator_may_return_null=1: a failed malloc is an outcome some tests provoke.
+            "detect_leaks=0:abort_on_error=0:protect_shadow_gap=0:allocator_may_return_null=1",
         )
-        .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1");
+        .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1")
+        .envs(env.iter().copied());
     let out = cmd.output().expect("run the C test");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -113,16 +115,21 @@ fn run(exe: &Path, name: &str) {
 }
 
 fn c_test(name: &str) {
+    c_test_with(name, &[]);
+}
+
+/// [`c_test`] with extra environment variables for the program.
+fn c_test_with(name: &str, env: &[(&str, &str)]) {
     library();
     let Some(cc) = compiler() else {
         eprintln!("skipping C test {name}: no C compiler ($CC or cc)");
         return;
     };
-    run(&build(&cc, name, false), name);
+    run(&build(&cc, name, false), name, env);
     let out_dir = profile_dir().join("strata-c-tests");
     std::fs::create_dir_all(&out_dir).expect("create output folder");
     if asan_works(&cc, &out_dir) {
-        run(&build(&cc, name, true), name);
+        run(&build(&cc, name, true), name, env);
     } else {
         eprintln!("C test {name}: AddressSanitizer not available, plain run only");
     }
@@ -151,6 +158,11 @@ fn c_threads() {
 #[test]
 fn c_sleep_wake() {
     c_test("sleep_wake");
+}
+
+#[test]
+fn c_sleep_without_host_memory_is_out_of_memory() {
+    c_test("sleep_host_oom");
 }
 
 #[test]

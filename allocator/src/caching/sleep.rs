@@ -78,9 +78,8 @@ impl CachingAllocator {
                 if b.tag != t32 || b.state != BlockState::Live {
                     continue;
                 }
-                let len =
-                    usize::try_from(b.requested).map_err(|_| Error::Overflow("host copy size"))?;
-                let mut buf = vec![0u8; len];
+                // Host memory may run out: an error, with the tag still awake and intact.
+                let mut buf = strata_vmm::try_host_vec(b.requested)?;
                 self.backend.read(b.ptr, &mut buf)?;
                 copies.insert(id as u32, buf);
             }
