@@ -19,6 +19,10 @@
  *    other streams only after the work queued on S before the free has completed.
  *  - Device memory is never CPU-accessible through these pointers in general: move bytes with
  *    strata_memcpy_htod / strata_memcpy_dtoh (or CUDA).
+ *  - fork(): in a child forked after the process first used strata, every call that touches a
+ *    device (or Harvest) returns STRATA_INVALID_STATE with a message naming fork, as CUDA
+ *    refuses a context inherited over fork: the parent's memory and streams are never shared
+ *    with the child. Fork before the first use, or exec, to use strata in a child.
  */
 #ifndef STRATA_H
 #define STRATA_H

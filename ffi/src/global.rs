@@ -36,7 +36,10 @@ static GLOBAL_INIT: Mutex<()> = Mutex::new(());
 #[inline]
 pub fn global() -> Result<&'static Global> {
     match GLOBAL.get() {
-        Some(g) => Ok(g),
+        Some(g) => {
+            strata_vmm::fork::check()?;
+            Ok(g)
+        }
         None => init_global(),
     }
 }
@@ -46,8 +49,10 @@ pub fn global() -> Result<&'static Global> {
 fn init_global() -> Result<&'static Global> {
     let _guard = GLOBAL_INIT.lock();
     if let Some(g) = GLOBAL.get() {
+        strata_vmm::fork::check()?;
         return Ok(g);
     }
+    strata_vmm::fork::arm();
     let backend = strata_vmm::global()?;
     let devices = (0..backend.device_count())
         .map(|_| DeviceSlot {

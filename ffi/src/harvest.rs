@@ -49,6 +49,7 @@ static INIT: Mutex<()> = Mutex::new(());
 
 fn controller() -> Result<&'static Arc<HarvestController>> {
     if let Some(c) = CONTROLLER.get() {
+        strata_vmm::fork::check()?;
         return Ok(c);
     }
     let _guard = INIT.lock();

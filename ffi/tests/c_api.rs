@@ -166,6 +166,11 @@ fn c_sleep_without_host_memory_is_out_of_memory() {
 }
 
 #[test]
+fn c_forked_child_is_refused() {
+    c_test("fork");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

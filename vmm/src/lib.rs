@@ -7,6 +7,7 @@
 mod backend;
 pub mod cuda;
 mod error;
+pub mod fork;
 mod gemm;
 pub mod host;
 mod hostbuf;
@@ -21,9 +22,7 @@ pub use cuda::CudaBackend;
 pub use error::{Error, Result};
 pub use gemm::GemmF32;
 pub use host::{HostBackend, HostConfig};
-pub use hostbuf::{
-    copy_async_in, try_host_vec, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK,
-};
+pub use hostbuf::{copy_async_in, try_host_vec, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{
     check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
     Reservation, Stream,

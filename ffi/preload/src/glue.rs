@@ -43,9 +43,12 @@ pub fn inside() -> bool {
     DEPTH.with(|d| d.get() > 0)
 }
 
-/// True when hooks should serve from strata on this thread.
+/// True when hooks should serve from strata on this thread. In a child forked after the shim
+/// opened its backend, never: the child's hooks pass through to the real driver, which answers
+/// as it does after fork (CUDA refuses a context inherited over fork), and the parent's pools
+/// are never served to the child (that would alias the parent's memory).
 pub fn active() -> bool {
-    !config::get().disable && !inside()
+    !config::get().disable && !inside() && !strata_vmm::fork::forked()
 }
 
 struct Shim {
@@ -65,6 +68,7 @@ fn shim() -> Option<&'static Shim> {
     SHIM.get_or_init(|| {
         let _inside = Inside::enter();
         INITIALIZED.store(true, Ordering::Release);
+        strata_vmm::fork::arm();
         match strata_vmm::global() {
             Ok(backend) => {
                 let n = backend.device_count() as usize;

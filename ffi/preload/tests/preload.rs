@@ -221,6 +221,11 @@ fn threads_allocate_and_free_concurrently() {
 }
 
 #[test]
+fn a_forked_child_passes_through_to_the_driver() {
+    served_by_strata("fork");
+}
+
+#[test]
 fn limit_caps_what_strata_serves() {
     let limit = 32u64 << 20;
     let bytes = limit.to_string();

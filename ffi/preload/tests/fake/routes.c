@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "fake.h"
 
@@ -350,6 +352,34 @@ static void route_threads(void) {
   }
 }
 
+/* A child forked after the shim served the parent: its hooks pass through to the driver (which
+ * answers as after any fork), so it is never handed the parent's memory, and the parent's
+ * pointers are not strata's to free in the child. */
+static void route_fork(void) {
+  CUdeviceptr p = 0;
+  CHECK(cuMemAlloc_v2(&p, 1 << 20) == 0, "parent alloc");
+  check_owner("fork parent", p);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  CHECK(pid >= 0, "fork");
+  if (pid == 0) {
+    CUdeviceptr q = 0;
+    CHECK(cuMemAlloc_v2(&q, 4096) == 0, "child alloc");
+    CHECK(fake_cuda_owns(q) && !(strata_owns && strata_owns(q)),
+          "child: %#llx should come from the driver", q);
+    CHECK(cuMemFree_v2(q) == 0, "child free");
+    if (expect_strata)
+      CHECK(cuMemFree_v2(p) == CUDA_ERROR_INVALID_VALUE,
+            "child: the parent's pointer goes to the driver, which does not know it");
+    _exit(failures ? 1 : 0);
+  }
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+        "child failed (status %d)", status);
+  CHECK_FREE("fork parent", p, cuMemFree_v2(p));
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) return 2;
   const char *expect = getenv("EXPECT");
@@ -371,6 +401,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(r, "meminfo")) route_meminfo();
   else if (!strcmp(r, "limit")) route_limit();
   else if (!strcmp(r, "threads")) route_threads();
+  else if (!strcmp(r, "fork")) route_fork();
   else {
     fprintf(stderr, "unknown route %s\n", r);
     return 2;
