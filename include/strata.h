@@ -170,11 +170,16 @@ int strata_tag_pop(void);
 /* Depth of the calling thread's tag stack. */
 int strata_tag_depth(void);
 
-/* Puts tag `tag` to sleep on every device in use: waits for the streams using its memory,
- * copies its live allocations to host memory if keep_host_copy != 0, unmaps and releases its
- * pages. Pointers keep their addresses; allocating under the tag fails until strata_wake;
- * freeing works. All or nothing across devices. Unknown tag: STRATA_INVALID_ARGUMENT.
- * A device used for the first time while the tag sleeps starts with the tag awake. */
+/* Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
+ * live allocations to host memory if keep_host_copy != 0 (host memory exhausted:
+ * STRATA_OUT_OF_MEMORY, the tag stays awake and intact), unmaps and releases its pages.
+ * Pointers keep their addresses; allocating under the tag fails until strata_wake; freeing
+ * works. A device used for the first time while the tag sleeps starts with the tag asleep
+ * (so a sleep before any allocation holds too). Unknown tag: STRATA_INVALID_ARGUMENT.
+ * All or nothing across devices: a tag already asleep anywhere is STRATA_INVALID_STATE with
+ * nothing changed; if a device fails, the devices this call put to sleep are woken again and
+ * its status is returned. Only if that wake fails too is the status STRATA_INVALID_STATE
+ * with a message naming the devices left asleep (strata_wake wakes them). */
 int strata_sleep(const char *tag, int keep_host_copy);
 
 /* Maps fresh pages at the same addresses and restores the host copies (or zeros). A tag asleep

@@ -116,6 +116,7 @@ impl Global {
         if let Some(a) = slot.allocator.get() {
             return Ok(a);
         }
+        let sleeping = crate::sleeping::lock();
         let pool = PagePool::new(Arc::clone(&self.backend), d as u32, PoolConfig::default())?;
         let allocator = CachingAllocator::new(
             pool,
@@ -125,6 +126,7 @@ impl Global {
                 ..CachingConfig::default()
             },
         )?;
+        crate::sleeping::apply_to_new_device(&sleeping, &allocator)?;
         Ok(slot.allocator.get_or_init(|| Arc::new(allocator)))
     }
 }
@@ -178,6 +180,14 @@ pub fn tag_id(name: &str) -> Result<TagId> {
             "unknown tag {name:?} (no strata_tag_push ever named it)"
         ))
     })
+}
+
+/// The name of tag `id`, if registered.
+pub fn tag_name(id: TagId) -> Option<String> {
+    let reg = registry().lock();
+    reg.ids
+        .iter()
+        .find_map(|(name, &i)| (i == id).then(|| name.clone()))
 }
 
 thread_local! {

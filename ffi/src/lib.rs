@@ -22,6 +22,7 @@
 mod boundary;
 mod global;
 mod harvest;
+mod sleeping;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -209,10 +210,28 @@ pub extern "C" fn strata_device_count() -> c_int {
 pub extern "C" fn strata_malloc(size: usize, device: c_int, stream: CudaStream) -> *mut c_void {
     boundary::value("strata_malloc", std::ptr::null_mut(), || {
         let allocator = global()?.allocator(device)?;
-        let ptr =
-            allocator.allocate_tagged(size as u64, stream_of(stream), global::current_tag())?;
+        let tag = global::current_tag();
+        let ptr = allocator
+            .allocate_tagged(size as u64, stream_of(stream), tag)
+            .map_err(|e| explain_tag(e, allocator, tag))?;
         Ok(ptr as usize as *mut c_void)
     })
+}
+
+/// Names the tag (the allocator only knows its id) when allocating under it was refused.
+#[cold]
+#[inline(never)]
+fn explain_tag(
+    e: Error,
+    allocator: &strata_allocator::CachingAllocator,
+    tag: strata_allocator::TagId,
+) -> Error {
+    match (&e, global::tag_name(tag)) {
+        (Error::InvalidState(_), Some(name)) if allocator.is_asleep(tag) => Error::InvalidState(
+            format!("tag {name:?} is asleep (strata_wake it before allocating under it)"),
+        ),
+        _ => e,
+    }
 }
 
 /// Frees `ptr` (from `strata_malloc` on `device`) on `stream`: reusable at once on `stream`,
@@ -433,8 +452,12 @@ pub extern "C" fn strata_tag_depth() -> c_int {
 /// Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
 /// live allocations to host memory when `keep_host_copy` is non-zero, then unmaps and releases
 /// its pages; pointers keep their addresses. Allocating under a sleeping tag fails
-/// (`STRATA_INVALID_STATE`); freeing its pointers works. If one device fails, those already put
-/// to sleep by this call are woken again.
+/// (`STRATA_INVALID_STATE`); freeing its pointers works. A device first used while the tag
+/// sleeps starts with it asleep. All or nothing: a tag already asleep on some device is
+/// refused before anything changes, and if one device fails, those already put to sleep by
+/// this call are woken again; should that wake fail too, the status is
+/// `STRATA_INVALID_STATE` and the message names the devices left asleep (`strata_wake` wakes
+/// them).
 ///
 /// # Safety
 ///
@@ -446,19 +469,58 @@ pub unsafe extern "C" fn strata_sleep(tag: *const c_char, keep_host_copy: c_int)
         let name = unsafe { boundary::c_str("tag", tag) }?;
         let id = global::tag_id(name)?;
         let g = global()?;
-        let mut slept: Vec<&strata_allocator::CachingAllocator> = Vec::new();
-        for (_, a) in g.existing_all() {
-            if let Err(e) = a.sleep(id, keep_host_copy != 0) {
-                for b in &slept {
-                    // The wake error is secondary: the sleep error is what the caller sees.
-                    let _ = b.wake(id);
-                }
-                return Err(e);
-            }
-            slept.push(a);
+        let mut sleeping = sleeping::lock();
+        let asleep_on: Vec<String> = g
+            .existing_all()
+            .filter(|(_, a)| a.is_asleep(id))
+            .map(|(d, _)| d.to_string())
+            .collect();
+        if sleeping.contains(&id) || !asleep_on.is_empty() {
+            let place = match asleep_on.len() {
+                0 => String::new(),
+                1 => format!(" on device {}", asleep_on[0]),
+                _ => format!(" on devices {}", asleep_on.join(", ")),
+            };
+            return Err(Error::InvalidState(format!(
+                "tag {name:?} is already asleep{place}"
+            )));
         }
+        let mut slept: Vec<(usize, &strata_allocator::CachingAllocator)> = Vec::new();
+        for (d, a) in g.existing_all() {
+            if let Err(e) = a.sleep(id, keep_host_copy != 0) {
+                return Err(roll_back_sleep(name, id, d, e, &slept));
+            }
+            slept.push((d, a));
+        }
+        sleeping.insert(id);
         Ok(())
     })
+}
+
+/// Wakes the devices a failed `strata_sleep` already put to sleep. The sleep's error is what
+/// the caller sees, unless a wake fails too: then the state no longer matches that error, and
+/// the caller is told which devices stay asleep.
+#[cold]
+#[inline(never)]
+fn roll_back_sleep(
+    name: &str,
+    id: strata_allocator::TagId,
+    failed_on: usize,
+    error: Error,
+    slept: &[(usize, &strata_allocator::CachingAllocator)],
+) -> Error {
+    let stuck: Vec<String> = slept
+        .iter()
+        .filter_map(|(d, a)| a.wake(id).err().map(|e| format!("device {d} ({e})")))
+        .collect();
+    if stuck.is_empty() {
+        return error;
+    }
+    Error::InvalidState(format!(
+        "putting tag {name:?} to sleep failed on device {failed_on} ({error}), and waking it \
+         back failed on {}: the tag stays asleep there; strata_wake wakes it",
+        stuck.join(", ")
+    ))
 }
 
 /// Wakes tag `tag` on every device where it sleeps: maps fresh pages at the same addresses and
@@ -475,16 +537,18 @@ pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
         let name = unsafe { boundary::c_str("tag", tag) }?;
         let id = global::tag_id(name)?;
         let g = global()?;
-        let mut woke = 0;
+        let mut sleeping = sleeping::lock();
+        let mut woke = sleeping.contains(&id);
         for (_, a) in g.existing_all() {
             if a.is_asleep(id) {
                 a.wake(id)?;
-                woke += 1;
+                woke = true;
             }
         }
-        if woke == 0 {
+        if !woke {
             return Err(Error::InvalidState(format!("tag {name:?} is not asleep")));
         }
+        sleeping.remove(&id);
         Ok(())
     })
 }

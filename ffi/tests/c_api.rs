@@ -171,6 +171,11 @@ fn c_forked_child_is_refused() {
 }
 
 #[test]
+fn c_sleep_is_all_or_nothing_and_holds_before_first_use() {
+    c_test("sleep_contract");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }
