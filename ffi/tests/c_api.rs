@@ -176,6 +176,13 @@ fn c_sleep_is_all_or_nothing_and_holds_before_first_use() {
 }
 
 #[test]
+fn c_small_host_granularities_allocate() {
+    for granularity in ["4KiB", "16KiB", "32KiB"] {
+        c_test_with("small_pages", &[("STRATA_HOST_GRANULARITY", granularity)]);
+    }
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

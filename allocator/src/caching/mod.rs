@@ -82,7 +82,8 @@ pub struct CachingConfig {
     /// Bytes of VA reserved once for the arena (rounded up to the page size). `None`: four
     /// times the device memory, at least 1 TiB.
     pub arena_size: Option<u64>,
-    /// Requests below this many bytes are small (size classes in shared pages).
+    /// Requests below this many bytes are small (size classes in shared pages). Capped at
+    /// [`MAX_SEGMENT_PAGES`] pages, so small page sizes lower it.
     pub small_threshold: u64,
     /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
     pub limit: Option<u64>,
@@ -420,7 +421,12 @@ impl CachingAllocator {
         if arena_size == 0 {
             return Err(Error::InvalidArgument("arena size 0".into()));
         }
-        let classes = SizeClasses::new(config.small_threshold, page);
+        // Small classes live in segments of at most MAX_SEGMENT_PAGES pages: with small pages
+        // (a 4 KiB host granularity) the threshold shrinks to fit instead of failing.
+        let threshold = config
+            .small_threshold
+            .min(MAX_SEGMENT_PAGES.saturating_mul(page));
+        let classes = SizeClasses::new(threshold, page);
         if let Some(last) = classes.len().checked_sub(1) {
             if classes.size(last) > bins::MAX_SEGMENT_PAGES * page {
                 return Err(Error::InvalidArgument(format!(
