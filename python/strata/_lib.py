@@ -182,8 +182,12 @@ def check(status):
 
 
 def encode(name):
+    """A tag name as the C API takes it. A NUL inside would cut the name short in C (another
+    tag's name), so it is refused."""
     if not isinstance(name, str):
         raise TypeError(f"tag names are str, not {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError(f"tag name {name!r} contains a NUL character")
     return name.encode("utf-8")
 
 
