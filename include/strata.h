@@ -76,7 +76,7 @@ typedef struct strata_stats_t {
     uint64_t peak_reserved_bytes;
     uint64_t live_allocations;
     uint64_t pending_blocks;        /* freed blocks waiting for other streams */
-    uint64_t limit_bytes;           /* cap on reserved bytes; 0 = none */
+    uint64_t limit_bytes;           /* cap on reserved bytes (0 and limit_set == 0: none) */
     uint64_t allocs;                /* counts since the allocator was created */
     uint64_t frees;
     uint64_t cache_hits;
@@ -84,7 +84,8 @@ typedef struct strata_stats_t {
     uint64_t ooms;                  /* out-of-memory and limit failures */
     uint64_t sleeps;
     uint64_t wakes;
-    uint64_t spare[8];              /* zero; room to grow */
+    uint64_t limit_set;             /* 1 when a cap is set (then limit_bytes, possibly 0) */
+    uint64_t spare[7];              /* zero; room to grow */
 } strata_stats_t;
 
 /* Per-tag statistics on one device (strata_tag_stats). */
@@ -138,11 +139,14 @@ int strata_free_checked(void *ptr, size_t size, int device, cudaStream_t stream)
 void strata_init(int device_count);
 
 /* Unmaps every cached page on every device and returns it, and the pools' free pages, to the
- * driver. Live allocations stay. */
+ * driver. Live allocations stay. The pools refill only once allocations ask for pages again,
+ * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 
-/* Caps the bytes `device` holds mapped at `fraction` (0..1) of its memory; 1 lifts the cap.
- * Beyond it strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED). */
+/* Caps everything strata holds on `device` (pages mapped for allocations and cache, and the
+ * page pool's free pages) at `fraction` (0..1) of its memory; 1 lifts the cap. Beyond it
+ * strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED). A cap of 0 bytes is a cap (limit_set
+ * in strata_stats_t tells it from none). */
 void strata_set_memory_fraction(double fraction, int device);
 
 /* `ptr` is also used on `stream`: after its free, its memory is reused only once the work

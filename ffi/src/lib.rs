@@ -76,7 +76,7 @@ pub struct strata_stats_t {
     pub live_allocations: u64,
     /// Freed blocks waiting for work on other streams before reuse.
     pub pending_blocks: u64,
-    /// Cap on reserved bytes (`strata_set_memory_fraction`); 0 when none.
+    /// Cap on reserved bytes (`strata_set_memory_fraction`); 0 when none (see `limit_set`).
     pub limit_bytes: u64,
     pub allocs: u64,
     pub frees: u64,
@@ -86,8 +86,10 @@ pub struct strata_stats_t {
     pub ooms: u64,
     pub sleeps: u64,
     pub wakes: u64,
+    /// 1 when a cap is set (`limit_bytes` is then the cap, possibly 0), else 0.
+    pub limit_set: u64,
     /// Zero; room to grow without changing the struct's size.
-    pub spare: [u64; 8],
+    pub spare: [u64; 7],
 }
 
 /// Per-tag statistics on one device (`strata_tag_stats_t`).
@@ -136,7 +138,8 @@ impl strata_stats_t {
             ooms: s.counts.ooms,
             sleeps: s.counts.sleeps,
             wakes: s.counts.wakes,
-            spare: [0; 8],
+            limit_set: u64::from(s.limit.is_some()),
+            spare: [0; 7],
         }
     }
 }
@@ -300,7 +303,8 @@ pub extern "C" fn strata_init(device_count: c_int) {
 }
 
 /// PyTorch's reset hook (`torch.cuda.empty_cache`): unmaps every cached page of every device
-/// and returns it, and the page pools' free pages, to the driver. Live allocations stay.
+/// and returns it, and the page pools' free pages, to the driver. Live allocations stay. The
+/// pools refill again only once allocations ask for pages.
 #[no_mangle]
 pub extern "C" fn strata_empty_cache() {
     boundary::void("strata_empty_cache", || {
@@ -316,9 +320,10 @@ pub extern "C" fn strata_empty_cache() {
     })
 }
 
-/// PyTorch's memory-fraction hook: caps the bytes `device`'s allocator holds mapped at
-/// `fraction` of the device's memory (0 ≤ fraction ≤ 1; 1 lifts the cap). Beyond the cap,
-/// `strata_malloc` returns NULL (`STRATA_LIMIT_EXCEEDED`).
+/// PyTorch's memory-fraction hook: caps what strata holds on `device` (pages mapped for
+/// allocations and cache, and the page pool's free pages) at `fraction` of the device's memory
+/// (0 ≤ fraction ≤ 1; 1 lifts the cap). Beyond the cap, `strata_malloc` returns NULL
+/// (`STRATA_LIMIT_EXCEEDED`).
 #[no_mangle]
 pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) {
     boundary::void("strata_set_memory_fraction", || {
@@ -331,7 +336,10 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
         let a = g.allocator(device)?;
         let total = g.backend.device_info(device as u32)?.total_memory;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        a.set_limit(limit)
+        a.set_limit(limit)?;
+        // The cap covers the pool's free pages too: all that strata holds on the device.
+        a.pool().set_limit(limit);
+        Ok(())
     })
 }
 

@@ -183,6 +183,11 @@ fn c_small_host_granularities_allocate() {
 }
 
 #[test]
+fn c_empty_cache_sticks_and_the_cap_covers_the_pool() {
+    c_test("limits");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

@@ -62,7 +62,8 @@ class Stats(ctypes.Structure):
         ("ooms", ctypes.c_uint64),
         ("sleeps", ctypes.c_uint64),
         ("wakes", ctypes.c_uint64),
-        ("spare", ctypes.c_uint64 * 8),
+        ("limit_set", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 7),
     ]
 
 
