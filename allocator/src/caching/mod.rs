@@ -644,6 +644,11 @@ impl CachingAllocator {
             reserved_bytes: st.totals.mapped_pages * page,
             mapped_pages: st.totals.mapped_pages,
             cached_large_bytes: st.cache.pages() * page,
+            cached_small_bytes: st
+                .iter_segments()
+                .filter(|(_, s)| s.live == 0 && !s.mapped.is_empty())
+                .map(|(_, s)| s.pages * page)
+                .sum(),
             peak_allocated_bytes: st.totals.peak_allocated,
             peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
             peak_reserved_bytes: st.totals.peak_mapped_pages * page,

@@ -79,6 +79,8 @@ pub struct AllocatorStats {
     pub mapped_pages: u64,
     /// Bytes of freed large runs kept mapped for reuse.
     pub cached_large_bytes: u64,
+    /// Bytes of small segments with no live block, kept mapped for reuse.
+    pub cached_small_bytes: u64,
     pub peak_allocated_bytes: u64,
     pub peak_allocated_block_bytes: u64,
     pub peak_reserved_bytes: u64,

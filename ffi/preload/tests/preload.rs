@@ -237,6 +237,18 @@ fn limit_caps_what_strata_serves() {
     assert!(ok, "limit under LD_PRELOAD:\n{out}");
 }
 
+#[test]
+fn mem_get_info_reports_what_a_large_allocation_gets() {
+    let limit = 64u64 << 20;
+    let bytes = limit.to_string();
+    let env = [
+        ("STRATA_PRELOAD_LIMIT", "64MiB"),
+        ("STRATA_PRELOAD_LIMIT_BYTES", bytes.as_str()),
+    ];
+    let (ok, out) = run("meminfo_small", Mode::Preloaded, &env);
+    assert!(ok, "meminfo_small under LD_PRELOAD:\n{out}");
+}
+
 /// The checks can fail: the shim serving where the fake driver should is caught, and so is
 /// the fake driver serving where strata should.
 #[test]
