@@ -205,7 +205,7 @@ enum {
  * never someone else's memory. */
 typedef struct strata_harvest_handle_t {
     int32_t device;
-    int32_t reserved; /* zero */
+    int32_t reserved; /* zero (a handle with another value is STRATA_INVALID_ARGUMENT) */
     uint64_t ptr;
     uint64_t size;
     uint64_t id;
@@ -249,7 +249,9 @@ int strata_harvest_on_revoke(const strata_harvest_handle_t *handle, strata_revok
  * pages). *revoked_bytes (if not NULL) receives the bytes revoked. */
 int strata_harvest_reclaim(int peer, uint64_t bytes, uint64_t *revoked_bytes);
 
-/* Copies `len` host bytes at `src` into the allocation at `offset` (a backend copy) and waits. */
+/* Copies `len` host bytes at `src` into the allocation at `offset` (a backend copy) and waits.
+ * A range beyond the allocation is STRATA_INVALID_ARGUMENT (checked before anything is
+ * allocated); host staging is bounded (8 MiB), whatever `len` is. */
 int strata_harvest_write(const strata_harvest_handle_t *handle, uint64_t offset, const void *src,
                          size_t len);
 
@@ -268,7 +270,9 @@ int strata_stream_destroy(cudaStream_t stream);
 /* Waits for the work queued on `stream` (NULL: the default stream). */
 int strata_stream_synchronize(cudaStream_t stream);
 
-/* Copies `len` host bytes at `src` to device memory `dst` (from strata_malloc) and waits. */
+/* Copies `len` host bytes at `src` to device memory `dst` (from strata_malloc) and waits. A
+ * range that is not inside live, awake memory (freed, out of range, tag asleep) is
+ * STRATA_INVALID_ARGUMENT; so for strata_memcpy_dtoh. */
 int strata_memcpy_htod(void *dst, const void *src, size_t len);
 
 /* Copies `len` bytes of device memory `src` (from strata_malloc) to host `dst` and waits. */

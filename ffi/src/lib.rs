@@ -607,6 +607,22 @@ pub extern "C" fn strata_stream_synchronize(stream: CudaStream) -> c_int {
     })
 }
 
+/// A copy that touched memory that is not mapped and accessible is the caller's mistake (freed,
+/// out of range, asleep), not a broken mapping rule inside strata.
+#[cold]
+#[inline(never)]
+fn explain_copy(e: Error, va: DevicePtr, len: usize) -> Error {
+    match e {
+        Error::NotMapped { .. } | Error::IllegalAccess { .. } | Error::NotReserved { .. } => {
+            Error::InvalidArgument(format!(
+                "{va:#x}+{len:#x} is not inside live, awake memory from strata_malloc (freed, \
+                 out of range, or its tag asleep): {e}"
+            ))
+        }
+        e => e,
+    }
+}
+
 /// Checks that `ptr..ptr+len` starts inside memory strata hands out (the backend then checks
 /// the rest: mapped, accessible).
 fn device_range(g: &global::Global, ptr: *const c_void, len: usize) -> Result<DevicePtr> {
@@ -649,8 +665,9 @@ pub unsafe extern "C" fn strata_memcpy_htod(
         };
         // SAFETY: `src` is valid for `len` bytes for the whole call (this function's contract)
         // and the stream is synchronized before returning.
-        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }?;
-        g.backend.stream_synchronize(StreamHandle::DEFAULT)
+        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend.stream_synchronize(StreamHandle::DEFAULT))
+            .map_err(|e| explain_copy(e, dst, len))
     })
 }
 
@@ -683,7 +700,8 @@ pub unsafe extern "C" fn strata_memcpy_dtoh(
         };
         // SAFETY: `dst` is valid and exclusively ours for `len` bytes for the whole call (this
         // function's contract) and the stream is synchronized before returning.
-        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }?;
-        g.backend.stream_synchronize(StreamHandle::DEFAULT)
+        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend.stream_synchronize(StreamHandle::DEFAULT))
+            .map_err(|e| explain_copy(e, src, len))
     })
 }

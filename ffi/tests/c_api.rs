@@ -188,6 +188,11 @@ fn c_empty_cache_sticks_and_the_cap_covers_the_pool() {
 }
 
 #[test]
+fn c_statuses_and_messages_name_the_mistake() {
+    c_test("messages");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }
