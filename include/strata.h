@@ -90,7 +90,7 @@ typedef struct strata_stats_t {
 
 /* Per-tag statistics on one device (strata_tag_stats). */
 typedef struct strata_tag_stats_t {
-    uint32_t tag_id;                /* 1, 2, ... in order of first strata_tag_push */
+    uint32_t tag_id;                /* 1, 2, ... in order of first push (a released name's id is reused) */
     int32_t asleep;                 /* 1 while the tag sleeps on this device */
     uint64_t allocated_bytes;
     uint64_t reserved_bytes;
@@ -165,7 +165,10 @@ int strata_tag_stats(const char *tag, int device, strata_tag_stats_t *out);
 
 /* Pushes tag `name` (non-empty UTF-8, at most 256 bytes) on the calling thread's tag stack: the
  * thread's allocations carry it until the matching strata_tag_pop. Blocks of different tags
- * never share a page. */
+ * never share a page. At most 65,536 names are registered at once: when that many are, the
+ * names no longer in use (pushed by no thread, nothing live or asleep under them) are released
+ * (strata_tag_stats then calls them unknown; pushed again they start from zero). Only with
+ * 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
 int strata_tag_push(const char *name);
 
 /* Pops the calling thread's tag stack (STRATA_INVALID_STATE when empty). */

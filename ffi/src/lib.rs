@@ -24,6 +24,7 @@ mod global;
 mod harvest;
 mod sleeping;
 mod status;
+mod tags;
 #[cfg(test)]
 mod tests;
 
@@ -97,7 +98,8 @@ pub struct strata_stats_t {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct strata_tag_stats_t {
-    /// The tag's numeric id (1, 2, ...: in order of first `strata_tag_push`).
+    /// The tag's numeric id (1, 2, ...: in order of first `strata_tag_push`; the id of a
+    /// released name is reused).
     pub tag_id: u32,
     /// 1 while the tag sleeps on this device.
     pub asleep: i32,
@@ -213,7 +215,7 @@ pub extern "C" fn strata_device_count() -> c_int {
 pub extern "C" fn strata_malloc(size: usize, device: c_int, stream: CudaStream) -> *mut c_void {
     boundary::value("strata_malloc", std::ptr::null_mut(), || {
         let allocator = global()?.allocator(device)?;
-        let tag = global::current_tag();
+        let tag = tags::current();
         let ptr = allocator
             .allocate_tagged(size as u64, stream_of(stream), tag)
             .map_err(|e| explain_tag(e, allocator, tag))?;
@@ -229,7 +231,7 @@ fn explain_tag(
     allocator: &strata_allocator::CachingAllocator,
     tag: strata_allocator::TagId,
 ) -> Error {
-    match (&e, global::tag_name(tag)) {
+    match (&e, tags::name_of(tag)) {
         (Error::InvalidState(_), Some(name)) if allocator.is_asleep(tag) => Error::InvalidState(
             format!("tag {name:?} is asleep (strata_wake it before allocating under it)"),
         ),
@@ -412,7 +414,8 @@ pub unsafe extern "C" fn strata_tag_stats(
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let id = global::tag_id(name)?;
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
         let d = g.ordinal(device)?;
         let stats = match g.existing(d) {
@@ -429,7 +432,8 @@ pub unsafe extern "C" fn strata_tag_stats(
 // Tags, sleep and wake
 
 /// Pushes tag `name` on the calling thread's tag stack: this thread's allocations get it until
-/// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...).
+/// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...); with
+/// 65,536 registered, names no longer in use are released (see `include/strata.h`).
 ///
 /// # Safety
 ///
@@ -439,21 +443,21 @@ pub unsafe extern "C" fn strata_tag_push(name: *const c_char) -> c_int {
     boundary::status("strata_tag_push", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag name", name) }?;
-        global::push_tag(global::tag_id_or_register(name)?)
+        tags::push(name)
     })
 }
 
 /// Pops the calling thread's tag stack (`STRATA_INVALID_STATE` when it is empty).
 #[no_mangle]
 pub extern "C" fn strata_tag_pop() -> c_int {
-    boundary::status("strata_tag_pop", global::pop_tag)
+    boundary::status("strata_tag_pop", tags::pop)
 }
 
 /// Depth of the calling thread's tag stack.
 #[no_mangle]
 pub extern "C" fn strata_tag_depth() -> c_int {
     boundary::value("strata_tag_depth", 0, || {
-        Ok(c_int::try_from(global::tag_depth()).unwrap_or(c_int::MAX))
+        Ok(c_int::try_from(tags::depth()).unwrap_or(c_int::MAX))
     })
 }
 
@@ -475,7 +479,8 @@ pub unsafe extern "C" fn strata_sleep(tag: *const c_char, keep_host_copy: c_int)
     boundary::status("strata_sleep", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let id = global::tag_id(name)?;
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
         let mut sleeping = sleeping::lock();
         let asleep_on: Vec<String> = g
@@ -543,7 +548,8 @@ pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
     boundary::status("strata_wake", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let id = global::tag_id(name)?;
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
         let mut sleeping = sleeping::lock();
         let mut woke = sleeping.contains(&id);

@@ -193,6 +193,11 @@ fn c_statuses_and_messages_name_the_mistake() {
 }
 
 #[test]
+fn c_tag_names_no_longer_in_use_are_released() {
+    c_test("tag_names");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

@@ -364,6 +364,11 @@ impl State {
             .collect()
     }
 
+    fn tag_is_idle(&self, ti: usize) -> bool {
+        let t = &self.tags[ti];
+        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+    }
+
     fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
         self.segments
             .iter()
@@ -606,6 +611,30 @@ impl CachingAllocator {
             self.release_cached(&mut st)?;
         }
         Ok(())
+    }
+
+    /// Lets the caller reuse `tag`'s id for another name: succeeds (and restarts the tag's
+    /// counters) only while nothing of it is live, asleep or growing. Its cached pages stay
+    /// (blocks of one id never share a page with another id, whoever names it).
+    pub fn retire_tag(&self, tag: TagId) -> bool {
+        let mut st = self.state.lock();
+        let Some(ti) = st.tag_slot(tag) else {
+            return true;
+        };
+        if !st.tag_is_idle(ti) {
+            return false;
+        }
+        let totals = &mut st.tags[ti].totals;
+        totals.allocs = 0;
+        totals.frees = 0;
+        totals.peak_allocated = totals.allocated;
+        true
+    }
+
+    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
+    pub fn tag_is_idle(&self, tag: TagId) -> bool {
+        let st = self.state.lock();
+        st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
     }
 
     /// The cap on reserved bytes.
