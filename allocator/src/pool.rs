@@ -230,12 +230,14 @@ impl PagePool {
     #[inline(never)]
     fn take_slow(&self, n: usize) -> Result<Vec<Page>> {
         let mut state = self.inner.state.lock();
-        // The free list may have grown since `take` looked: hand out exactly `n`. The limit
-        // is checked while the free pages taken still count as held.
+        // The free list may have grown since `take` looked: hand out exactly `n`.
         let keep = state.free.len().saturating_sub(n);
-        let missing = n - (state.free.len() - keep);
-        self.inner.admit(&state, missing)?;
         let mut pages = state.free.split_off(keep);
+        let missing = n - pages.len();
+        if let Err(e) = self.inner.admit(&state, missing) {
+            state.free = pages;
+            return Err(e);
+        }
         state.pending += missing;
         state.in_use += pages.len();
         drop(state);

@@ -225,16 +225,38 @@ pub unsafe extern "C" fn strata_harvest_reclaim(
 /// chunks, so the staging never grows with the caller's length.
 const STAGING_CHUNK: u64 = 8 << 20;
 
-/// Checks `offset..offset+len` against the handle before anything is allocated (the controller
-/// checks the handle itself on each copy).
-fn check_range(h: &HarvestHandle, offset: u64, len: usize) -> Result<u64> {
-    let len = len as u64;
-    match offset.checked_add(len) {
-        Some(end) if end <= h.size => Ok(len),
-        _ => Err(Error::InvalidArgument(format!(
-            "range {offset:#x}+{len:#x} beyond the allocation's {:#x} bytes",
+/// Runs `step(controller, staging, at, n)` over `offset..offset+len` of the allocation in
+/// pieces of at most [`STAGING_CHUNK`] bytes (`at`: the piece's start, relative to `offset`),
+/// with one staging buffer. The range is checked against the handle before anything is
+/// allocated (the controller checks the handle itself on each copy).
+fn in_chunks(
+    h: &HarvestHandle,
+    offset: u64,
+    len: usize,
+    mut step: impl FnMut(&HarvestController, &HostBuffer, usize, usize) -> Result<()>,
+) -> Result<()> {
+    let total = len as u64;
+    if offset.checked_add(total).is_none_or(|end| end > h.size) {
+        return Err(Error::InvalidArgument(format!(
+            "range {offset:#x}+{total:#x} beyond the allocation's {:#x} bytes",
             h.size
-        ))),
+        )));
+    }
+    let c = controller()?;
+    let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(STAGING_CHUNK as usize);
+        step(c, &staging, at, n)?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn host(staging: &HostBuffer) -> Endpoint<'_> {
+    Endpoint::Host {
+        buffer: staging,
+        offset: 0,
     }
 }
 
@@ -256,26 +278,15 @@ pub unsafe extern "C" fn strata_harvest_write(
         if src.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL src or zero length".into()));
         }
-        let total = check_range(&h, offset, len)?;
-        // SAFETY: `src` is readable for `len` bytes (the caller's contract).
-        let src = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
-        for (i, chunk) in src.chunks(STAGING_CHUNK as usize).enumerate() {
-            let at = i as u64 * STAGING_CHUNK;
-            staging.write_at(0, chunk)?;
-            c.copy_in(
-                &h,
-                offset + at,
-                Endpoint::Host {
-                    buffer: &staging,
-                    offset: 0,
-                },
-                chunk.len() as u64,
-            )?
-            .synchronize()?;
-        }
-        Ok(())
+        in_chunks(&h, offset, len, |c, staging, at, n| {
+            // SAFETY: `src` is readable for `len` bytes (the caller's contract), and
+            // `at + n <= len`.
+            staging.write_at(0, unsafe {
+                std::slice::from_raw_parts(src.cast::<u8>().add(at), n)
+            })?;
+            c.copy_in(&h, offset + at as u64, host(staging), n as u64)?
+                .synchronize()
+        })
     })
 }
 
@@ -297,25 +308,14 @@ pub unsafe extern "C" fn strata_harvest_read(
         if dst.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL dst or zero length".into()));
         }
-        let total = check_range(&h, offset, len)?;
-        // SAFETY: `dst` is writable for `len` bytes (the caller's contract).
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
-        for (i, chunk) in dst.chunks_mut(STAGING_CHUNK as usize).enumerate() {
-            let at = i as u64 * STAGING_CHUNK;
-            c.copy_out(
-                &h,
-                offset + at,
-                Endpoint::Host {
-                    buffer: &staging,
-                    offset: 0,
-                },
-                chunk.len() as u64,
-            )?
-            .synchronize()?;
-            staging.read_at(0, chunk)?;
-        }
-        Ok(())
+        in_chunks(&h, offset, len, |c, staging, at, n| {
+            c.copy_out(&h, offset + at as u64, host(staging), n as u64)?
+                .synchronize()?;
+            // SAFETY: `dst` is writable for `len` bytes (the caller's contract), and
+            // `at + n <= len`.
+            staging.read_at(0, unsafe {
+                std::slice::from_raw_parts_mut(dst.cast::<u8>().add(at), n)
+            })
+        })
     })
 }

@@ -4,6 +4,10 @@
 //! that many are, the names no longer in use are released (no thread has them pushed, no call
 //! holds them, nothing of them is live or asleep on any device) and their ids reused, so a
 //! server using a tag per request never runs out. A released name starts again from zero.
+//!
+//! Lock order: this registry, then the sleeping set (`sleeping.rs`), then an allocator's state.
+//! Nothing takes the registry while holding the sleeping set (a [`Lease`] outlives the sleeping
+//! set's guard in `strata_sleep`/`strata_wake`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
