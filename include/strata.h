@@ -39,7 +39,8 @@ extern "C" {
 typedef struct CUstream_st *cudaStream_t;
 #endif
 
-/* Status codes. Stable: values never change once published; 0 is success. */
+/* Status codes. Stable: values never change once published; 0 is success. The source is
+ * ffi/src/status.rs; its tests check this enum and python/strata/_status.py against it. */
 typedef enum strata_status_t {
     STRATA_OK = 0,
     STRATA_OUT_OF_MEMORY = 1,     /* physical memory or address space exhausted (recoverable) */
@@ -84,8 +85,11 @@ typedef struct strata_stats_t {
     uint64_t ooms;                  /* out-of-memory and limit failures */
     uint64_t sleeps;
     uint64_t wakes;
+    uint64_t pool_in_use_bytes;     /* pool pages in use (allocator, lent to peers, ...) */
+    uint64_t lent_bytes;            /* of those, lent to peers (Harvest placements here) */
+    uint64_t borrowed_bytes;        /* peers' pages this device borrowed (not in the above) */
     uint64_t limit_set;             /* 1 when a cap is set (then limit_bytes, possibly 0) */
-    uint64_t spare[7];              /* zero; room to grow */
+    uint64_t spare[4];              /* zero; room to grow */
 } strata_stats_t;
 
 /* Per-tag statistics on one device (strata_tag_stats). */

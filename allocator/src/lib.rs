@@ -8,6 +8,7 @@
 pub mod caching;
 pub mod direct;
 pub mod kv;
+pub mod mapped;
 pub mod pool;
 pub mod resource;
 
@@ -17,6 +18,7 @@ pub use caching::{
 };
 pub use direct::DirectResource;
 pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};
+pub use mapped::{MappedPage, MappedRun, PageLease, Return};
 pub use pool::{Page, PagePool, PageSource, PoolConfig, PoolStats};
 pub use resource::MemoryResource;
 pub use strata_vmm::{Error, Result};

@@ -80,8 +80,14 @@ pub struct PoolStats {
     pub page_size: u64,
     /// Free pages held.
     pub free: usize,
-    /// Pages handed out and not yet given back.
+    /// Pages of this device handed out and not yet given back (lent ones included).
     pub in_use: usize,
+    /// Of `in_use`, pages lent to a peer device (Harvest placements, [`PageLease::lend`](crate::PageLease::lend)).
+    pub lent: usize,
+    /// Pages of peer devices adopted here as [`PageSource::Borrowed`] and in use: not this
+    /// device's memory, so not in `in_use` or [`held_bytes`](Self::held_bytes) (a lent page
+    /// is counted once, by its lender).
+    pub borrowed: usize,
     /// Pages created through the driver, ever.
     pub created_total: u64,
     /// Pages released to the driver, ever.
@@ -94,7 +100,7 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
-    /// Bytes of physical memory the pool holds (free and in use).
+    /// Bytes of this device's physical memory the pool holds (free and in use).
     pub fn held_bytes(&self) -> u64 {
         (self.free + self.in_use) as u64 * self.page_size
     }
@@ -103,6 +109,8 @@ impl PoolStats {
 struct State {
     free: Vec<Page>,
     in_use: usize,
+    lent: usize,
+    borrowed: usize,
     /// Pages being created outside the lock, counted against the limit.
     pending: usize,
     created_total: u64,
@@ -159,6 +167,8 @@ impl PagePool {
             state: Mutex::new(State {
                 free: Vec::new(),
                 in_use: 0,
+                lent: 0,
+                borrowed: 0,
                 pending: 0,
                 created_total: 0,
                 released_total: 0,
@@ -269,7 +279,7 @@ impl PagePool {
         }
         let mut state = self.inner.state.lock();
         state.last_activity = Instant::now();
-        state.in_use = state.in_use.saturating_sub(pages.len());
+        state.uncount(pages.len(), borrowed_count(&pages));
         state.refill_blocked = false;
         state.free.extend(pages);
         if state.free.len() > self.inner.config.high_watermark {
@@ -280,16 +290,18 @@ impl PagePool {
     /// Releases pages straight to the driver (their memory returns to the device).
     pub fn release(&self, pages: Vec<Page>) {
         let n = pages.len();
+        let borrowed = borrowed_count(&pages);
         drop(pages);
         let mut state = self.inner.state.lock();
-        state.in_use = state.in_use.saturating_sub(n);
+        state.uncount(n, borrowed);
         state.released_total += n as u64;
         state.refill_blocked = false;
         self.inner.wake_worker.notify_one();
     }
 
     /// Takes a page that was not created by this pool (reclaimed or borrowed) into its
-    /// accounting, as in use by the caller; `give` later puts it on the free list.
+    /// accounting, as in use by the caller (`borrowed` for [`PageSource::Borrowed`], else
+    /// `in_use`); `give` later puts it on the free list.
     pub fn adopt(&self, phys: Arc<PhysicalMemory>, source: PageSource) -> Result<Page> {
         if phys.size() != self.inner.page_size {
             return Err(Error::InvalidArgument(format!(
@@ -299,7 +311,10 @@ impl PagePool {
             )));
         }
         let mut state = self.inner.state.lock();
-        state.in_use += 1;
+        match source {
+            PageSource::Borrowed { .. } => state.borrowed += 1,
+            _ => state.in_use += 1,
+        }
         state.adopted_total += 1;
         Ok(Page { phys, source })
     }
@@ -308,8 +323,8 @@ impl PagePool {
     /// inverse of [`PagePool::adopt`]): the caller hands the physical memory on, e.g. to another
     /// pool's `adopt`, as MIRAGE does when parameter pages become KV pages and back.
     pub fn detach(&self, page: Page) -> (Arc<PhysicalMemory>, PageSource) {
-        let mut state = self.inner.state.lock();
-        state.in_use = state.in_use.saturating_sub(1);
+        let borrowed = borrowed_count(std::slice::from_ref(&page));
+        self.inner.state.lock().uncount(1, borrowed);
         (page.phys, page.source)
     }
 
@@ -332,12 +347,24 @@ impl PagePool {
         n
     }
 
+    /// Counts `n` pages in use as lent to a peer (`lent = true`) or back from it.
+    pub(crate) fn mark_lent(&self, n: usize, lent: bool) {
+        let mut state = self.inner.state.lock();
+        state.lent = if lent {
+            state.lent + n
+        } else {
+            state.lent.saturating_sub(n)
+        };
+    }
+
     pub fn stats(&self) -> PoolStats {
         let state = self.inner.state.lock();
         PoolStats {
             page_size: self.inner.page_size,
             free: state.free.len(),
             in_use: state.in_use,
+            lent: state.lent,
+            borrowed: state.borrowed,
             created_total: state.created_total,
             released_total: state.released_total,
             created_on_demand: state.created_on_demand,
@@ -368,6 +395,21 @@ impl PagePool {
         };
         drop(released); // driver calls outside the lock
     }
+}
+
+impl State {
+    /// Takes `n` pages in use by a caller, `borrowed` of them borrowed, out of the counts.
+    fn uncount(&mut self, n: usize, borrowed: usize) {
+        self.borrowed = self.borrowed.saturating_sub(borrowed);
+        self.in_use = self.in_use.saturating_sub(n - borrowed);
+    }
+}
+
+fn borrowed_count(pages: &[Page]) -> usize {
+    pages
+        .iter()
+        .filter(|p| matches!(p.source, PageSource::Borrowed { .. }))
+        .count()
 }
 
 impl Drop for PagePool {

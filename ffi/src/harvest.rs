@@ -1,14 +1,12 @@
 //! The Harvest calls of the C ABI: opportunistic allocations in peer HBM, revocation
-//! callbacks, and the owner's reclaim. One process-wide [`HarvestController`] over the global
-//! backend is created on first use (on a single device, the device lends to itself).
+//! callbacks, and the owner's reclaim. The runtime's [`HarvestController`] lends pages of the
+//! same per-device pools `strata_malloc` draws on; it is created on first use (on a single
+//! device, the device lends to itself).
 
 use std::ffi::{c_int, c_void};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use parking_lot::Mutex;
-use strata_tiers::harvest::{
-    Endpoint, HarvestConfig, HarvestController, HarvestHandle, HarvestHints,
-};
+use strata_tiers::harvest::{Endpoint, HarvestController, HarvestHandle, HarvestHints};
 use strata_tiers::Durability;
 use strata_vmm::{Error, HostBuffer, Result};
 
@@ -44,24 +42,9 @@ pub struct strata_harvest_hints_t {
 pub type RevokeFn =
     Option<unsafe extern "C" fn(*const strata_harvest_handle_t, c_int, *mut c_void)>;
 
-static CONTROLLER: OnceLock<Arc<HarvestController>> = OnceLock::new();
-static INIT: Mutex<()> = Mutex::new(());
-
+/// The runtime's Harvest controller (over the same pools as `strata_malloc`).
 fn controller() -> Result<&'static Arc<HarvestController>> {
-    if let Some(c) = CONTROLLER.get() {
-        strata_vmm::fork::check()?;
-        return Ok(c);
-    }
-    let _guard = INIT.lock();
-    if let Some(c) = CONTROLLER.get() {
-        return Ok(c);
-    }
-    let backend = Arc::clone(&global()?.backend);
-    let n = backend.device_count() as usize;
-    let mut config = HarvestConfig::new(n);
-    config.allow_self = n == 1;
-    let c = HarvestController::new(backend, config)?;
-    Ok(CONTROLLER.get_or_init(|| c))
+    global()?.harvest()
 }
 
 fn to_c(h: &HarvestHandle) -> strata_harvest_handle_t {

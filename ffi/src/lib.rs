@@ -9,9 +9,10 @@
 //!   test-support calls (streams, copies) so C and Python can check contents without touching
 //!   device memory from the CPU.
 //!
-//! Nothing has to be called first: the backend (`strata_vmm::global()`, from `STRATA_BACKEND`)
-//! and each device's [`CachingAllocator`](strata_allocator::CachingAllocator) over its own
-//! `PagePool` are created on first use. Every export runs behind a panic boundary
+//! Nothing has to be called first: the process's [`Runtime`](strata_runtime::Runtime) (the
+//! backend, `strata_vmm::global()` from `STRATA_BACKEND`, and per device one `PagePool` that the
+//! [`CachingAllocator`](strata_allocator::CachingAllocator) and Harvest share) is created on
+//! first use. Every export runs behind a panic boundary
 //! ([`boundary`]): errors become a status (or NULL) plus a readable thread-local last error, and
 //! a panic never unwinds into C. Everything is thread-safe and there is no Python inside.
 //!
@@ -31,6 +32,7 @@ mod tests;
 use std::ffi::{c_char, c_double, c_int, c_void};
 
 use strata_allocator::{AllocatorStats, TagStats};
+use strata_runtime::DeviceStats;
 use strata_vmm::{CopyDesc, DevicePtr, Error, Location, Result, StreamHandle};
 
 use global::global;
@@ -87,10 +89,16 @@ pub struct strata_stats_t {
     pub ooms: u64,
     pub sleeps: u64,
     pub wakes: u64,
+    /// Bytes of the device's pool pages in use (by the allocator, lent to peers, KV spaces).
+    pub pool_in_use_bytes: u64,
+    /// Of `pool_in_use_bytes`, bytes lent to peers (Harvest placements on this device).
+    pub lent_bytes: u64,
+    /// Bytes of peers' pages this device borrowed (its Harvest placements elsewhere).
+    pub borrowed_bytes: u64,
     /// 1 when a cap is set (`limit_bytes` is then the cap, possibly 0), else 0.
     pub limit_set: u64,
     /// Zero; room to grow without changing the struct's size.
-    pub spare: [u64; 7],
+    pub spare: [u64; 4],
 }
 
 /// Per-tag statistics on one device (`strata_tag_stats_t`).
@@ -116,7 +124,28 @@ pub struct strata_tag_stats_t {
 }
 
 impl strata_stats_t {
-    fn from_stats(device: i32, total: u64, s: &AllocatorStats, pool_free_bytes: u64) -> Self {
+    /// The figures of `device`: its allocator's, if created, and its pool's, if created.
+    fn of(device: i32, total: u64, page_size: u64, stats: &DeviceStats) -> Self {
+        let mut out = match &stats.allocator {
+            Some(a) => Self::from_allocator(device, total, a),
+            None => strata_stats_t {
+                device,
+                total_bytes: total,
+                page_size,
+                ..Default::default()
+            },
+        };
+        if let Some(pool) = &stats.pool {
+            let bytes = |pages: usize| pages as u64 * pool.page_size;
+            out.pool_free_bytes = bytes(pool.free);
+            out.pool_in_use_bytes = bytes(pool.in_use);
+            out.lent_bytes = bytes(pool.lent);
+            out.borrowed_bytes = bytes(pool.borrowed);
+        }
+        out
+    }
+
+    fn from_allocator(device: i32, total: u64, s: &AllocatorStats) -> Self {
         strata_stats_t {
             device,
             initialized: 1,
@@ -127,7 +156,7 @@ impl strata_stats_t {
             reserved_bytes: s.reserved_bytes,
             mapped_pages: s.mapped_pages,
             cached_large_bytes: s.cached_large_bytes,
-            pool_free_bytes,
+            pool_free_bytes: 0,
             peak_allocated_bytes: s.peak_allocated_bytes,
             peak_reserved_bytes: s.peak_reserved_bytes,
             live_allocations: s.live_allocations,
@@ -140,8 +169,11 @@ impl strata_stats_t {
             ooms: s.counts.ooms,
             sleeps: s.counts.sleeps,
             wakes: s.counts.wakes,
+            pool_in_use_bytes: 0,
+            lent_bytes: 0,
+            borrowed_bytes: 0,
             limit_set: u64::from(s.limit.is_some()),
-            spare: [0; 7],
+            spare: [0; 4],
         }
     }
 }
@@ -214,7 +246,7 @@ pub extern "C" fn strata_device_count() -> c_int {
 #[no_mangle]
 pub extern "C" fn strata_malloc(size: usize, device: c_int, stream: CudaStream) -> *mut c_void {
     boundary::value("strata_malloc", std::ptr::null_mut(), || {
-        let allocator = global()?.allocator(device)?;
+        let allocator = global::allocator(global()?, device)?;
         let tag = tags::current();
         let ptr = allocator
             .allocate_tagged(size as u64, stream_of(stream), tag)
@@ -277,7 +309,7 @@ fn free(ptr: *mut c_void, _size: usize, device: c_int, stream: CudaStream) -> Re
 /// Adds where an unknown pointer really belongs to the error.
 #[cold]
 #[inline(never)]
-fn explain_foreign(g: &global::Global, e: Error, ptr: DevicePtr, device: usize) -> Error {
+fn explain_foreign(g: &strata_runtime::Runtime, e: Error, ptr: DevicePtr, device: usize) -> Error {
     match (&e, g.device_of(ptr)) {
         (Error::UnknownPointer(_), Some(owner)) if owner != device => Error::InvalidArgument(
             format!("pointer {ptr:#x} belongs to device {owner}, freed as device {device}"),
@@ -298,7 +330,7 @@ pub extern "C" fn strata_init(device_count: c_int) {
             )));
         }
         for d in 0..device_count {
-            g.allocator(d)?;
+            global::allocator(g, d)?;
         }
         Ok(())
     })
@@ -335,8 +367,8 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
             )));
         }
         let g = global()?;
-        let a = g.allocator(device)?;
-        let total = g.backend.device_info(device as u32)?.total_memory;
+        let a = global::allocator(g, device)?;
+        let total = g.backend().device_info(device as u32)?.total_memory;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
         a.set_limit(limit)?;
         // The cap covers the pool's free pages too: all that strata holds on the device.
@@ -376,20 +408,9 @@ pub unsafe extern "C" fn strata_stats(device: c_int, out: *mut strata_stats_t) -
         }
         let g = global()?;
         let d = g.ordinal(device)?;
-        let total = g.backend.device_info(d as u32)?.total_memory;
-        let stats = match g.existing(d) {
-            Some(a) => {
-                let pool = a.pool().stats();
-                let pool_free = pool.free as u64 * pool.page_size;
-                strata_stats_t::from_stats(device, total, &a.stats(), pool_free)
-            }
-            None => strata_stats_t {
-                device,
-                total_bytes: total,
-                page_size: g.backend.granularity(Location::Device(d as u32))?,
-                ..Default::default()
-            },
-        };
+        let total = g.backend().device_info(d as u32)?.total_memory;
+        let page_size = g.backend().granularity(Location::Device(d as u32))?;
+        let stats = strata_stats_t::of(device, total, page_size, &g.devices()[d].stats());
         // SAFETY: `out` is non-NULL and valid for one write by this function's contract.
         unsafe { out.write(stats) };
         Ok(())
@@ -584,7 +605,7 @@ pub unsafe extern "C" fn strata_stream_create(device: c_int, out: *mut CudaStrea
         }
         let g = global()?;
         let d = g.ordinal(device)?;
-        let s = g.backend.stream_create(d as u32)?;
+        let s = g.backend().stream_create(d as u32)?;
         let ptr = usize::try_from(s.0).map_err(|_| Error::Overflow("stream handle"))?;
         // SAFETY: `out` is non-NULL and valid for one write by this function's contract.
         unsafe { out.write(ptr as CudaStream) };
@@ -601,7 +622,7 @@ pub extern "C" fn strata_stream_destroy(stream: CudaStream) -> c_int {
                 "cannot destroy the default stream".into(),
             ));
         }
-        global()?.backend.stream_destroy(stream_of(stream))
+        global()?.backend().stream_destroy(stream_of(stream))
     })
 }
 
@@ -609,7 +630,7 @@ pub extern "C" fn strata_stream_destroy(stream: CudaStream) -> c_int {
 #[no_mangle]
 pub extern "C" fn strata_stream_synchronize(stream: CudaStream) -> c_int {
     boundary::status("strata_stream_synchronize", || {
-        global()?.backend.stream_synchronize(stream_of(stream))
+        global()?.backend().stream_synchronize(stream_of(stream))
     })
 }
 
@@ -631,7 +652,7 @@ fn explain_copy(e: Error, va: DevicePtr, len: usize) -> Error {
 
 /// Checks that `ptr..ptr+len` starts inside memory strata hands out (the backend then checks
 /// the rest: mapped, accessible).
-fn device_range(g: &global::Global, ptr: *const c_void, len: usize) -> Result<DevicePtr> {
+fn device_range(g: &strata_runtime::Runtime, ptr: *const c_void, len: usize) -> Result<DevicePtr> {
     let va = ptr as usize as DevicePtr;
     if g.device_of(va).is_none() {
         return Err(Error::InvalidArgument(format!(
@@ -671,8 +692,8 @@ pub unsafe extern "C" fn strata_memcpy_htod(
         };
         // SAFETY: `src` is valid for `len` bytes for the whole call (this function's contract)
         // and the stream is synchronized before returning.
-        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }
-            .and_then(|()| g.backend.stream_synchronize(StreamHandle::DEFAULT))
+        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend().stream_synchronize(StreamHandle::DEFAULT))
             .map_err(|e| explain_copy(e, dst, len))
     })
 }
@@ -706,8 +727,8 @@ pub unsafe extern "C" fn strata_memcpy_dtoh(
         };
         // SAFETY: `dst` is valid and exclusively ours for `len` bytes for the whole call (this
         // function's contract) and the stream is synchronized before returning.
-        unsafe { g.backend.copy_async(StreamHandle::DEFAULT, &[copy]) }
-            .and_then(|()| g.backend.stream_synchronize(StreamHandle::DEFAULT))
+        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend().stream_synchronize(StreamHandle::DEFAULT))
             .map_err(|e| explain_copy(e, src, len))
     })
 }

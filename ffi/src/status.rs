@@ -1,10 +1,12 @@
-//! Stable numeric status codes of the C ABI (`strata_status_t` in `include/strata.h`).
+//! Stable numeric status codes of the C ABI: the one source of `strata_status_t`. The header
+//! (`include/strata.h`) and the Python package (`python/strata/_status.py`) repeat it; a unit
+//! test below fails when either disagrees with [`Status`] (a name, a value, a missing or an
+//! extra status).
 
 use strata_vmm::Error;
 
-/// The status every status-returning export gives back. Values are stable: they equal
-/// [`Error::code`] for every error, never change once published, and 0 is success. The header
-/// repeats them; a unit test checks the two agree.
+/// The status every status-returning export gives back. Values never change once published;
+/// 0 is success.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(non_camel_case_types, dead_code)]
@@ -46,32 +48,41 @@ pub enum Status {
 }
 
 impl Status {
-    /// The status of an error (its [`Error::code`]).
+    /// The status of an error. Exhaustive: a new error variant must choose its status here.
     pub fn of(error: &Error) -> Status {
-        Status::from_code(error.code())
+        match error {
+            Error::OutOfMemory { .. } | Error::OutOfAddressSpace { .. } => Status::OutOfMemory,
+            Error::LimitExceeded { .. } => Status::LimitExceeded,
+            Error::InvalidArgument(_) | Error::Overflow(_) | Error::Misaligned { .. } => {
+                Status::InvalidArgument
+            }
+            Error::UnknownPointer(_) => Status::UnknownPointer,
+            Error::DoubleFree(_) => Status::DoubleFree,
+            Error::InvalidHandle { .. } | Error::StaleId { .. } => Status::InvalidHandle,
+            Error::InvalidState(_) => Status::InvalidState,
+            Error::AlreadyMapped { .. }
+            | Error::NotMapped { .. }
+            | Error::PartialUnmap { .. }
+            | Error::NotReserved { .. }
+            | Error::StillMapped { .. }
+            | Error::IllegalAccess { .. } => Status::Mapping,
+            Error::Unsupported(_) => Status::Unsupported,
+            Error::NoDriver(_) | Error::NoDevice(_) => Status::NoDevice,
+            Error::Driver { .. } => Status::Driver,
+            Error::InjectedFault(_) => Status::InjectedFault,
+            Error::Os { .. } => Status::Os,
+            Error::Config { .. } => Status::Config,
+            Error::Async { .. } => Status::Async,
+            Error::Deferred(inner) => Status::of(inner),
+        }
     }
 
     /// The status with numeric value `code`; unknown values are [`Status::Internal`].
     pub fn from_code(code: i32) -> Status {
-        match code {
-            0 => Status::Ok,
-            1 => Status::OutOfMemory,
-            2 => Status::LimitExceeded,
-            3 => Status::InvalidArgument,
-            4 => Status::UnknownPointer,
-            5 => Status::DoubleFree,
-            6 => Status::InvalidHandle,
-            7 => Status::InvalidState,
-            8 => Status::Mapping,
-            9 => Status::Unsupported,
-            10 => Status::NoDevice,
-            11 => Status::Driver,
-            12 => Status::InjectedFault,
-            13 => Status::Os,
-            14 => Status::Config,
-            15 => Status::Async,
-            _ => Status::Internal,
-        }
+        Status::ALL
+            .into_iter()
+            .find(|s| *s as i32 == code)
+            .unwrap_or(Status::Internal)
     }
 
     /// The constant's name in `include/strata.h`.
@@ -164,12 +175,67 @@ mod tests {
         }
     }
 
+    /// `(name, value)` of every `NAME = VALUE` line between `start` and `end` in `text`.
+    fn declared(text: &str, start: &str, end: &str, prefix: &str) -> Vec<(String, i32)> {
+        let from = text.find(start).unwrap_or_else(|| panic!("no `{start}`")) + start.len();
+        let to = from
+            + text[from..]
+                .find(end)
+                .unwrap_or_else(|| panic!("no `{end}`"));
+        text[from..to]
+            .lines()
+            .filter_map(|line| {
+                let (name, rest) = line.split_once('=')?;
+                let value: String = rest
+                    .trim()
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect();
+                Some((format!("{prefix}{}", name.trim()), value.parse().ok()?))
+            })
+            .collect()
+    }
+
+    fn expected() -> Vec<(String, i32)> {
+        Status::ALL
+            .iter()
+            .map(|s| (s.name().to_string(), *s as i32))
+            .collect()
+    }
+
     #[test]
-    fn header_declares_every_status_with_its_value() {
+    fn header_declares_exactly_these_statuses() {
         let header = include_str!("../../include/strata.h");
-        for s in Status::ALL {
-            let decl = format!("{} = {},", s.name(), s as i32);
-            assert!(header.contains(&decl), "strata.h lacks `{decl}`");
-        }
+        let got = declared(
+            header,
+            "typedef enum strata_status_t {",
+            "} strata_status_t;",
+            "",
+        );
+        assert_eq!(got, expected(), "include/strata.h disagrees with Status");
+    }
+
+    #[test]
+    fn python_declares_exactly_these_statuses() {
+        let python = include_str!("../../python/strata/_status.py");
+        let got = declared(
+            python,
+            "class Status(enum.IntEnum):",
+            "@property",
+            "STRATA_",
+        );
+        assert_eq!(
+            got,
+            expected(),
+            "python/strata/_status.py disagrees with Status"
+        );
+    }
+
+    #[test]
+    fn the_parser_sees_a_disagreement() {
+        let text = "enum {\n    STRATA_OK = 0,\n    STRATA_CONFIG = 15, /* c */\n};";
+        let got = declared(text, "enum {", "};", "");
+        assert_ne!(got, expected());
+        assert_eq!(got[1], ("STRATA_CONFIG".to_string(), 15));
     }
 }

@@ -105,7 +105,7 @@ impl Registry {
     #[inline(never)]
     fn release_unused(&mut self) {
         let sleeping = crate::sleeping::lock();
-        let allocators: Vec<_> = crate::global::opened()
+        let allocators: Vec<_> = strata_runtime::existing_global()
             .map(|g| g.existing_all().map(|(_, a)| a).collect())
             .unwrap_or_default();
         let unpinned: Vec<TagId> = self

@@ -153,6 +153,11 @@ fn c_harvest_alloc_revoke_and_callbacks() {
 }
 
 #[test]
+fn c_malloc_and_harvest_share_one_pool() {
+    c_test("shared_pool");
+}
+
+#[test]
 fn c_random_walk_with_patterns_and_tags() {
     c_test("walk");
 }
@@ -285,4 +290,59 @@ fn header_and_exports_match() {
         declared, exported,
         "include/strata.h vs libstrata.so exports"
     );
+}
+
+/// A backend that cannot open keeps its typed status through the C ABI: a malformed `STRATA_*`
+/// variable is `STRATA_CONFIG` and CUDA asked for without a driver `STRATA_NO_DEVICE`, never a
+/// blanket `STRATA_UNSUPPORTED`. Each case is a fresh process with its own environment (the
+/// library opens its backend once per process).
+#[test]
+fn c_backend_errors_keep_their_status() {
+    library();
+    let Some(cc) = compiler() else {
+        eprintln!("skipping C test backend_errors: no C compiler ($CC or cc)");
+        return;
+    };
+    let exe = build(&cc, "backend_errors", false, &[]);
+    let host = ("STRATA_BACKEND", "host");
+    let mut cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+        (vec![("STRATA_BACKEND", "gpu")], "STRATA_CONFIG"),
+        (
+            vec![host, ("STRATA_HOST_DEVICES", "banana")],
+            "STRATA_CONFIG",
+        ),
+        (vec![host, ("STRATA_HOST_STRICT", "maybe")], "STRATA_CONFIG"),
+        (
+            vec![host, ("STRATA_HOST_GRANULARITY", "3KiB")],
+            "STRATA_CONFIG",
+        ),
+    ];
+    if strata_vmm::cuda::result::driver_present() {
+        eprintln!("backend_errors: a CUDA driver is present, the no-driver cases are skipped");
+    } else {
+        cases.push((vec![("STRATA_BACKEND", "cuda")], "STRATA_NO_DEVICE"));
+        // `auto` without a driver falls back to the host backend and its configuration.
+        cases.push((vec![("STRATA_HOST_DEVICES", "banana")], "STRATA_CONFIG"));
+    }
+    for (env, expected) in cases {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(expected);
+        for var in [
+            "STRATA_BACKEND",
+            "STRATA_HOST_DEVICES",
+            "STRATA_HOST_STRICT",
+            "STRATA_HOST_GRANULARITY",
+            "STRATA_HOST_LINK",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env.iter().copied());
+        let out = cmd.output().expect("run backend_errors");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+            "{env:?}, expected {expected}:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

@@ -1,5 +1,5 @@
 //! FP32 matrix product `C = A·B` in row-major terms: the CPU twin of the device GEMM
-//! (`strata_vmm::Backend::gemm_f32_async`, cuBLAS `cublasSgemm` on CUDA) and the matmul of KVPR's
+//! (`strata_vmm::DeviceWork::gemm_f32_async`, cuBLAS `cublasSgemm` on CUDA) and the matmul of KVPR's
 //! CPU runtime.
 //!
 //! Layout (elements, not bytes): `A[i][p] = a[i·lda + p]`, `B[p][j] = b[p·ldb + j]`,

@@ -20,8 +20,10 @@ import contextlib
 
 from . import _lib
 from ._lib import StrataError, library_path
+from ._status import Status
 
 __all__ = [
+    "Status",
     "StrataError",
     "device_count",
     "empty_cache",
@@ -44,7 +46,7 @@ def device_count():
     """Number of devices of the backend strata uses."""
     n = _lib.lib().strata_device_count()
     if n < 0:
-        raise StrataError(9, _lib.last_error())
+        raise _lib.last_failure()
     return n
 
 
@@ -114,6 +116,5 @@ def empty_cache():
     l = _lib.lib()
     l.strata_clear_error()
     l.strata_empty_cache()
-    message = _lib.last_error()
-    if message:
-        raise StrataError(_lib._status_from_message(message), message)
+    if _lib.last_error():
+        raise _lib.last_failure()

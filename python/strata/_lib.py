@@ -5,34 +5,17 @@ import os
 import pathlib
 import threading
 
-STATUS_NAMES = {
-    0: "STRATA_OK",
-    1: "STRATA_OUT_OF_MEMORY",
-    2: "STRATA_LIMIT_EXCEEDED",
-    3: "STRATA_INVALID_ARGUMENT",
-    4: "STRATA_UNKNOWN_POINTER",
-    5: "STRATA_DOUBLE_FREE",
-    6: "STRATA_INVALID_HANDLE",
-    7: "STRATA_INVALID_STATE",
-    8: "STRATA_MAPPING",
-    9: "STRATA_UNSUPPORTED",
-    10: "STRATA_NO_DEVICE",
-    11: "STRATA_DRIVER",
-    12: "STRATA_INJECTED_FAULT",
-    13: "STRATA_OS",
-    14: "STRATA_CONFIG",
-    15: "STRATA_ASYNC",
-    16: "STRATA_INTERNAL",
-}
+from ._status import Status
 
 
 class StrataError(RuntimeError):
-    """A strata call failed. `status` is the numeric strata_status_t, `message` its last error."""
+    """A strata call failed. `status` is the strata_status_t (a `Status`, an int), `message` its
+    last error."""
 
     def __init__(self, status, message):
         super().__init__(message)
-        self.status = status
-        self.status_name = STATUS_NAMES.get(status, "STRATA_INTERNAL")
+        self.status = Status.of(status)
+        self.status_name = self.status.c_name
         self.message = message
 
 
@@ -62,8 +45,11 @@ class Stats(ctypes.Structure):
         ("ooms", ctypes.c_uint64),
         ("sleeps", ctypes.c_uint64),
         ("wakes", ctypes.c_uint64),
+        ("pool_in_use_bytes", ctypes.c_uint64),
+        ("lent_bytes", ctypes.c_uint64),
+        ("borrowed_bytes", ctypes.c_uint64),
         ("limit_set", ctypes.c_uint64),
-        ("spare", ctypes.c_uint64 * 7),
+        ("spare", ctypes.c_uint64 * 4),
     ]
 
 
@@ -209,15 +195,15 @@ def malloc(size, device=0, stream=None):
         message = last_error()
         if size == 0 and not message:
             return 0
-        raise StrataError(_status_from_message(message), message)
+        raise StrataError(Status.from_message(message), message)
     return ptr
 
 
-def _status_from_message(message):
-    for code, name in STATUS_NAMES.items():
-        if name in message:
-            return code
-    return 16
+def last_failure():
+    """A StrataError for a call that reports failure without a status (NULL, -1): the status
+    is the one its last error names."""
+    message = last_error()
+    return StrataError(Status.from_message(message), message)
 
 
 def free(ptr, size=0, device=0, stream=None):

@@ -82,6 +82,42 @@ class StatsTest(unittest.TestCase):
             strata.sleep([b"bytes-tag"])
 
 
+class BackendSelectionTest(unittest.TestCase):
+    """A backend that cannot open keeps its status: a malformed STRATA_* variable is
+    STRATA_CONFIG (not STRATA_UNSUPPORTED). Each case runs in a fresh process, since the
+    library opens its backend once."""
+
+    SCRIPT = (
+        "import strata\n"
+        "try:\n"
+        "    strata.device_count()\n"
+        "    print('opened')\n"
+        "except strata.StrataError as e:\n"
+        "    print(e.status_name, int(e.status) == strata.Status[e.status_name[7:]])\n"
+    )
+
+    def status_with(self, **env):
+        import subprocess
+
+        child = dict(os.environ)
+        child.update({"STRATA_BACKEND": "host", **env})
+        out = subprocess.run(
+            [sys.executable, "-c", self.SCRIPT], env=child, capture_output=True, text=True
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out.stdout.strip()
+
+    def test_malformed_variables_are_config_errors(self):
+        self.assertEqual(self.status_with(STRATA_BACKEND="gpu"), "STRATA_CONFIG True")
+        self.assertEqual(self.status_with(STRATA_HOST_DEVICES="banana"), "STRATA_CONFIG True")
+        self.assertEqual(self.status_with(STRATA_HOST_STRICT="maybe"), "STRATA_CONFIG True")
+
+    def test_status_names_a_message_ends_with(self):
+        self.assertEqual(strata.Status.from_message("x: bad (STRATA_CONFIG)"), strata.Status.CONFIG)
+        self.assertEqual(strata.Status.from_message("no status here"), strata.Status.INTERNAL)
+        self.assertEqual(strata.Status.of(99), strata.Status.INTERNAL)
+
+
 class TagSleepWakeTest(unittest.TestCase):
     def test_tags_and_sleep_wake_keep_contents(self):
         with strata.tag("py-weights"):

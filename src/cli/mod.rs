@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod chart;
 pub mod demo;
 pub mod info;
 pub mod sim;

@@ -5,11 +5,11 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use super::chart::{write_chart, Series};
 use indicatif::{ProgressBar, ProgressStyle};
 use strata::sim::hw::{HardwareProfile, ModelProfile};
 use strata::sim::tierkv::{self, Policy, TierKvConfig, TierKvResult};
 use strata::sim::Workload;
-use strata::tiered::{write_chart, Series};
 
 #[derive(clap::Subcommand)]
 pub enum SimCommand {
@@ -120,13 +120,6 @@ pub struct PieArgs {
 
 fn bad(what: &str, v: &str) -> strata::Error {
     strata::Error::InvalidArgument(format!("unknown {what} `{v}`"))
-}
-
-fn plot_err(source: std::io::Error) -> strata::Error {
-    strata::Error::Os {
-        call: "write plot",
-        source,
-    }
 }
 
 pub fn run(cmd: SimCommand) -> Result<ExitCode, strata::Error> {
@@ -286,8 +279,7 @@ fn run_tierkv(a: TierKvArgs) -> Result<ExitCode, strata::Error> {
             "ρ",
             "ms",
             &series,
-        )
-        .map_err(plot_err)?;
+        )?;
         if !a.json {
             println!("\nplot: {}", path.display());
         }

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use super::chart::{write_chart, Series};
 use strata::sim::harvest::{self, HarvestConfig};
 use strata::sim::hw::HardwareProfile;
 use strata::sim::mirage::{self, Choice, MirageConfig};
-use strata::tiered::{write_chart, Series};
 
 pub fn run_mirage(
     hw: HardwareProfile,
@@ -105,11 +105,7 @@ pub fn run_mirage(
             "α",
             "tok/s",
             &series,
-        )
-        .map_err(|source| strata::Error::Os {
-            call: "write plot",
-            source,
-        })?;
+        )?;
         if !json {
             println!("\nplot: {}", path.display());
         }

@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use super::chart::{write_chart, Series};
 use strata::sim::pie::{self, PieConfig};
 use strata::sim::Workload;
-use strata::tiered::{write_chart, Series};
 
 pub fn run(
     workload: Workload,
@@ -119,11 +119,7 @@ pub fn run(
                 color: "#1f77b4",
                 points: sweep.iter().map(|p| (p.expansion, p.throughput)).collect(),
             }],
-        )
-        .map_err(|source| strata::Error::Os {
-            call: "write plot",
-            source,
-        })?;
+        )?;
         let stem = path.with_extension("");
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("svg");
         let adaptive_path = PathBuf::from(format!("{}-adaptive.{ext}", stem.display()));
@@ -137,11 +133,7 @@ pub fn run(
                 color: "#d62728",
                 points: traj.iter().map(|p| (p.time, p.expansion)).collect(),
             }],
-        )
-        .map_err(|source| strata::Error::Os {
-            call: "write plot",
-            source,
-        })?;
+        )?;
         if !json {
             println!("plots: {} {}", path.display(), adaptive_path.display());
         }

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_vmm::{
-    copy_async_in, Access, Backend, CopyDesc, CopyKind, CopyScope, CreateFlags, Error, HostBuffer,
-    Location, Mapping, PhysicalMemory, Reservation, Result, Stream,
+    copy_async_in, Backend, CopyDesc, CopyKind, CopyScope, DeviceBuffer, Error, HostBuffer, Result,
+    Stream,
 };
 
 use crate::disk::DiskFile;
@@ -192,36 +192,18 @@ pub fn measure(
             "calibration sizes must be non-zero multiples of 4096".into(),
         ));
     }
-    let location = Location::Device(device);
-    let granularity = backend.granularity(location)?;
-    let span =
-        strata_vmm::round_up(largest, granularity).ok_or(Error::Overflow("calibration size"))?;
-    let reservation = Arc::new(Reservation::new(backend, span, 0)?);
-    let phys = Arc::new(PhysicalMemory::create(
-        backend,
-        location,
-        span,
-        CreateFlags::empty(),
-    )?);
-    let mapping = Mapping::new(
-        &reservation,
-        reservation.ptr(),
-        phys,
-        0,
-        span,
-        &[(location, Access::ReadWrite)],
-    )?;
+    let device_buffer = DeviceBuffer::new(backend, device, largest)?;
     let host = HostBuffer::new(backend, largest)?;
     let stream = Stream::new(backend, device)?;
     let scope = CopyScope {
         buffers: &[&host],
-        reservations: &[&reservation],
+        reservations: &[device_buffer.reservation()],
     };
     let copy = |dst: u64, src: u64, len: u64| -> Result<()> {
         let desc = [CopyDesc { dst, src, len }];
         copy_async_in(backend, stream.handle(), CopyKind::Batch(&desc), scope)?.synchronize()
     };
-    let dev = mapping.va();
+    let dev = device_buffer.ptr();
     let host_to_hbm = measure_link(config, |len| copy(dev, host.ptr(), len))?;
     let hbm_to_host = measure_link(config, |len| copy(host.ptr(), dev, len))?;
     let (disk_read, disk_write, disk_direct) = match &config.disk_dir {
@@ -231,7 +213,6 @@ pub fn measure(
         }
         None => (None, None, false),
     };
-    drop(mapping);
     Ok(MeasuredLinks {
         device,
         host_to_hbm,

@@ -21,7 +21,7 @@
 //!   thread recomputes `K,V[0:l] = X[0:l]·W_K, X[0:l]·W_V` with the GEMM twin
 //!   ([`strata_kernels::gemm`]).
 //! - [`DeviceRuntime`] (and the one-shot [`transfer_recompute_device`]), on a device through
-//!   [`Backend::gemm_f32_async`]: W_K/W_V resident in device memory; `X[0:l]` crosses first on a
+//!   [`DeviceWork::gemm_f32_async`]: W_K/W_V resident in device memory; `X[0:l]` crosses first on a
 //!   copy stream; a compute stream waits for its event and recomputes into rows `0..l` of the K
 //!   and V tensors while the copy stream fills rows `l..s'`; a last event marks the merge. On
 //!   CUDA the GEMM is cuBLAS `cublasSgemm` (FP32: equal to the twin up to rounding, exactly for
@@ -31,9 +31,8 @@ use std::sync::Arc;
 
 use strata_kernels::gemm::{Gemm, GemmError};
 use strata_vmm::{
-    copy_async_in, round_up, Access, Backend, CopyDesc, CopyKind, CopyScope, CreateFlags,
-    DevicePtr, Error, Event, GemmF32, HostBuffer, Location, Mapping, PhysicalMemory, Reservation,
-    Result, Stream,
+    copy_async_in, device_work, Backend, CopyDesc, CopyKind, CopyScope, DeviceBuffer, DevicePtr,
+    DeviceWork, Error, Event, GemmF32, HostBuffer, Result, Stream,
 };
 
 /// Profiled inputs of the planner.
@@ -233,45 +232,6 @@ fn f32_len(count: usize) -> Result<u64> {
         .ok_or(Error::Overflow("f32 bytes"))
 }
 
-/// Device memory for the runtime: one reservation with one mapping behind it, read-write for
-/// one device; unmapped, released and freed on drop (callers drain its streams first).
-struct DeviceBuffer {
-    mapping: Mapping,
-}
-
-impl DeviceBuffer {
-    /// At least `bytes` (rounded up to the granularity, at least one granule).
-    fn new(backend: &Arc<dyn Backend>, device: u32, bytes: u64) -> Result<Self> {
-        let location = Location::Device(device);
-        let size = round_up(bytes.max(1), backend.granularity(location)?)
-            .ok_or(Error::Overflow("device buffer size"))?;
-        let phys = Arc::new(PhysicalMemory::create(
-            backend,
-            location,
-            size,
-            CreateFlags::empty(),
-        )?);
-        let reservation = Arc::new(Reservation::new(backend, size, 0)?);
-        let mapping = Mapping::new(
-            &reservation,
-            reservation.ptr(),
-            phys,
-            0,
-            size,
-            &[(location, Access::ReadWrite)],
-        )?;
-        Ok(DeviceBuffer { mapping })
-    }
-
-    fn ptr(&self) -> DevicePtr {
-        self.mapping.va()
-    }
-
-    fn reservation(&self) -> &Reservation {
-        self.mapping.reservation()
-    }
-}
-
 /// One layer's activations and KV cache staged in pinned host memory (`X | K | V`, row-major
 /// `seq × hidden` each): where the device runtime transfers from.
 pub struct PinnedLayer {
@@ -308,11 +268,12 @@ impl PinnedLayer {
     }
 }
 
-/// KVPR's runtime on a device (any backend with [`Backend::gemm_f32_async`]: cuBLAS on CUDA,
-/// the CPU twin on the host backend): W_K and W_V resident in device memory, a copy stream that
-/// moves activations and KV, and a compute stream that recomputes.
+/// KVPR's runtime on a device (any backend with a [`DeviceWork`] GEMM: cuBLAS on CUDA, the CPU
+/// twin on the host backend): W_K and W_V resident in device memory, a copy stream that moves
+/// activations and KV, and a compute stream that recomputes.
 pub struct DeviceRuntime {
     backend: Arc<dyn Backend>,
+    work: Arc<dyn DeviceWork>,
     device: u32,
     hidden: usize,
     /// `W_K | W_V`, `hidden × hidden` each, row-major.
@@ -323,7 +284,8 @@ pub struct DeviceRuntime {
 
 impl DeviceRuntime {
     /// Creates the streams on `device` and uploads W_K and W_V (`hidden × hidden`, row-major);
-    /// returns once the weights are resident.
+    /// returns once the weights are resident. [`Error::Unsupported`] for a backend without
+    /// [`DeviceWork`].
     pub fn new(
         backend: &Arc<dyn Backend>,
         device: u32,
@@ -335,6 +297,7 @@ impl DeviceRuntime {
             return Err(Error::InvalidArgument("a layer with hidden size 0".into()));
         }
         check_weights(w_k, w_v, hidden)?;
+        let work = device_work(backend)?;
         let one = f32_len(w_k.len())?;
         let weights = DeviceBuffer::new(backend, device, 2 * one)?;
         let staging = HostBuffer::new(backend, 2 * one)?;
@@ -359,6 +322,7 @@ impl DeviceRuntime {
         copy.synchronize()?;
         Ok(DeviceRuntime {
             backend: Arc::clone(backend),
+            work,
             device,
             hidden,
             weights,
@@ -449,7 +413,7 @@ impl DeviceRuntime {
             .stream_wait_event(compute, x_arrived.handle())?;
         for (w, out) in [(w_k, k), (w_v, v)] {
             let recompute = GemmF32::packed(l64, h64, h64, x, w, out);
-            self.backend.gemm_f32_async(compute, &recompute)?;
+            self.work.gemm_f32_async(compute, &recompute)?;
         }
         let tail = (s - l) as u64 * row;
         let kv_descs = [

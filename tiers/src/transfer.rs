@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use strata_kernels::blockcopy::{self, Method};
 use strata_vmm::{
-    copy_async_in, Backend, CopyDesc, CopyKind, CopyScope, DevicePtr, Error, Event, Result, Stream,
-    StreamHandle,
+    copy_async_in, Backend, CopyDesc, CopyKind, CopyScope, DevicePtr, DeviceWork, Error, Event,
+    Result, Stream, StreamHandle,
 };
 
 /// Direction of a copy between host memory and the device.
@@ -73,8 +73,11 @@ struct Counters {
 }
 
 /// Two dedicated streams (host→device, device→host) on one device, and the submission logic.
+/// Copies go through the [`Backend`], the block-copy kernel through the backend's
+/// [`DeviceWork`] (DMA only when it has none).
 pub struct TransferEngine {
     backend: Arc<dyn Backend>,
+    work: Option<Arc<dyn DeviceWork>>,
     h2d: Stream,
     d2h: Stream,
     kernel_ok: std::sync::atomic::AtomicBool,
@@ -93,6 +96,7 @@ impl TransferEngine {
     pub fn new(backend: &Arc<dyn Backend>, device: u32) -> Result<Self> {
         Ok(TransferEngine {
             backend: Arc::clone(backend),
+            work: Arc::clone(backend).device_work(),
             h2d: Stream::new(backend, device)?,
             d2h: Stream::new(backend, device)?,
             kernel_ok: std::sync::atomic::AtomicBool::new(true),
@@ -209,10 +213,16 @@ impl TransferEngine {
         len: u64,
         scope: CopyScope<'_>,
     ) -> Result<Arc<Event>> {
+        let Some(work) = self.work.as_deref() else {
+            return Err(Error::Unsupported(format!(
+                "no block-copy kernel on the {} backend",
+                self.backend.kind()
+            )));
+        };
         let ev = copy_async_in(
             &self.backend,
             stream,
-            CopyKind::Blocks { len, pairs },
+            CopyKind::Blocks { work, len, pairs },
             scope,
         )?;
         self.counters

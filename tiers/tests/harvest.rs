@@ -13,7 +13,7 @@ use strata_tiers::harvest::{
     HarvestHints, PeerLimits, RevokeReason,
 };
 use strata_tiers::Durability;
-use strata_vmm::host::{Link, LinkModel};
+use strata_vmm::host::{FaultOp, Link, LinkModel};
 use strata_vmm::{Access, Backend, Error, HostBuffer, HostConfig, Location, Mapping, Reservation};
 
 const MIB: u64 = 1 << 20;
@@ -498,4 +498,30 @@ fn expert_residency_serves_misses_from_the_fastest_tier() {
         );
     }
     assert_eq!(experts.served(), [4, 5, 7]);
+}
+
+#[test]
+fn a_failed_local_expert_grant_gives_every_page_back_to_the_pool() {
+    // Regression: a failed map inside ExpertResidency::new dropped the pages it had taken and
+    // left the pool counting them in use.
+    for (op, nth) in [(FaultOp::Map, 2), (FaultOp::SetAccess, 1)] {
+        let b = backend(&[16 * MIB, 16 * MIB], None);
+        let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(2)).unwrap();
+        const E: u64 = 2 * MIB;
+        let weights = host_with(&b, &pattern(7, (4 * E) as usize));
+        let baseline = b.live_counts();
+        let host = b
+            .as_any()
+            .downcast_ref::<strata_vmm::HostBackend>()
+            .unwrap();
+        host.inject_fault(op, nth);
+        let err = ExpertResidency::new(Arc::clone(&c), 0, E, weights, 3)
+            .err()
+            .expect("the grant fails");
+        assert!(matches!(err, Error::InjectedFault(_)), "{op:?}: {err}");
+        let s = c.pool(0).unwrap().stats();
+        assert_eq!(s.in_use, 0, "{op:?}: pool counters after a failed grant");
+        assert_eq!(s.free as u64 + s.released_total, s.created_total, "{op:?}");
+        assert_eq!(b.live_counts().mappings, baseline.mappings, "{op:?}");
+    }
 }

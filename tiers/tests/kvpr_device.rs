@@ -149,7 +149,7 @@ fn bad_input_is_a_typed_error() {
 
 #[test]
 fn gemm_on_host_memory_or_a_wrong_shape_is_refused() {
-    let b = common::backend(None);
+    let b = strata_vmm::device_work(&common::backend(None)).unwrap();
     let host = vec![0f32; 64];
     let p = host.as_ptr() as u64;
     assert!(matches!(

@@ -1,15 +1,17 @@
 //! The VMM contract every backend implements.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 use crate::error::Result;
-use crate::gemm::GemmF32;
 use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
 };
+use crate::work::DeviceWork;
 
-/// The CUDA virtual-memory API plus streams, events and copies, as one contract.
+/// The CUDA virtual-memory API plus streams, events and copies, as one contract. Kernels and
+/// library calls (block copy, GEMM) are [`DeviceWork`], a separate trait.
 ///
 /// # Preconditions (checked by every backend and reported as errors, never undefined behaviour)
 ///
@@ -43,8 +45,7 @@ use crate::types::{
 ///    [`Error::OutOfMemory`](crate::Error::OutOfMemory): a normal outcome that leaves nothing behind.
 ///
 /// Implementations are thread-safe. Library code never dereferences device memory on the CPU:
-/// bytes move through `copy_async` / `memset_async` and device work (`copy_blocks_async`,
-/// `gemm_f32_async`) only.
+/// bytes move through `copy_async` / `memset_async` and [`DeviceWork`] only.
 pub trait Backend: Send + Sync + 'static {
     /// Which implementation this is.
     fn kind(&self) -> BackendKind;
@@ -142,49 +143,11 @@ pub trait Backend: Send + Sync + 'static {
         Err(crate::Error::UnknownPointer(ptr))
     }
 
-    /// Queues one launch of the block-copy kernel (`strata_kernels::blockcopy`): for each
-    /// `(src, dst)` pair, `len` bytes from `src` to `dst`. Every range obeys precondition 8;
-    /// destinations must be pairwise disjoint and disjoint from every source
-    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise). The host backend
-    /// runs the kernel's CPU twin on the stream's worker (one submission, one link latency);
-    /// a backend that cannot launch it returns [`Error::Unsupported`](crate::Error::Unsupported)
-    /// and callers fall back to [`Backend::copy_async`].
-    ///
-    /// # Safety
-    ///
-    /// As for [`Backend::copy_async`].
-    unsafe fn copy_blocks_async(
-        &self,
-        stream: StreamHandle,
-        len: u64,
-        pairs: &[(DevicePtr, DevicePtr)],
-    ) -> Result<()> {
-        let _ = (stream, len, pairs);
-        Err(crate::Error::Unsupported(format!(
-            "the block-copy kernel is not launched on the {} backend",
-            self.kind()
-        )))
-    }
-
-    /// Queues the FP32 product `C = A·B` described by `gemm` (row-major, see [`GemmF32`]) on
-    /// `stream`, ordered with the stream's copies like any other work. Every operand must be
-    /// device memory mapped with `Read` (`A`, `B`) or `ReadWrite` (`C`) access for the stream's
-    /// device ([`Error::IllegalAccess`](crate::Error::IllegalAccess) otherwise); the descriptor
-    /// rules of [`GemmF32`] are checked first, identically on every backend. An empty product
-    /// (`m = 0` or `n = 0`) queues nothing. Safe: no operand is host memory, so the backend
-    /// validates every byte it touches (as for `memset_async`).
-    ///
-    /// CUDA runs `cublasSgemm` (FP32) on a per-device cuBLAS handle bound to the stream; the
-    /// host backend runs the CPU twin ([`strata_kernels::gemm`]) on the stream's worker. The two
-    /// agree up to rounding (summation order differs), exactly when every partial sum is
-    /// representable. The default, for backends without a GEMM, is
-    /// [`Error::Unsupported`](crate::Error::Unsupported).
-    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &GemmF32) -> Result<()> {
-        let _ = (stream, gemm);
-        Err(crate::Error::Unsupported(format!(
-            "no GEMM on the {} backend",
-            self.kind()
-        )))
+    /// The kernels and library calls this backend runs on its streams
+    /// ([`DeviceWork`](crate::DeviceWork): the block-copy kernel, the FP32 GEMM), or `None`
+    /// (the default, for test fakes). Both strata backends return themselves.
+    fn device_work(self: Arc<Self>) -> Option<Arc<dyn DeviceWork>> {
+        None
     }
 
     /// Live driver objects created through this backend (leak checks).

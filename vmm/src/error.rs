@@ -1,7 +1,8 @@
 //! The one flat error type of strata.
 //!
-//! Every layer returns [`Error`]; the C ABI maps each variant to a stable numeric status
-//! (see [`Error::code`]). Out-of-memory is an ordinary variant, never a panic.
+//! Every layer returns [`Error`]; the C ABI (`ffi/src/status.rs`) maps each variant to a stable
+//! numeric status, with an exhaustive match, so a new variant must choose its status there.
+//! Out-of-memory is an ordinary variant, never a panic.
 
 use crate::types::{DevicePtr, Location};
 
@@ -10,7 +11,6 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in strata.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// Physical memory (or an allocator limit) is exhausted. A normal, recoverable outcome.
     #[error("out of memory on {location}: requested {requested} bytes, {available} available")]
@@ -143,31 +143,114 @@ impl Error {
             _ => false,
         }
     }
+}
 
-    /// Stable numeric status for the C ABI. Values never change once published; 0 is success.
-    pub fn code(&self) -> i32 {
+/// A copy with the same variant and fields, for a failure reported more than once (a cached
+/// backend-selection error). `std::io::Error` is not `Clone`: an OS error keeps its code, or its
+/// kind and message.
+impl Clone for Error {
+    fn clone(&self) -> Self {
         match self {
-            Error::OutOfMemory { .. } | Error::OutOfAddressSpace { .. } => 1,
-            Error::LimitExceeded { .. } => 2,
-            Error::InvalidArgument(_) | Error::Overflow(_) | Error::Misaligned { .. } => 3,
-            Error::UnknownPointer(_) => 4,
-            Error::DoubleFree(_) => 5,
-            Error::InvalidHandle { .. } | Error::StaleId { .. } => 6,
-            Error::InvalidState(_) => 7,
-            Error::AlreadyMapped { .. }
-            | Error::NotMapped { .. }
-            | Error::PartialUnmap { .. }
-            | Error::NotReserved { .. }
-            | Error::StillMapped { .. }
-            | Error::IllegalAccess { .. } => 8,
-            Error::Unsupported(_) => 9,
-            Error::NoDriver(_) | Error::NoDevice(_) => 10,
-            Error::Driver { .. } => 11,
-            Error::InjectedFault(_) => 12,
-            Error::Os { .. } => 13,
-            Error::Config { .. } => 14,
-            Error::Async { .. } => 15,
-            Error::Deferred(inner) => inner.code(),
+            Error::OutOfMemory {
+                location,
+                requested,
+                available,
+            } => Error::OutOfMemory {
+                location: *location,
+                requested: *requested,
+                available: *available,
+            },
+            Error::OutOfAddressSpace { requested } => Error::OutOfAddressSpace {
+                requested: *requested,
+            },
+            Error::Misaligned {
+                what,
+                value,
+                granularity,
+            } => Error::Misaligned {
+                what,
+                value: *value,
+                granularity: *granularity,
+            },
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::Overflow(what) => Error::Overflow(what),
+            Error::AlreadyMapped { va, size } => Error::AlreadyMapped {
+                va: *va,
+                size: *size,
+            },
+            Error::NotMapped { va, size } => Error::NotMapped {
+                va: *va,
+                size: *size,
+            },
+            Error::PartialUnmap { va, size } => Error::PartialUnmap {
+                va: *va,
+                size: *size,
+            },
+            Error::NotReserved { va, size } => Error::NotReserved {
+                va: *va,
+                size: *size,
+            },
+            Error::IllegalAccess { va, size, reason } => Error::IllegalAccess {
+                va: *va,
+                size: *size,
+                reason,
+            },
+            Error::InvalidHandle { kind, id } => Error::InvalidHandle { kind, id: *id },
+            Error::StillMapped { va, size } => Error::StillMapped {
+                va: *va,
+                size: *size,
+            },
+            Error::UnknownPointer(p) => Error::UnknownPointer(*p),
+            Error::DoubleFree(p) => Error::DoubleFree(*p),
+            Error::StaleId {
+                kind,
+                index,
+                generation,
+            } => Error::StaleId {
+                kind,
+                index: *index,
+                generation: *generation,
+            },
+            Error::InvalidState(m) => Error::InvalidState(m.clone()),
+            Error::LimitExceeded {
+                requested,
+                used,
+                limit,
+            } => Error::LimitExceeded {
+                requested: *requested,
+                used: *used,
+                limit: *limit,
+            },
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::NoDriver(m) => Error::NoDriver(m.clone()),
+            Error::NoDevice(d) => Error::NoDevice(*d),
+            Error::Driver { call, code, name } => Error::Driver {
+                call,
+                code: *code,
+                name: name.clone(),
+            },
+            Error::InjectedFault(what) => Error::InjectedFault(what),
+            Error::Os { call, source } => Error::Os {
+                call,
+                source: match source.raw_os_error() {
+                    Some(code) => std::io::Error::from_raw_os_error(code),
+                    None => std::io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            Error::Config {
+                name,
+                value,
+                reason,
+            } => Error::Config {
+                name,
+                value: value.clone(),
+                reason: reason.clone(),
+            },
+            Error::Async { stream, message } => Error::Async {
+                stream: *stream,
+                message: message.clone(),
+            },
+            Error::Deferred(inner) => Error::Deferred(inner.clone()),
         }
     }
 }

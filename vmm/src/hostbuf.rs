@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 
 use crate::raii::{process_is_exiting, record_deferred, Event, Reservation};
 use crate::types::{CopyDesc, DevicePtr, Location, StreamHandle};
+use crate::work::DeviceWork;
 
 /// Most bytes one [`Backend::host_alloc`] call takes: pinning (`cudaHostRegister`) of 512 GiB or
 /// more in one call fails; vLLM registers in chunks of at most 64 GiB (REFERENCE.md §6).
@@ -274,14 +275,16 @@ impl CopyScope<'_> {
 }
 
 /// How [`copy_async_in`] submits.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub enum CopyKind<'a> {
     /// `Backend::copy_async` with these descriptors (one batch).
     Batch(&'a [CopyDesc]),
     /// One `Backend::copy_async` call per descriptor (the naive baseline).
     Each(&'a [CopyDesc]),
-    /// `Backend::copy_blocks_async`: `(src, dst)` pairs of `len` bytes (one kernel launch).
+    /// `DeviceWork::copy_blocks_async` of `work` (the same backend's): `(src, dst)` pairs of
+    /// `len` bytes (one kernel launch).
     Blocks {
+        work: &'a dyn DeviceWork,
         len: u64,
         pairs: &'a [(DevicePtr, DevicePtr)],
     },
@@ -312,7 +315,7 @@ pub fn copy_async_in(
                 mark(c.dst, c.len)?;
             }
         }
-        CopyKind::Blocks { len, pairs } => {
+        CopyKind::Blocks { len, pairs, .. } => {
             for &(s, d) in pairs {
                 mark(s, len)?;
                 mark(d, len)?;
@@ -342,7 +345,7 @@ pub fn copy_async_in(
                     backend.copy_async(stream, std::slice::from_ref(c))?;
                 }
             }
-            CopyKind::Blocks { len, pairs } => backend.copy_blocks_async(stream, len, pairs)?,
+            CopyKind::Blocks { work, len, pairs } => work.copy_blocks_async(stream, len, pairs)?,
         }
     }
     event.record(stream)?;

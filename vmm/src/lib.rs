@@ -1,14 +1,15 @@
 //! The VMM layer of strata: one contract ([`Backend`]) over the CUDA virtual-memory API, with a
 //! CUDA backend and a faithful host emulation, plus RAII owners of reservations, physical memory,
-//! mappings, streams and events.
+//! mappings, streams and events. Kernels and library calls on a backend's streams (block copy,
+//! GEMM) are a separate trait, [`DeviceWork`].
 //!
 //! Only this crate (and `ffi`) touches raw driver or C pointers.
 
 mod backend;
 pub mod cuda;
+mod devbuf;
 mod error;
 pub mod fork;
-mod gemm;
 pub mod host;
 mod hostbuf;
 pub mod ipc;
@@ -16,19 +17,21 @@ mod raii;
 mod select;
 mod types;
 mod vatable;
+mod work;
 
 pub use backend::Backend;
 pub use cuda::CudaBackend;
+pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
-pub use gemm::GemmF32;
 pub use host::{HostBackend, HostConfig};
 pub use hostbuf::{copy_async_in, try_host_vec, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{
     check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
     Reservation, Stream,
 };
-pub use select::{from_env, global, open, Choice};
+pub use select::{from_env, global, open, open_with, Choice};
 pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,
 };
+pub use work::{device_work, DeviceWork, GemmF32};

@@ -37,12 +37,21 @@ impl Choice {
 
 /// Builds the backend `choice` names (host devices from `STRATA_HOST_*`).
 pub fn open(choice: Choice) -> Result<Arc<dyn Backend>> {
+    open_with(choice, HostConfig::from_env)
+}
+
+/// Builds the backend `choice` names; a host backend (chosen, or `Auto` without a CUDA device)
+/// takes its configuration from `host`.
+pub fn open_with(
+    choice: Choice,
+    host: impl FnOnce() -> Result<HostConfig>,
+) -> Result<Arc<dyn Backend>> {
     match choice {
         Choice::Cuda => crate::cuda::open(),
-        Choice::Host => crate::host::open(HostConfig::from_env()?),
+        Choice::Host => crate::host::open(host()?),
         Choice::Auto => match crate::cuda::open() {
             Ok(cuda) => Ok(cuda),
-            Err(Error::NoDriver(_) | Error::NoDevice(_)) => open(Choice::Host),
+            Err(Error::NoDriver(_) | Error::NoDevice(_)) => crate::host::open(host()?),
             Err(other) => Err(other),
         },
     }
@@ -54,11 +63,13 @@ pub fn from_env() -> Result<Arc<dyn Backend>> {
 }
 
 /// The process-wide backend, opened from the environment on first use. A failure is returned
-/// again on every call (the environment is read once).
+/// again, as the same typed error, on every call (the environment is read once): a malformed
+/// `STRATA_*` variable stays [`Error::Config`], CUDA asked for without a driver
+/// [`Error::NoDriver`].
 pub fn global() -> Result<Arc<dyn Backend>> {
-    static GLOBAL: OnceLock<std::result::Result<Arc<dyn Backend>, String>> = OnceLock::new();
-    match GLOBAL.get_or_init(|| from_env().map_err(|e| e.to_string())) {
+    static GLOBAL: OnceLock<Result<Arc<dyn Backend>>> = OnceLock::new();
+    match GLOBAL.get_or_init(from_env) {
         Ok(backend) => Ok(Arc::clone(backend)),
-        Err(message) => Err(Error::Unsupported(format!("no backend: {message}"))),
+        Err(e) => Err(e.clone()),
     }
 }

@@ -578,7 +578,7 @@ impl VaTable {
         Ok(Translation::Device(pieces))
     }
 
-    /// Checks one launch of the block-copy kernel (`Backend::copy_blocks_async`) for `accessor`:
+    /// Checks one launch of the block-copy kernel (`DeviceWork::copy_blocks_async`) for `accessor`:
     /// the rule both backends share, so they report the same typed errors before anything is
     /// queued.
     ///

@@ -451,13 +451,12 @@ fn launch_blocks(
     len: u64,
     pairs: &[(u64, u64)],
 ) -> Option<()> {
+    let work = strata_vmm::device_work(b).expect("CUDA has device work");
     // SAFETY: the tests pass device ranges, or host memory they keep alive and untouched until
     // they synchronize the stream.
-    match unsafe { b.copy_blocks_async(stream, len, pairs) } {
+    match unsafe { work.copy_blocks_async(stream, len, pairs) } {
         Ok(()) => Some(()),
-        Err(Error::Unsupported(why))
-            if strata_vmm::cuda::result::nvrtc::check_present().is_err() =>
-        {
+        Err(Error::Unsupported(why)) if strata_vmm::cuda::nvrtc::check_present().is_err() => {
             println!("skipped: block-copy kernel unavailable ({why})");
             None
         }
@@ -583,9 +582,10 @@ fn block_copy_kernel_rejects_what_the_host_twin_rejects() {
     let (va, size, h) = mapped(&b, 2);
     let g = size / 2;
     let s = b.stream_create(0).unwrap();
+    let work = strata_vmm::device_work(&b).expect("CUDA has device work");
     let launch = |len: u64, pairs: &[(u64, u64)]| {
         // SAFETY: device ranges only; every call here is refused before anything is queued.
-        unsafe { b.copy_blocks_async(s, len, pairs) }
+        unsafe { work.copy_blocks_async(s, len, pairs) }
     };
     // Overlapping destinations, and a destination over a source.
     let err = launch(4096, &[(va, va + g), (va + 4096, va + g + 2048)]).unwrap_err();

@@ -44,6 +44,7 @@ fn host_buffers_round_trip_and_free_exactly() {
 #[test]
 fn block_copies_gather_and_scatter_through_the_twin() {
     let b = strict();
+    let work = strata_vmm::device_work(&b).unwrap();
     let g = 2 << 20;
     let res = Arc::new(Reservation::new(&b, g, 0).unwrap());
     let phys =
@@ -79,6 +80,7 @@ fn block_copies_gather_and_scatter_through_the_twin() {
         &b,
         stream.handle(),
         CopyKind::Blocks {
+            work: &*work,
             len,
             pairs: &scatter,
         },
@@ -89,6 +91,7 @@ fn block_copies_gather_and_scatter_through_the_twin() {
         &b,
         stream.handle(),
         CopyKind::Blocks {
+            work: &*work,
             len,
             pairs: &gather,
         },
@@ -110,6 +113,7 @@ fn block_copies_gather_and_scatter_through_the_twin() {
         &b,
         stream.handle(),
         CopyKind::Blocks {
+            work: &*work,
             len,
             pairs: &overlap,
         },
@@ -125,6 +129,7 @@ fn block_copies_gather_and_scatter_through_the_twin() {
         &b,
         stream.handle(),
         CopyKind::Blocks {
+            work: &*work,
             len: 16,
             pairs: &bad,
         },

@@ -1,11 +1,11 @@
-//! `Backend::gemm_f32_async` on the strict host backend: the stream-ordered CPU twin, its
+//! `DeviceWork::gemm_f32_async` on the strict host backend: the stream-ordered CPU twin, its
 //! layout with leading dimensions, and every refused operand as a typed error.
 
 use std::sync::Arc;
 
 use strata_kernels::gemm::Gemm;
 use strata_vmm::{
-    Access, Backend, CreateFlags, Error, GemmF32, HostConfig, Location, StreamHandle,
+    device_work, Access, Backend, CreateFlags, Error, GemmF32, HostConfig, Location, StreamHandle,
 };
 
 const D0: Location = Location::Device(0);
@@ -51,6 +51,7 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 #[test]
 fn strided_product_on_a_stream_equals_the_twin_bit_for_bit() {
     let b = backend();
+    let w = device_work(&b).unwrap();
     let s = b.stream_create(0).unwrap();
     let va = mapped(&b, Access::ReadWrite);
     let shape = Gemm {
@@ -81,7 +82,7 @@ fn strided_product_on_a_stream_equals_the_twin_bit_for_bit() {
         c: pc,
         ldc: 8,
     };
-    b.gemm_f32_async(s, &g).unwrap();
+    w.gemm_f32_async(s, &g).unwrap();
     b.stream_synchronize(s).unwrap();
     let mut out = vec![0u8; ec * 4];
     b.read(pc, &mut out).unwrap();
@@ -93,16 +94,17 @@ fn strided_product_on_a_stream_equals_the_twin_bit_for_bit() {
 #[test]
 fn refused_operands_are_typed_errors() {
     let b = backend();
+    let w = device_work(&b).unwrap();
     let d = StreamHandle::DEFAULT;
     let rw = mapped(&b, Access::ReadWrite);
     let ro = mapped(&b, Access::Read);
     let ok = GemmF32::packed(2, 2, 2, rw, rw + 64, rw + 128);
-    b.gemm_f32_async(d, &ok).unwrap();
+    w.gemm_f32_async(d, &ok).unwrap();
     // Read-only output, an input in the unmapped half, a stream of another device.
     let illegal =
-        |g: &GemmF32, s| matches!(b.gemm_f32_async(s, g), Err(Error::IllegalAccess { .. }));
+        |g: &GemmF32, s| matches!(w.gemm_f32_async(s, g), Err(Error::IllegalAccess { .. }));
     assert!(illegal(&GemmF32 { c: ro, ..ok }, d));
-    assert!(b.gemm_f32_async(d, &GemmF32 { a: ro, ..ok }).is_ok());
+    assert!(w.gemm_f32_async(d, &GemmF32 { a: ro, ..ok }).is_ok());
     assert!(illegal(&GemmF32 { b: rw + G, ..ok }, d));
     let s1 = b.stream_create(1).unwrap();
     assert!(illegal(&ok, s1));
@@ -110,7 +112,7 @@ fn refused_operands_are_typed_errors() {
     // Overlap through the same VA, and through a second VA of the same memory (caught on the
     // memory itself).
     assert!(matches!(
-        b.gemm_f32_async(d, &GemmF32 { c: rw + 8, ..ok }),
+        w.gemm_f32_async(d, &GemmF32 { c: rw + 8, ..ok }),
         Err(Error::InvalidArgument(_))
     ));
     let alias = b.reserve(G, 0).unwrap();
@@ -122,11 +124,11 @@ fn refused_operands_are_typed_errors() {
     b.set_access(other, G, &[(D0, Access::ReadWrite)]).unwrap();
     let aliased = GemmF32::packed(2, 2, 2, alias, alias + 64, other);
     assert!(matches!(
-        b.gemm_f32_async(d, &aliased),
+        w.gemm_f32_async(d, &aliased),
         Err(Error::InvalidArgument(_))
     ));
     // Empty products queue nothing, even with unusable pointers.
-    assert!(b
+    assert!(w
         .gemm_f32_async(d, &GemmF32::packed(0, 2, 2, 0, 0, 0))
         .is_ok());
 }

@@ -7,15 +7,14 @@
 //! the streams that may touch them are synchronized) and take the VA; outside it they unmap,
 //! create, map, set access or release; under the lock again they publish or roll back.
 
-use std::sync::Arc;
-
 use parking_lot::MutexGuard;
-use strata_vmm::{Access, DevicePtr, Error, Location, Mapping, Result, StreamHandle};
+use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
 use super::{
-    internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, MappedPage,
-    Segment, State, TagId, LARGE, NO_SEGMENT,
+    internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, Segment,
+    State, TagId, LARGE, NO_SEGMENT,
 };
+use crate::mapped::{MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
 
 /// The allocator's lock, held.
@@ -628,39 +627,21 @@ impl CachingAllocator {
     }
 
     /// Maps `pages` page by page at arena page `start` and grants access over the whole run
-    /// in one call. On failure everything is undone and the pages go back to the pool. Needs
-    /// no lock: the caller holds the range.
+    /// in one call ([`MappedRun`]). On failure everything is undone and the pages go back to
+    /// the pool. Needs no lock: the caller holds the range.
     pub(super) fn map_run(
         &self,
         start: u64,
         pages: Vec<Page>,
         calls: &mut DriverCalls,
     ) -> Result<Vec<MappedPage>> {
-        let base = self.va_of(start);
         let n = pages.len() as u64;
-        let mut out: Vec<MappedPage> = Vec::with_capacity(pages.len());
-        let mut rest = pages.into_iter();
-        while let Some(page) = rest.next() {
-            let va = base + out.len() as u64 * self.page;
-            calls.map += 1;
-            match Mapping::new(&self.arena, va, Arc::clone(page.phys()), 0, self.page, &[]) {
-                Ok(mapping) => out.push(MappedPage { mapping, page }),
-                Err(e) => {
-                    let mut back = vec![page];
-                    back.extend(rest);
-                    back.extend(out.into_iter().map(|mp| mp.page));
-                    self.pool.give(back);
-                    return Err(e);
-                }
-            }
-        }
-        calls.set_access += 1;
         let grant = [(Location::Device(self.device), Access::ReadWrite)];
-        if let Err(e) = self.backend.set_access(base, n * self.page, &grant) {
-            self.pool.give(out.into_iter().map(|mp| mp.page).collect());
-            return Err(e);
-        }
-        Ok(out)
+        let lease = PageLease::from_pages(&self.pool, pages);
+        let run = MappedRun::map(lease, &self.arena, self.va_of(start), &grant)?;
+        calls.map += n;
+        calls.set_access += u64::from(n > 0);
+        Ok(run.into_mapped_pages())
     }
 
     /// Removes a segment with no live block: its blocks leave the bins and the table. Returns

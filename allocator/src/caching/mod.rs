@@ -47,11 +47,12 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex};
 use rustc_hash::FxHashMap;
 use strata_vmm::{
-    process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Mapping, Reservation, Result,
+    process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Reservation, Result,
     StreamHandle,
 };
 
-use crate::pool::{Page, PagePool};
+use crate::mapped::MappedPage;
+use crate::pool::PagePool;
 use crate::resource::MemoryResource;
 
 pub use arena::VaArena;
@@ -132,12 +133,6 @@ enum BlockState {
     Pending,
     /// Unused table slot.
     Dead,
-}
-
-/// One mapped page of the arena. Field order matters: the mapping unmaps before the page goes.
-struct MappedPage {
-    mapping: Mapping,
-    page: Page,
 }
 
 struct Block {

@@ -1,6 +1,6 @@
-//! The allocator glue: one process-wide [`CachingAllocator`] per device over strata's backend
-//! ([`strata_vmm::global`], so `STRATA_BACKEND=host` serves from the host emulation), created
-//! on first use.
+//! The allocator glue: the process's [`Runtime`] over strata's backend ([`strata_vmm::global`],
+//! so `STRATA_BACKEND=host` serves from the host emulation) and each device's
+//! [`CachingAllocator`] in it, created on first use.
 //!
 //! Nothing here knows about CUDA ABIs: `lib.rs` turns the outcomes into `CUresult`s.
 //!
@@ -11,10 +11,11 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use strata_allocator::{AllocatorStats, CachingAllocator, CachingConfig, PagePool, PoolConfig};
-use strata_vmm::{Backend, DevicePtr, Error, StreamHandle};
+use strata_allocator::{AllocatorStats, CachingAllocator, CachingConfig, PoolConfig};
+use strata_runtime::{Runtime, RuntimeConfig};
+use strata_vmm::{DevicePtr, Error, StreamHandle};
 
 use crate::config::{self, log};
 
@@ -52,8 +53,9 @@ pub fn active() -> bool {
 }
 
 struct Shim {
-    backend: Arc<dyn Backend>,
-    devices: Vec<OnceLock<Option<Arc<CachingAllocator>>>>,
+    runtime: &'static Runtime,
+    /// Each device's allocator once asked for; `None` when it could not be created (asked once).
+    devices: Vec<OnceLock<Option<&'static CachingAllocator>>>,
 }
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
@@ -68,13 +70,12 @@ fn shim() -> Option<&'static Shim> {
     SHIM.get_or_init(|| {
         let _inside = Inside::enter();
         INITIALIZED.store(true, Ordering::Release);
-        strata_vmm::fork::arm();
-        match strata_vmm::global() {
-            Ok(backend) => {
-                let n = backend.device_count() as usize;
-                log!("backend {} with {n} device(s)", backend.kind());
+        match strata_runtime::global(runtime_config) {
+            Ok(runtime) => {
+                let n = runtime.device_count();
+                log!("backend {} with {n} device(s)", runtime.backend().kind());
                 Some(Shim {
-                    backend,
+                    runtime,
                     devices: (0..n).map(|_| OnceLock::new()).collect(),
                 })
             }
@@ -87,12 +88,10 @@ fn shim() -> Option<&'static Shim> {
     .as_ref()
 }
 
-fn create(backend: &Arc<dyn Backend>, device: u32) -> strata_vmm::Result<Arc<CachingAllocator>> {
+fn runtime_config() -> RuntimeConfig {
     let limit = config::get().limit;
-    let pool = PagePool::new(
-        Arc::clone(backend),
-        device,
-        PoolConfig {
+    RuntimeConfig {
+        pool: PoolConfig {
             // No background thread and no idle pages: the shim holds what it serves.
             low_watermark: 0,
             high_watermark: 0,
@@ -100,25 +99,21 @@ fn create(backend: &Arc<dyn Backend>, device: u32) -> strata_vmm::Result<Arc<Cac
             idle_trim_after: None,
             background: false,
         },
-    )?;
-    let alloc = CachingAllocator::new(
-        pool,
-        CachingConfig {
+        caching: CachingConfig {
             limit,
             report_leaks: false,
             ..CachingConfig::default()
         },
-    )?;
-    Ok(Arc::new(alloc))
+    }
 }
 
 /// The allocator of `device`, created on first use; `None` when strata cannot serve it.
-fn allocator(device: u32) -> Option<&'static Arc<CachingAllocator>> {
+fn allocator(device: u32) -> Option<&'static CachingAllocator> {
     let shim = shim()?;
     let slot = shim.devices.get(device as usize)?;
-    slot.get_or_init(|| {
+    *slot.get_or_init(|| {
         let _inside = Inside::enter();
-        match create(&shim.backend, device) {
+        match shim.runtime.allocator(device) {
             Ok(a) => Some(a),
             Err(e) => {
                 eprintln!(
@@ -128,17 +123,16 @@ fn allocator(device: u32) -> Option<&'static Arc<CachingAllocator>> {
             }
         }
     })
-    .as_ref()
 }
 
 /// The allocators created so far.
-fn created() -> impl Iterator<Item = &'static Arc<CachingAllocator>> {
-    let devices: &'static [OnceLock<Option<Arc<CachingAllocator>>>] = if initialized() {
+fn created() -> impl Iterator<Item = &'static CachingAllocator> {
+    let devices: &'static [OnceLock<Option<&'static CachingAllocator>>] = if initialized() {
         shim().map(|s| s.devices.as_slice()).unwrap_or_default()
     } else {
         &[]
     };
-    devices.iter().filter_map(|d| d.get()).flatten()
+    devices.iter().filter_map(|d| d.get().copied().flatten())
 }
 
 /// What an allocation request came to.
@@ -171,7 +165,7 @@ pub fn allocate(size: u64, device: u32) -> Alloc {
 }
 
 /// The allocator whose arena holds `ptr` (whether or not `ptr` is live).
-pub fn owner(ptr: DevicePtr) -> Option<&'static Arc<CachingAllocator>> {
+pub fn owner(ptr: DevicePtr) -> Option<&'static CachingAllocator> {
     created().find(|a| {
         let (start, size) = a.arena();
         ptr >= start && ptr - start < size
@@ -226,8 +220,9 @@ pub fn free(ptr: DevicePtr, sync: impl FnOnce() -> i32) -> Free {
 pub fn mem_info(device: u32) -> Option<(u64, u64)> {
     let shim = shim()?;
     let _inside = Inside::enter();
-    let info = shim.backend.device_info(device).ok()?;
-    let device_free = shim.backend.mem_info(device).ok()?.free;
+    let backend = shim.runtime.backend();
+    let info = backend.device_info(device).ok()?;
+    let device_free = backend.mem_info(device).ok()?.free;
     let total = info.total_memory;
     let (takeable, held) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
         Some(Some(a)) => {

@@ -42,7 +42,7 @@ static void basics(void) {
     CHECK(during.reserved_bytes >= during.allocated_block_bytes);
     CHECK(during.reserved_bytes == during.mapped_pages * during.page_size);
     CHECK(during.peak_allocated_bytes >= during.allocated_bytes);
-    for (int i = 0; i < 7; i++) CHECK(during.spare[i] == 0);
+    for (size_t i = 0; i < sizeof during.spare / sizeof during.spare[0]; i++) CHECK(during.spare[i] == 0);
     CHECK(during.limit_set == 0);
     for (int i = 0; i < N; i++) {
         size_t len = sizes[i] < 65536 ? sizes[i] : 65536;

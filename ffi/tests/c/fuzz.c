@@ -251,7 +251,8 @@ static void op_harvest(bytes_t *b, uint64_t *seq) {
         size_t size = (size_t)(take(b) % 8 + 1) << 20;
         int st = strata_harvest_alloc(size, &hints, &x->h);
         if (st != STRATA_OK) {
-            FCHECK(st == STRATA_OUT_OF_MEMORY);
+            /* The lender's memory-fraction cap covers the pages it lends too. */
+            FCHECK(st == STRATA_OUT_OF_MEMORY || st == STRATA_LIMIT_EXCEEDED);
             return;
         }
         x->live = 1;

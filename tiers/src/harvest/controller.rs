@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use strata_allocator::{Page, PagePool, PageSource, PoolConfig};
+use strata_allocator::{MappedRun, PageLease, PagePool, PageSource, PoolConfig, Return};
 use strata_vmm::{
     copy_async_in, Access, Backend, CopyDesc, CopyKind, CopyScope, DevicePtr, Error, Event,
-    HostBuffer, Location, Mapping, Reservation, Result, Stream, StreamHandle,
+    HostBuffer, Location, Reservation, Result, Stream, StreamHandle,
 };
 
 use super::config::{HarvestConfig, HarvestHints, PeerLimits};
@@ -110,13 +110,14 @@ pub struct HarvestStats {
     pub live: u64,
 }
 
+/// A placement's memory. Dropping it unmaps the run and releases every page to its pool (the
+/// memory goes back to the lender).
 struct Placement {
-    reservation: Arc<Reservation>,
-    mappings: Vec<Mapping>,
-    /// Pages from the lender's pool (its accounting) ...
-    pages: Vec<Page>,
+    /// Pages from the lender's pool (its accounting), mapped at `reservation` ...
+    _run: MappedRun,
     /// ... and the same memory adopted by the requester's pool as `Borrowed { lender }`.
-    borrowed: Vec<Page>,
+    _borrowed: PageLease,
+    reservation: Arc<Reservation>,
 }
 
 struct Live {
@@ -153,11 +154,12 @@ pub struct HarvestController {
 }
 
 impl HarvestController {
-    /// A controller over every device of `backend`, each with its own page pool (no background
-    /// refill: pages are created when lent and released when returned, so memory really goes
-    /// back to the peer).
+    /// A standalone controller over every device of `backend`, each with a page pool of its
+    /// own (no background refill: pages are created when lent and released when returned, so
+    /// memory really goes back to the peer). In a process with other users of the devices,
+    /// share their pools instead ([`HarvestController::with_pools`]; `strata_runtime::Runtime`
+    /// does), so that a page is counted once.
     pub fn new(backend: Arc<dyn Backend>, config: HarvestConfig) -> Result<Arc<Self>> {
-        let n = backend.device_count();
         let pool_config = PoolConfig {
             low_watermark: 0,
             high_watermark: 0,
@@ -165,16 +167,39 @@ impl HarvestController {
             idle_trim_after: None,
             background: false,
         };
-        let mut pools = Vec::new();
-        let mut streams = Vec::new();
-        for d in 0..n {
-            pools.push(PagePool::new(Arc::clone(&backend), d, pool_config.clone())?);
-            streams.push(Stream::new(&backend, d)?);
+        let pools = (0..backend.device_count())
+            .map(|d| PagePool::new(Arc::clone(&backend), d, pool_config.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        Self::with_pools(pools, config)
+    }
+
+    /// A controller lending pages of `pools` (one per device, in device order, over one
+    /// backend) — the pools the devices' other users (caching allocator, KV spaces) draw on.
+    /// Lent pages are counted in use and `lent` by their pool, borrowed ones `borrowed` by the
+    /// requester's; a device's free memory, for its reserve, includes its pool's idle pages
+    /// (they are lent first).
+    pub fn with_pools(pools: Vec<Arc<PagePool>>, config: HarvestConfig) -> Result<Arc<Self>> {
+        let first = pools.first().ok_or(Error::NoDevice(0))?;
+        let backend = Arc::clone(first.backend());
+        let page_size = first.page_size();
+        let n = backend.device_count();
+        for (d, pool) in pools.iter().enumerate() {
+            if pool.device() != d as u32 || !Arc::ptr_eq(pool.backend(), &backend) {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {d} is device {} of another backend or out of order",
+                    pool.device()
+                )));
+            }
         }
-        let page_size = pools
-            .first()
-            .map(|p| p.page_size())
-            .ok_or(Error::NoDevice(0))?;
+        if pools.len() != n as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} pools for {n} devices",
+                pools.len()
+            )));
+        }
+        let streams = (0..n)
+            .map(|d| Stream::new(&backend, d))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(HarvestController {
             backend,
             pools,
@@ -229,7 +254,7 @@ impl HarvestController {
             .get(device as usize)
             .ok_or(Error::NoDevice(device.into()))?;
         let PeerLimits { reserve, quota } = st.config.limits_of(device);
-        let free = self.backend.mem_info(device)?.free;
+        let free = self.device_free(device)?;
         let room = free.saturating_sub(reserve).min(quota.saturating_sub(lent));
         Ok(PeerCapacity {
             device,
@@ -239,6 +264,14 @@ impl HarvestController {
             lent,
             harvestable: room - room % self.page_size,
         })
+    }
+
+    /// Free memory of `device` as its owner sees it: the device's free memory plus the idle
+    /// pages of its pool (lent first, before new ones are created).
+    fn device_free(&self, device: u32) -> Result<u64> {
+        let idle = self.pool(device)?.stats();
+        let idle = idle.free as u64 * idle.page_size;
+        Ok(self.backend.mem_info(device)?.free.saturating_add(idle))
     }
 
     /// Allocates `size` bytes (rounded up to pages) on the best-fit peer of `hints.requester`.
@@ -312,44 +345,29 @@ impl HarvestController {
     ) -> Result<HarvestHandle> {
         let lender = &self.pools[peer as usize];
         let requester_pool = &self.pools[hints.requester as usize];
-        let pages = lender.take(n)?;
-        let placement = (|| {
-            let reservation = Arc::new(Reservation::new(&self.backend, bytes, 0)?);
-            let grants = [
-                (Location::Device(hints.requester), Access::ReadWrite),
-                (Location::Device(peer), Access::ReadWrite),
-            ];
-            let grants = if peer == hints.requester {
-                &grants[..1]
-            } else {
-                &grants[..]
-            };
-            let mut mappings = Vec::with_capacity(n);
-            let mut borrowed = Vec::with_capacity(n);
-            for (i, page) in pages.iter().enumerate() {
-                let va = reservation.ptr() + i as u64 * self.page_size;
-                mappings.push(Mapping::new(
-                    &reservation,
-                    va,
-                    Arc::clone(page.phys()),
-                    0,
-                    self.page_size,
-                    grants,
-                )?);
+        let reservation = Arc::new(Reservation::new(&self.backend, bytes, 0)?);
+        let grants = [
+            (Location::Device(hints.requester), Access::ReadWrite),
+            (Location::Device(peer), Access::ReadWrite),
+        ];
+        let grants = if peer == hints.requester {
+            &grants[..1]
+        } else {
+            &grants[..]
+        };
+        // On any error below, what was built drops: unmapped, pages released to their pools.
+        let lease = PageLease::lend(lender, n)?.returning(Return::Release);
+        let run = MappedRun::map(lease, &reservation, reservation.ptr(), grants)?;
+        let mut borrowed = PageLease::empty(requester_pool).returning(Return::Release);
+        if peer != hints.requester {
+            // A device lending to itself (`allow_self`) counts its pages once, as lent.
+            for page in run.pages() {
                 borrowed.push(requester_pool.adopt(
                     Arc::clone(page.phys()),
                     PageSource::Borrowed { lender: peer },
                 )?);
             }
-            Ok::<_, Error>((reservation, mappings, borrowed))
-        })();
-        let (reservation, mappings, borrowed) = match placement {
-            Ok(p) => p,
-            Err(e) => {
-                lender.release(pages);
-                return Err(e);
-            }
-        };
+        }
         let mut st = self.state.lock();
         let index = match st.free_slots.pop() {
             Some(i) => i,
@@ -374,9 +392,8 @@ impl HarvestController {
             callbacks: Vec::new(),
             placement: Placement {
                 reservation,
-                mappings,
-                pages,
-                borrowed,
+                _run: run,
+                _borrowed: borrowed,
             },
         });
         st.stats.allocs += 1;
@@ -606,7 +623,7 @@ impl HarvestController {
             if lent == 0 {
                 continue;
             }
-            let free = self.backend.mem_info(d)?.free;
+            let free = self.device_free(d)?;
             if free < reserve {
                 let r = self.reclaim_for(d, reserve - free, RevokeReason::Pressure)?;
                 report.revoked.extend(r.revoked);
@@ -707,16 +724,7 @@ impl HarvestController {
 
     /// Unmaps a placement and returns its pages (memory goes back to the peer).
     fn give_back(&self, live: Live) {
-        let Placement {
-            reservation,
-            mappings,
-            pages,
-            borrowed,
-        } = live.placement;
-        drop(mappings);
-        drop(reservation);
-        self.pools[live.requester as usize].release(borrowed);
-        self.pools[live.handle.device as usize].release(pages);
+        drop(live.placement);
     }
 }
 

@@ -6,9 +6,10 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use strata_allocator::{MappedRun, Return};
 use strata_vmm::{
     copy_async_in, Access, CopyDesc, CopyKind, CopyScope, DevicePtr, Error, HostBuffer, Location,
-    Mapping, Reservation, Result,
+    Reservation, Result,
 };
 
 use super::config::HarvestHints;
@@ -37,7 +38,8 @@ pub struct ExpertResidency {
     expert_size: u64,
     host: HostBuffer,
     local: Option<Arc<Reservation>>,
-    _local_maps: Vec<Mapping>,
+    /// The local experts' pool pages, mapped in `local` (released when the map drops).
+    _local_run: Option<MappedRun>,
     places: Arc<Mutex<Vec<Place>>>,
     served: Mutex<[u64; 3]>,
 }
@@ -67,25 +69,19 @@ impl ExpertResidency {
         let backend = Arc::clone(controller.backend());
         let page = controller.page_size();
         let mut places = vec![Place::Host; count];
-        let (reservation, maps) = if local > 0 {
+        let (reservation, run) = if local > 0 {
             let bytes = strata_vmm::round_up(local as u64 * expert_size, page)
                 .ok_or(Error::Overflow("local experts"))?;
             let reservation = Arc::new(Reservation::new(&backend, bytes, 0)?);
-            let pool = controller.pool(device)?;
-            let pages = pool.take((bytes / page) as usize)?;
-            let mut maps = Vec::new();
-            for (i, p) in pages.iter().enumerate() {
-                maps.push(Mapping::new(
-                    &reservation,
-                    reservation.ptr() + i as u64 * page,
-                    Arc::clone(p.phys()),
-                    0,
-                    page,
-                    &[(Location::Device(device), Access::ReadWrite)],
-                )?);
-            }
-            // The mappings keep the memory; the pool's count goes back down.
-            pool.release(pages);
+            // On any error below the run drops: unmapped, its pages back with their counters.
+            let run = MappedRun::take(
+                controller.pool(device)?,
+                &reservation,
+                reservation.ptr(),
+                (bytes / page) as usize,
+                &[(Location::Device(device), Access::ReadWrite)],
+            )?
+            .returning(Return::Release);
             let desc = CopyDesc {
                 dst: reservation.ptr(),
                 src: weights.ptr(),
@@ -104,9 +100,9 @@ impl ExpertResidency {
             for (e, place) in places.iter_mut().enumerate().take(local) {
                 *place = Place::Local(reservation.ptr() + e as u64 * expert_size);
             }
-            (Some(reservation), maps)
+            (Some(reservation), Some(run))
         } else {
-            (None, Vec::new())
+            (None, None)
         };
         Ok(ExpertResidency {
             controller,
@@ -114,7 +110,7 @@ impl ExpertResidency {
             expert_size,
             host: weights,
             local: reservation,
-            _local_maps: maps,
+            _local_run: run,
             places: Arc::new(Mutex::new(places)),
             served: Mutex::new([0; 3]),
         })

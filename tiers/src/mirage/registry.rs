@@ -18,9 +18,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use strata_allocator::{Page, PagePool, PageSource};
+use strata_allocator::{MappedRun, Page, PageLease, PagePool, PageSource};
 use strata_vmm::{
-    Access, Backend, CopyScope, DevicePtr, Error, Event, HostBuffer, Location, Mapping, PhysHandle,
+    Access, Backend, CopyScope, DevicePtr, Error, Event, HostBuffer, Location, PhysHandle,
     Reservation, Result,
 };
 
@@ -28,11 +28,8 @@ use super::controller::ModelId;
 use super::plan::LayerPlan;
 use crate::transfer::{Direction, Submission, TransferEngine};
 
-/// Pages mapped back to back at one VA range.
-struct Backing {
-    pages: Vec<Page>,
-    maps: Vec<Mapping>,
-}
+/// Pool pages mapped back to back at one VA range; unmapped and given back on drop.
+type Backing = MappedRun;
 
 struct Slot {
     va: DevicePtr,
@@ -124,41 +121,16 @@ impl ParamRegistry {
             .ok_or_else(|| invalid(format!("unknown model {}", model.0)))
     }
 
+    /// Maps `pages` (counted in use by this registry's pool) at `va`, read-write for the
+    /// device; on an error they are unmapped and given back to the pool.
     fn map_backing(
         &self,
         reservation: &Arc<Reservation>,
         va: DevicePtr,
         pages: Vec<Page>,
-    ) -> std::result::Result<Backing, (Vec<Page>, Error)> {
-        let mut maps = Vec::with_capacity(pages.len());
-        for (i, p) in pages.iter().enumerate() {
-            match Mapping::new(
-                reservation,
-                va + i as u64 * self.page,
-                Arc::clone(p.phys()),
-                0,
-                self.page,
-                &self.grants(),
-            ) {
-                Ok(m) => maps.push(m),
-                // `maps` drop here and unmap.
-                Err(e) => return Err((pages, e)),
-            }
-        }
-        Ok(Backing { pages, maps })
-    }
-
-    fn unmap_backing(backing: Backing) -> Result<Vec<Page>> {
-        let mut first = None;
-        for m in backing.maps {
-            if let Err(e) = m.unmap() {
-                first.get_or_insert(e);
-            }
-        }
-        match first {
-            None => Ok(backing.pages),
-            Some(e) => Err(e),
-        }
+    ) -> Result<Backing> {
+        let lease = PageLease::from_pages(&self.pool, pages);
+        MappedRun::map(lease, reservation, va, &self.grants())
     }
 
     /// Registers a model of `layers` layers of `layer_bytes` each (rounded up to pages):
@@ -192,14 +164,7 @@ impl ParamRegistry {
             fill(l, &mut scratch);
             host.write_at(0, &scratch)?;
             let va = base + u64::from(l) * layer_bytes;
-            let pages = self.pool.take(ppl)?;
-            let backing = match self.map_backing(&reservation, va, pages) {
-                Ok(b) => b,
-                Err((pages, e)) => {
-                    self.pool.give(pages);
-                    return Err(e);
-                }
-            };
+            let backing = MappedRun::take(&self.pool, &reservation, va, ppl, &self.grants())?;
             let start = Instant::now();
             let ev = Self::load(engine, &reservation, &host, va, layer_bytes)?;
             ev.synchronize()?;
@@ -296,9 +261,9 @@ impl ParamRegistry {
             .layers
             .iter()
             .filter_map(|l| l.backing.as_ref())
-            .map(|b| b.pages.len())
+            .map(|b| b.len())
             .sum();
-        let slots: usize = mp.slots.iter().map(|s| s.backing.pages.len()).sum();
+        let slots: usize = mp.slots.iter().map(|s| s.backing.len()).sum();
         Ok(layers + slots)
     }
 
@@ -311,7 +276,7 @@ impl ParamRegistry {
             .ok_or_else(|| invalid(format!("no layer {layer}")))?;
         Ok(l.backing
             .as_ref()
-            .map(|b| b.pages.iter().map(|p| p.phys().handle()).collect())
+            .map(|b| b.pages().iter().map(|p| p.phys().handle()).collect())
             .unwrap_or_default())
     }
 
@@ -543,11 +508,11 @@ impl ParamRegistry {
         // Free: every slot (contents are reloaded on the next prepare) and newly streamed layers.
         let slots = std::mem::take(&mut self.models[idx].slots);
         for s in slots {
-            spare.extend(Self::unmap_backing(s.backing)?);
+            spare.extend(s.backing.unmap()?);
         }
         for &l in to_stream {
             if let Some(b) = self.models[idx].layers[l as usize].backing.take() {
-                spare.extend(Self::unmap_backing(b)?);
+                spare.extend(b.unmap()?);
             }
         }
         let reservation = Arc::clone(&self.models[idx].reservation);
@@ -558,12 +523,7 @@ impl ParamRegistry {
             let at = spare.len() - ppl;
             let pages = spare.split_off(at);
             let va = self.models[idx].layers[l as usize].va;
-            let backing = self
-                .map_backing(&reservation, va, pages)
-                .map_err(|(p, e)| {
-                    spare.extend(p);
-                    e
-                })?;
+            let backing = self.map_backing(&reservation, va, pages)?;
             let layer = &mut self.models[idx].layers[l as usize];
             layer.backing = Some(backing);
             events.push(Self::load(
@@ -579,12 +539,7 @@ impl ParamRegistry {
             let at = spare.len() - ppl;
             let pages = spare.split_off(at);
             let va = reservation.ptr() + (n + s) * layer_bytes;
-            let backing = self
-                .map_backing(&reservation, va, pages)
-                .map_err(|(p, e)| {
-                    spare.extend(p);
-                    e
-                })?;
+            let backing = self.map_backing(&reservation, va, pages)?;
             self.models[idx].slots.push(Slot {
                 va,
                 backing,
@@ -598,25 +553,5 @@ impl ParamRegistry {
             ev.synchronize()?;
         }
         Ok(to_resident.len())
-    }
-}
-
-impl Drop for ParamRegistry {
-    fn drop(&mut self) {
-        // Hand the pages back to the pool's free list (mappings unmap as they drop).
-        for mp in self.models.drain(..) {
-            let mut pages = Vec::new();
-            for l in mp.layers {
-                if let Some(b) = l.backing {
-                    drop(b.maps);
-                    pages.extend(b.pages);
-                }
-            }
-            for s in mp.slots {
-                drop(s.backing.maps);
-                pages.extend(s.backing.pages);
-            }
-            self.pool.give(pages);
-        }
     }
 }

@@ -1,4 +1,4 @@
-//! cuBLAS behind [`Backend::gemm_f32_async`](crate::Backend::gemm_f32_async): one handle per
+//! cuBLAS behind [`DeviceWork::gemm_f32_async`](crate::DeviceWork::gemm_f32_async): one handle per
 //! device's primary context, created on first use with that context current, bound to the
 //! caller's stream for each call (`cublasSetStream`) and destroyed before the context is
 //! released.
@@ -19,9 +19,9 @@ use parking_lot::Mutex;
 
 use super::CudaBackend;
 use crate::error::{Error, Result};
-use crate::gemm::{check_device_operands, GemmF32};
 use crate::types::{Location, StreamHandle};
 use crate::vatable::Accessor;
+use crate::work::{check_device_operands, GemmF32};
 
 /// A cuBLAS handle created in one device's primary context.
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +81,7 @@ fn create() -> Result<Handle> {
 }
 
 impl CudaBackend {
-    /// [`Backend::gemm_f32_async`](crate::Backend::gemm_f32_async) on cuBLAS.
+    /// [`DeviceWork::gemm_f32_async`](crate::DeviceWork::gemm_f32_async) on cuBLAS.
     pub(super) fn gemm_f32(&self, stream: StreamHandle, gemm: &GemmF32) -> Result<()> {
         let Some(operands) = gemm.operands()? else {
             return Ok(());

@@ -30,7 +30,8 @@ use std::ffi::c_void;
 use parking_lot::Mutex;
 use strata_kernels::blockcopy::{CUDA_SOURCE, KERNEL_NAME, THREADS_PER_BLOCK};
 
-use super::result::{self, nvrtc::Image, CUfunction, CUmodule, CUstream};
+use super::nvrtc::{self, Image};
+use super::result::{self, CUfunction, CUmodule, CUstream};
 use super::{device_location, raw_event, Scratch};
 use crate::error::{Error, Result};
 use crate::types::{Access, DevicePtr};
@@ -275,7 +276,7 @@ impl Launcher {
                 missing.join(", ")
             )));
         }
-        result::nvrtc::check_present()?;
+        nvrtc::check_present()?;
         use cudarc::driver::sys::CUdevice_attribute as A;
         let major = result::device::attribute(cu, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = result::device::attribute(cu, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
@@ -288,13 +289,13 @@ impl Launcher {
                 "block-copy kernel: grid limit {max_grid}, granularity {granularity}"
             )));
         }
-        let supported = result::nvrtc::supported_archs()?;
+        let supported = nvrtc::supported_archs()?;
         let name = c"strata_blockcopy.cu";
         let kernel = std::ffi::CString::new(KERNEL_NAME)
             .map_err(|_| Error::Unsupported("kernel name contains NUL".into()))?;
         let mut failures = Vec::new();
         for (image, arch) in targets(cc, &supported) {
-            let loaded = result::nvrtc::compile(CUDA_SOURCE, name, arch, image).and_then(|bytes| {
+            let loaded = nvrtc::compile(CUDA_SOURCE, name, arch, image).and_then(|bytes| {
                 // SAFETY: `bytes` is NVRTC's complete output (PTX NUL-terminated by `compile`);
                 // the device's context is current (this fn's contract).
                 let module = Module(unsafe { result::module::load_data(&bytes)? } as usize as u64);

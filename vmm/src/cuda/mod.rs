@@ -9,8 +9,9 @@
 //! - Never panics on a machine without CUDA: every driver call goes through
 //!   [`result::call`], which turns cudarc's "library/symbol missing" panic into
 //!   [`Error::NoDriver`].
-//! - Launches the block-copy kernel (`cuda/launch.rs`): NVRTC compiles it once per device on
-//!   first use; without NVRTC (or a kernel the driver refuses) `copy_blocks_async` is
+//! - Runs [`DeviceWork`] (`cuda/work.rs`): the block-copy kernel (`cuda/launch.rs`), which NVRTC
+//!   (`cuda/nvrtc.rs`) compiles once per device on first use, and cuBLAS (`cuda/blas.rs`).
+//!   Without NVRTC (or a kernel the driver refuses) `copy_blocks_async` is
 //!   [`Error::Unsupported`] and callers fall back to DMA. Pairs that touch pageable host memory
 //!   (not from `host_alloc`) go to the DMA engines, which can reach it where a kernel cannot.
 //!
@@ -21,7 +22,9 @@
 
 mod blas;
 mod launch;
+pub mod nvrtc;
 pub mod result;
+mod work;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -37,6 +40,7 @@ use crate::types::{
     Location, MemInfo, PhysHandle, StreamHandle,
 };
 use crate::vatable::{Accessor, Translation, VaTable};
+use crate::work::DeviceWork;
 use result::{CUcontext, CUevent, CUmemAccessDesc, CUresult, CUstream};
 
 /// A retained primary context.
@@ -450,31 +454,6 @@ impl CudaBackend {
             }
         }
         check(accessor(0)).map(|t| (0, t))
-    }
-
-    /// The block-copy kernel of `device`, compiled and loaded on first use.
-    /// The device's kernel launcher, built on first use. What cannot change (no NVRTC, a
-    /// compile or load failure) is remembered as `Unsupported`; a context that cannot be entered
-    /// or a device out of memory for the first staging slot is returned as is and tried again
-    /// next time, so a full device at first use does not turn the kernel off for good.
-    fn launcher(&self, device: u32) -> Result<&launch::Launcher> {
-        let dev = self.device(device)?;
-        let cell = &self.launchers[device as usize];
-        if let Some(got) = cell.get() {
-            return got.as_ref().map_err(|msg| Error::Unsupported(msg.clone()));
-        }
-        self.enter(device)?;
-        let built = match launch::Launcher::new(device, dev.cu, dev.granularity) {
-            Err(e) if e.is_out_of_memory() => return Err(e),
-            built => built.map_err(|e| match e {
-                Error::Unsupported(msg) => msg,
-                other => format!("block-copy kernel: {other}"),
-            }),
-        };
-        // A launcher another thread stored first wins; this one drops here, its context
-        // current (entered above).
-        let got = cell.get_or_init(|| built);
-        got.as_ref().map_err(|msg| Error::Unsupported(msg.clone()))
     }
 
     /// Submits a validated plan on `raw` (context current).
@@ -1194,48 +1173,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    unsafe fn copy_blocks_async(
-        &self,
-        stream: StreamHandle,
-        len: u64,
-        pairs: &[(DevicePtr, DevicePtr)],
-    ) -> Result<()> {
-        let (device, reachable) = {
-            let state = self.state.lock();
-            let (device, host_ranges) =
-                self.device_for_work(&state, stream, |a| state.table.check_blocks(a, len, pairs))?;
-            let reachable = host_ranges
-                .iter()
-                .all(|&(addr, n)| state.pinned_contains(addr, n));
-            (device, reachable)
-        };
-        if len == 0 || pairs.is_empty() {
-            return Ok(());
-        }
-        if !reachable {
-            // Pageable host memory: no kernel can reach it, the DMA engines can. The ranges
-            // passed the launch rule, so the copies' order is unobservable.
-            let plan: Vec<(u64, u64, u64)> =
-                pairs.iter().map(|&(src, dst)| (dst, src, len)).collect();
-            return self.with_stream(stream, device, |_, raw| {
-                // SAFETY: every device range was validated for this stream's device; host
-                // ranges are the caller's obligation (this fn's `# Safety`); the stream is held
-                // alive with its context current.
-                unsafe { self.submit(&plan, raw) }
-            });
-        }
-        let launcher = self.launcher(device)?;
-        self.with_stream(stream, device, |_, raw| {
-            // SAFETY: `with_stream` holds the stream alive with `device`'s context current (the
-            // launcher's); `check_blocks` validated every device range for this device and the
-            // launch rule; every host range lies in a live pinned `host_alloc` of ours, kept
-            // valid until completion by the caller (this fn's `# Safety`).
-            unsafe { launcher.launch(raw, len, pairs) }
-        })
-    }
-
-    fn gemm_f32_async(&self, stream: StreamHandle, gemm: &crate::GemmF32) -> Result<()> {
-        self.gemm_f32(stream, gemm)
+    fn device_work(self: Arc<Self>) -> Option<Arc<dyn DeviceWork>> {
+        Some(self)
     }
 
     fn live_counts(&self) -> LiveCounts {
@@ -1315,7 +1254,7 @@ mod tests {
 
     #[test]
     fn missing_nvrtc_is_unsupported_not_a_panic() {
-        use result::nvrtc::{self, Image};
+        use super::nvrtc::{self, Image};
         let present = std::panic::catch_unwind(nvrtc::check_present).expect("no panic");
         let compiled = std::panic::catch_unwind(|| {
             nvrtc::compile(

@@ -56,13 +56,20 @@ impl HostConfig {
     /// (default `2MiB`), `STRATA_HOST_STRICT` (`1` enables strict mode) and
     /// `STRATA_HOST_LINK` (`BANDWIDTH[,LATENCY]`, e.g. `25GB,5us`, applied to every direction).
     pub fn from_env() -> Result<Self> {
+        let devices = parse_devices(DEFAULT_DEVICES)
+            .map_err(|r| config("STRATA_HOST_DEVICES", DEFAULT_DEVICES, r))?;
+        Self::from_env_or(&devices)
+    }
+
+    /// As [`HostConfig::from_env`], with `devices` as the capacities when
+    /// `STRATA_HOST_DEVICES` is not set.
+    pub fn from_env_or(devices: &[u64]) -> Result<Self> {
         let var = |name: &'static str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let devices = match var("STRATA_HOST_DEVICES") {
             Some(v) => {
                 parse_devices(&v).map_err(|reason| config("STRATA_HOST_DEVICES", &v, reason))?
             }
-            None => parse_devices(DEFAULT_DEVICES)
-                .map_err(|r| config("STRATA_HOST_DEVICES", DEFAULT_DEVICES, r))?,
+            None => devices.to_vec(),
         };
         let granularity = match var("STRATA_HOST_GRANULARITY") {
             Some(v) => parse_granularity(&v)

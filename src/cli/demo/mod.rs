@@ -1,24 +1,33 @@
 //! `strata demo`: by default the oversubscribed tiered workload (KV demand several times the
 //! device's HBM, spilling to host memory and disk and prefetching back); `--classic` runs the
 //! single-tier KvSpace + caching-allocator workload. Progress bar, summary, exit non-zero if any
-//! content check failed.
+//! content check failed. The two workloads share their request stream, seeding and content
+//! checks (`workload.rs`).
+
+mod classic;
+mod tiered;
+mod workload;
+
+#[cfg(test)]
+mod tests;
 
 use std::process::ExitCode;
 
 use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata::demo::{self, DemoConfig};
-use strata::tiered::{self, TieredConfig};
+use strata::vmm::{Choice, HostConfig};
 
 use super::size;
+use classic::DemoConfig;
+use tiered::TieredConfig;
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
     /// Requests to serve.
-    #[arg(long, default_value_t = DemoConfig::default().requests)]
+    #[arg(long, default_value_t = DemoConfig::default().workload.requests)]
     requests: u32,
     /// Random seed (arrivals and lengths).
-    #[arg(long, default_value_t = DemoConfig::default().seed)]
+    #[arg(long, default_value_t = DemoConfig::default().workload.seed)]
     seed: u64,
     /// Mean request arrivals per decode step.
     #[arg(long, default_value_t = DemoConfig::default().arrival_rate)]
@@ -27,7 +36,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = DemoConfig::default().max_slots)]
     max_slots: u32,
     /// Model layers (each with a K and a V tensor).
-    #[arg(long, default_value_t = DemoConfig::default().layers)]
+    #[arg(long, default_value_t = DemoConfig::default().workload.layers)]
     layers: u32,
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
@@ -52,31 +61,15 @@ pub struct DemoArgs {
 /// HBM of the emulated device for the tiered run when `STRATA_HOST_DEVICES` is not set.
 const TIERED_DEVICE: u64 = 128 << 20;
 
-fn tiered_backend() -> Result<std::sync::Arc<dyn strata::Backend>, strata::Error> {
-    let cuda = std::env::var("STRATA_BACKEND").as_deref() == Ok("cuda");
-    if !cuda && std::env::var_os("STRATA_HOST_DEVICES").is_none() {
-        let mut config = strata::vmm::HostConfig::from_env()?;
-        config.devices = vec![TIERED_DEVICE];
-        if let Ok(b) = strata::vmm::host::open(config) {
-            if std::env::var("STRATA_BACKEND").as_deref() == Ok("host")
-                || strata::vmm::open(strata::vmm::Choice::Cuda).is_err()
-            {
-                return Ok(b);
-            }
-        }
-    }
-    strata::vmm::from_env()
-}
-
 fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
-    let backend = tiered_backend()?;
-    let mut config = TieredConfig {
-        device: args.device,
-        seed: args.seed,
-        ..TieredConfig::default()
-    };
+    let backend = strata::vmm::open_with(Choice::from_env()?, || {
+        HostConfig::from_env_or(&[TIERED_DEVICE])
+    })?;
+    let mut config = TieredConfig::default();
+    config.workload.device = args.device;
+    config.workload.seed = args.seed;
     if let Some(r) = args.tiered_requests {
-        config.requests = r;
+        config.workload.requests = r;
     }
     if let Some(d) = &args.disk_dir {
         config.disk_dir = d.clone();
@@ -86,23 +79,15 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
     }
     println!(
         "strata demo (tiered): {} requests on the {} backend, device {}; HBM {}, host {}, disk up to {} in {}",
-        config.requests,
+        config.workload.requests,
         backend.kind(),
-        config.device,
-        size(config.hbm_bytes.unwrap_or(backend.mem_info(config.device)?.total)),
+        config.workload.device,
+        size(config.hbm_bytes.unwrap_or(backend.mem_info(config.workload.device)?.total)),
         size(config.host_bytes),
         size(config.disk_bytes),
         config.disk_dir.display()
     );
-    let bar = if args.quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(config.requests as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(args.quiet, config.workload.requests);
     let report = tiered::run(backend, &config, |step, finished| {
         bar.set_position(finished as u64);
         if step % 16 == 0 {
@@ -181,56 +166,41 @@ fn run_tiered(args: &DemoArgs) -> Result<ExitCode, strata::Error> {
     }
     println!("{table}");
     if let Some(path) = &args.plot {
-        tiered::write_svg(path, &report.samples).map_err(|source| strata::Error::Os {
-            call: "write plot",
-            source,
-        })?;
+        tiered::write_svg(path, &report.samples)?;
         println!("plot: {}", path.display());
     }
-    println!(
-        "verified: {} blocks, {} mismatches",
-        report.verified_blocks, report.mismatches
-    );
-    Ok(if report.mismatches == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(verdict(report.verified_blocks, report.mismatches))
 }
 
 pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
     if !args.classic {
         return run_tiered(&args);
     }
+    let defaults = DemoConfig::default();
     let config = DemoConfig {
-        device: args.device,
-        requests: args.requests,
-        seed: args.seed,
+        workload: workload::Workload {
+            device: args.device,
+            requests: args.requests,
+            seed: args.seed,
+            layers: args.layers,
+            ..defaults.workload
+        },
         arrival_rate: args.arrival_rate,
         max_slots: args.max_slots,
-        layers: args.layers,
-        ..DemoConfig::default()
+        ..defaults
     };
     let backend = strata::vmm::from_env()?;
     println!(
         "strata demo: {} requests on the {} backend, device {} ({} layers, up to {} concurrent, {} tokens max)",
-        config.requests,
+        config.workload.requests,
         backend.kind(),
-        config.device,
-        config.layers,
+        config.workload.device,
+        config.workload.layers,
         config.max_slots,
         config.max_tokens
     );
-    let bar = if args.quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(config.requests as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let report = demo::run(backend, &config, |p| {
+    let bar = progress_bar(args.quiet, config.workload.requests);
+    let report = classic::run(backend, &config, |p| {
         bar.set_position(p.finished as u64);
         if p.step % 16 == 0 {
             bar.set_message(format!(
@@ -316,13 +286,29 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, strata::Error> {
         table.add_row([k.to_string(), v]);
     }
     println!("{table}");
-    println!(
-        "verified: {} blocks, {} mismatches",
-        report.verified_blocks, report.mismatches
+    Ok(verdict(report.verified_blocks, report.mismatches))
+}
+
+/// The progress bar of a run of `requests` (hidden with `--quiet`).
+fn progress_bar(quiet: bool, requests: u32) -> ProgressBar {
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(u64::from(requests))
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} requests  {msg}  [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    Ok(if report.mismatches == 0 {
+    bar
+}
+
+/// Prints the content checks' outcome; the exit code fails the run on any mismatch.
+fn verdict(verified: u64, mismatches: u64) -> ExitCode {
+    println!("verified: {verified} blocks, {mismatches} mismatches");
+    if mismatches == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
 }

@@ -13,16 +13,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-use strata_allocator::{
+use rand::Rng;
+use strata::allocator::{
     AllocatorStats, CachingAllocator, CachingConfig, Kind, KvConfig, KvSpace, KvStats, PagePool,
     PoolConfig, SlotId, TagId,
 };
-use strata_kernels::pattern;
-use strata_vmm::{Backend, DevicePtr, Error, Result, StreamHandle};
+use strata::vmm::{Backend, DevicePtr, Error, Result, StreamHandle};
+
+use super::workload::{pattern_bytes, tensor_seed, Checks, Workload};
 
 /// KV block size (tokens) used for content checks, as engines page KV.
-pub const BLOCK_TOKENS: u32 = 16;
+const BLOCK_TOKENS: u32 = 16;
 const WEIGHTS: TagId = 1;
 const ACTIVATIONS: TagId = 2;
 const S: StreamHandle = StreamHandle::DEFAULT;
@@ -30,20 +31,11 @@ const S: StreamHandle = StreamHandle::DEFAULT;
 /// Shape of a demo run.
 #[derive(Clone, Debug)]
 pub struct DemoConfig {
-    pub device: u32,
-    pub requests: u32,
-    pub seed: u64,
+    pub workload: Workload,
     /// Mean arrivals per decode step.
     pub arrival_rate: f64,
-    /// Prompt length range (tokens, inclusive).
-    pub prompt: (u32, u32),
-    /// Output length range (tokens, inclusive).
-    pub output: (u32, u32),
-    pub layers: u32,
     pub max_slots: u32,
     pub max_tokens: u32,
-    /// Bytes of one token in one layer's K (or V).
-    pub bytes_per_token: u64,
     /// Bytes of model weights (under their own tag; slept and woken mid-run).
     pub weight_bytes: u64,
 }
@@ -51,16 +43,18 @@ pub struct DemoConfig {
 impl Default for DemoConfig {
     fn default() -> Self {
         DemoConfig {
-            device: 0,
-            requests: 600,
-            seed: 42,
+            workload: Workload {
+                device: 0,
+                seed: 42,
+                requests: 600,
+                prompt: (32, 1536),
+                output: (16, 384),
+                layers: 16,
+                bytes_per_token: 2048, // 8 KV heads × 128 dims × bf16
+            },
             arrival_rate: 1.5,
-            prompt: (32, 1536),
-            output: (16, 384),
-            layers: 16,
             max_slots: 64,
             max_tokens: 4096,
-            bytes_per_token: 2048, // 8 KV heads × 128 dims × bf16
             weight_bytes: 256 << 20,
         }
     }
@@ -105,6 +99,8 @@ pub struct DemoReport {
 
 struct Request {
     id: u64,
+    /// The seed of its fill patterns.
+    seed: u64,
     prompt: u32,
     output: u32,
 }
@@ -125,7 +121,8 @@ pub fn run(
 ) -> Result<DemoReport> {
     validate(config)?;
     let start = Instant::now();
-    let device = config.device;
+    let w = &config.workload;
+    let device = w.device;
     let pool = PagePool::new(
         Arc::clone(&backend),
         device,
@@ -140,17 +137,17 @@ pub fn run(
     let mut kv = KvSpace::new(
         Arc::clone(&pool),
         KvConfig {
-            layers: config.layers,
+            layers: w.layers,
             max_slots: config.max_slots,
             max_tokens: config.max_tokens,
-            bytes_per_token: config.bytes_per_token,
+            bytes_per_token: w.bytes_per_token,
             zero_page: false,
         },
     )?;
-    let mut rng = SmallRng::seed_from_u64(config.seed);
+    let mut rng = w.rng();
     let mut checks = Checks::default();
 
-    let weights = load_weights(&alloc, config.weight_bytes)?;
+    let weights = load_weights(&alloc, w, config.weight_bytes)?;
     let device_total = backend.mem_info(device)?.total;
 
     let mut next_id = 0u64;
@@ -161,21 +158,23 @@ pub fn run(
     let (mut peak_kv_pages, mut peak_used, mut preemptions) = (0u64, 0u64, 0u64);
     let mut sleep_wake_cycles = 0u32;
 
-    while finished < config.requests {
+    while finished < w.requests {
         step += 1;
         // Arrivals.
         let arrivals = poisson(&mut rng, config.arrival_rate);
         for _ in 0..arrivals {
-            if next_id < config.requests as u64 {
+            if next_id < u64::from(w.requests) {
+                let (prompt, output) = w.lengths(&mut rng);
                 waiting.push_back(Request {
                     id: next_id,
-                    prompt: rng.random_range(config.prompt.0..=config.prompt.1),
-                    output: rng.random_range(config.output.0..=config.output.1),
+                    seed: w.request_seed(next_id),
+                    prompt,
+                    output,
                 });
                 next_id += 1;
             }
         }
-        if next_id < config.requests as u64 && waiting.is_empty() && active.is_empty() {
+        if next_id < u64::from(w.requests) && waiting.is_empty() && active.is_empty() {
             continue; // idle step: nothing arrived yet
         }
 
@@ -247,7 +246,7 @@ pub fn run(
         peak_used = peak_used.max(mem.total - mem.free);
 
         // Halfway: the weights sleep (host copy) and wake, as between engine phases.
-        if sleep_wake_cycles == 0 && finished >= config.requests / 2 {
+        if sleep_wake_cycles == 0 && finished >= w.requests / 2 {
             alloc.sleep(WEIGHTS, true)?;
             // KV may take the memory meanwhile: on out-of-memory, give back what is
             // reclaimable, then preempt requests, until the weights fit again.
@@ -304,37 +303,16 @@ pub fn run(
 }
 
 fn validate(config: &DemoConfig) -> Result<()> {
+    let w = &config.workload;
+    w.validate()?;
     let bad = |why: &str| Err(Error::InvalidArgument(format!("demo: {why}")));
-    if config.prompt.0 == 0
-        || config.prompt.0 > config.prompt.1
-        || config.output.0 == 0
-        || config.output.0 > config.output.1
-    {
-        return bad("prompt and output ranges must be non-empty and start above zero");
-    }
-    if config.prompt.1 as u64 + config.output.1 as u64 > config.max_tokens as u64 {
+    if u64::from(w.prompt.1) + u64::from(w.output.1) > u64::from(config.max_tokens) {
         return bad("the longest prompt plus output must fit max_tokens");
     }
-    if config.layers == 0
-        || config.requests == 0
-        || !(config.arrival_rate > 0.0 && config.arrival_rate.is_finite())
-    {
-        return bad("layers, requests and arrival rate must be positive");
+    if !(config.arrival_rate > 0.0 && config.arrival_rate.is_finite()) {
+        return bad("the arrival rate must be positive");
     }
     Ok(())
-}
-
-#[derive(Default)]
-struct Checks {
-    verified: u64,
-    mismatches: u64,
-}
-
-impl Checks {
-    fn record(&mut self, ok: bool) {
-        self.verified += 1;
-        self.mismatches += !ok as u64;
-    }
 }
 
 enum Admitted {
@@ -374,9 +352,10 @@ fn admit(
         }
         Err(e) => return Err(e),
     };
-    let mut buf = vec![0u8; state_len as usize];
-    pattern::fill(&mut buf, request_seed(request.id, 0xfeed), 0);
-    backend.write(state, &buf)?;
+    backend.write(
+        state,
+        &pattern_bytes(tensor_seed(request.seed, STATE), 0, state_len),
+    )?;
     let mut a = Active {
         slot,
         tokens: 0,
@@ -391,12 +370,11 @@ fn admit(
 
 /// The two tensors whose contents are written and checked: first layer's K, last layer's V.
 fn checked_tensors(config: &DemoConfig) -> [(u32, Kind); 2] {
-    [(0, Kind::K), (config.layers - 1, Kind::V)]
+    [(0, Kind::K), (config.workload.layers - 1, Kind::V)]
 }
 
-fn request_seed(id: u64, tensor: u64) -> u64 {
-    id.wrapping_mul(0x9e37_79b9) ^ (tensor << 48)
-}
+/// The tensor number of a request's state buffer in [`tensor_seed`] (after its two KV tensors).
+const STATE: u64 = 2;
 
 fn write_tokens(
     backend: &dyn Backend,
@@ -406,13 +384,16 @@ fn write_tokens(
     from: u32,
     count: u32,
 ) -> Result<()> {
-    let bpt = config.bytes_per_token;
-    let mut buf = vec![0u8; (count as u64 * bpt) as usize];
-    for (t, (layer, kind)) in checked_tensors(config).into_iter().enumerate() {
+    let bpt = config.workload.bytes_per_token;
+    for (t, (layer, kind)) in (0..).zip(checked_tensors(config)) {
         let base = kv.slot_ptr(a.slot, layer, kind)?;
-        let offset = from as u64 * bpt;
-        pattern::fill(&mut buf, request_seed(a.request.id, t as u64), offset);
-        backend.write(base + offset, &buf)?;
+        let offset = u64::from(from) * bpt;
+        let bytes = pattern_bytes(
+            tensor_seed(a.request.seed, t),
+            offset,
+            u64::from(count) * bpt,
+        );
+        backend.write(base + offset, &bytes)?;
     }
     Ok(())
 }
@@ -424,32 +405,26 @@ fn verify_request(
     a: &Active,
     checks: &mut Checks,
 ) -> Result<()> {
-    let bpt = config.bytes_per_token;
-    let block = BLOCK_TOKENS as u64 * bpt;
-    let total = a.tokens as u64 * bpt;
+    let bpt = config.workload.bytes_per_token;
+    let block = u64::from(BLOCK_TOKENS) * bpt;
+    let total = u64::from(a.tokens) * bpt;
     let mut buf = vec![0u8; total as usize];
-    for (t, (layer, kind)) in checked_tensors(config).into_iter().enumerate() {
+    for (t, (layer, kind)) in (0..).zip(checked_tensors(config)) {
         backend.read(kv.slot_ptr(a.slot, layer, kind)?, &mut buf)?;
-        for (b, chunk) in buf.chunks(block as usize).enumerate() {
-            let ok = pattern::first_mismatch(
-                chunk,
-                request_seed(a.request.id, t as u64),
-                b as u64 * block,
-            )
-            .is_none();
-            checks.record(ok);
+        for (b, chunk) in (0..).zip(buf.chunks(block as usize)) {
+            checks.check(chunk, tensor_seed(a.request.seed, t), b * block);
         }
     }
     let mut state = vec![0u8; a.state_len as usize];
     backend.read(a.state, &mut state)?;
-    checks.record(pattern::first_mismatch(&state, request_seed(a.request.id, 0xfeed), 0).is_none());
+    checks.check(&state, tensor_seed(a.request.seed, STATE), 0);
     Ok(())
 }
 
 /// Weight tensors: (ptr, len, seed).
 type Weights = Vec<(DevicePtr, u64, u64)>;
 
-fn load_weights(alloc: &CachingAllocator, total: u64) -> Result<Weights> {
+fn load_weights(alloc: &CachingAllocator, w: &Workload, total: u64) -> Result<Weights> {
     // Mixed tensor sizes, as a model's: a few large matrices, some small norms and biases.
     const SIZES: [u64; 8] = [
         64 << 20,
@@ -464,15 +439,16 @@ fn load_weights(alloc: &CachingAllocator, total: u64) -> Result<Weights> {
     let backend = Arc::clone(alloc.pool().backend());
     let mut weights = Vec::new();
     let mut left = total;
-    for (seed, size) in (1u64..).zip(SIZES.iter().cycle()) {
+    // Seeded as the tensors of one more request after the last one.
+    let model = w.request_seed(u64::from(w.requests));
+    for (t, size) in (0u64..).zip(SIZES.iter().cycle()) {
         if left == 0 {
             break;
         }
         let len = (*size).min(left);
         let ptr = alloc.allocate_tagged(len, S, WEIGHTS)?;
-        let mut buf = vec![0u8; len as usize];
-        pattern::fill(&mut buf, seed, 0);
-        backend.write(ptr, &buf)?;
+        let seed = tensor_seed(model, t);
+        backend.write(ptr, &pattern_bytes(seed, 0, len))?;
         weights.push((ptr, len, seed));
         left -= len;
     }
@@ -483,7 +459,7 @@ fn verify_weights(backend: &dyn Backend, weights: &Weights, checks: &mut Checks)
     for &(ptr, len, seed) in weights {
         let mut buf = vec![0u8; len as usize];
         backend.read(ptr, &mut buf)?;
-        checks.record(pattern::first_mismatch(&buf, seed, 0).is_none());
+        checks.check(&buf, seed, 0);
     }
     Ok(())
 }
@@ -514,9 +490,7 @@ fn step_activations(
     }
     let backend = alloc.pool().backend();
     for &(ptr, size, seed) in &out {
-        let mut head = vec![0u8; size.min(4096) as usize];
-        pattern::fill(&mut head, seed, 0);
-        backend.write(ptr, &head)?;
+        backend.write(ptr, &pattern_bytes(seed, 0, size.min(4096)))?;
     }
     Ok(out)
 }
@@ -530,7 +504,7 @@ fn check_activations(
     for (ptr, size, seed) in activations {
         let mut head = vec![0u8; size.min(4096) as usize];
         backend.read(ptr, &mut head)?;
-        checks.record(pattern::first_mismatch(&head, seed, 0).is_none());
+        checks.check(&head, seed, 0);
         alloc.deallocate(ptr, S)?;
     }
     Ok(())

@@ -1,11 +1,13 @@
 //! `strata bench copy`: naive vs coalesced vs block-copy kernel for scattered blocks.
 
+mod copy;
+
 use std::process::ExitCode;
 
 use comfy_table::Table;
 use strata::tiers::Submission;
 
-use super::size;
+use crate::cli::size;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -43,7 +45,7 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode, strata::Error> {
         args.reps,
         backend.kind()
     );
-    let results = strata::bench::copy(
+    let results = copy::copy(
         &backend,
         args.device,
         &sizes,

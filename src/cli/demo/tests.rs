@@ -1,22 +1,44 @@
-//! The demo workload end to end on a strict host backend: every content check passes, every
-//! request is served, and the run exercises slot reuse and a sleep/wake cycle.
+//! The demo workloads end to end on a strict host backend (the real driver with
+//! `STRATA_BACKEND=cuda`): every content check passes, every request is served, and the runs
+//! exercise slot reuse, a sleep/wake cycle, and spills to host memory and disk.
 
-use strata::demo::{self, DemoConfig};
-use strata_tests::backend;
+use std::sync::Arc;
+
+use strata::vmm::{Backend, Choice, HostConfig};
+
+use super::classic::{self as demo, DemoConfig};
+use super::tiered::{self, TieredConfig};
+use super::workload::Workload;
+
+/// A strict host backend with these device capacities and a 2 MiB granularity.
+fn backend(devices: &[u64]) -> Arc<dyn Backend> {
+    if Choice::from_env().ok() == Some(Choice::Cuda) {
+        return strata::vmm::open(Choice::Cuda).expect("STRATA_BACKEND=cuda but no CUDA device");
+    }
+    strata::vmm::host::open(HostConfig {
+        devices: devices.to_vec(),
+        granularity: 2 << 20,
+        strict: true,
+        link: None,
+    })
+    .expect("host backend")
+}
 
 #[test]
 fn small_demo_verifies_every_block() {
     let config = DemoConfig {
-        requests: 40,
+        workload: Workload {
+            requests: 40,
+            prompt: (16, 300),
+            output: (8, 64),
+            layers: 4,
+            bytes_per_token: 1024,
+            ..DemoConfig::default().workload
+        },
         arrival_rate: 2.0,
-        prompt: (16, 300),
-        output: (8, 64),
-        layers: 4,
         max_slots: 8,
         max_tokens: 1024,
-        bytes_per_token: 1024,
         weight_bytes: 24 << 20,
-        ..DemoConfig::default()
     };
     let mut steps = 0;
     let report = demo::run(backend(&[1 << 30]), &config, |_| steps += 1).unwrap();
@@ -40,16 +62,18 @@ fn small_demo_verifies_every_block() {
 fn demo_under_memory_pressure_stalls_instead_of_failing() {
     // A device too small for every slot at full length: admission waits, nothing fails.
     let config = DemoConfig {
-        requests: 30,
+        workload: Workload {
+            requests: 30,
+            prompt: (200, 900),
+            output: (8, 100),
+            layers: 4,
+            bytes_per_token: 4096,
+            ..DemoConfig::default().workload
+        },
         arrival_rate: 4.0,
-        prompt: (200, 900),
-        output: (8, 100),
-        layers: 4,
         max_slots: 16,
         max_tokens: 1024,
-        bytes_per_token: 4096,
         weight_bytes: 8 << 20,
-        ..DemoConfig::default()
     };
     let report = demo::run(backend(&[160 << 20]), &config, |_| {}).unwrap();
     assert_eq!(report.requests, 30);
@@ -60,7 +84,10 @@ fn demo_under_memory_pressure_stalls_instead_of_failing() {
 #[test]
 fn bad_demo_configuration_is_an_error() {
     let config = DemoConfig {
-        prompt: (0, 10),
+        workload: Workload {
+            prompt: (0, 10),
+            ..DemoConfig::default().workload
+        },
         ..DemoConfig::default()
     };
     assert!(demo::run(backend(&[1 << 30]), &config, |_| {}).is_err());
@@ -68,15 +95,17 @@ fn bad_demo_configuration_is_an_error() {
 
 #[test]
 fn tiered_demo_spills_to_host_and_disk_and_verifies_every_returning_block() {
-    use strata::tiered::{self, TieredConfig};
     let dir = std::env::temp_dir();
     let config = TieredConfig {
-        requests: 32,
+        workload: Workload {
+            requests: 32,
+            prompt: (64, 400),
+            output: (4, 12),
+            layers: 1,
+            bytes_per_token: 4096,
+            ..TieredConfig::default().workload
+        },
         batch: 2,
-        prompt: (64, 400),
-        output: (4, 12),
-        layers: 1,
-        bytes_per_token: 4096,
         hbm_bytes: Some(16 << 20),
         host_bytes: 4 << 20,
         disk_bytes: 256 << 20,
@@ -108,16 +137,18 @@ fn tiered_demo_spills_to_host_and_disk_and_verifies_every_returning_block() {
 
 #[test]
 fn a_tiered_batch_larger_than_hbm_runs_shorter_instead_of_failing() {
-    use strata::tiered::{self, TieredConfig};
     // 512-token blocks of 2 pages (K and V of one layer): a request of up to 900 tokens needs
     // 8 MiB, so 16 MiB of HBM holds two of them, not a batch of four.
     let config = TieredConfig {
-        requests: 12,
+        workload: Workload {
+            requests: 12,
+            prompt: (300, 880),
+            output: (4, 20),
+            layers: 1,
+            bytes_per_token: 4096,
+            ..TieredConfig::default().workload
+        },
         batch: 4,
-        prompt: (300, 880),
-        output: (4, 20),
-        layers: 1,
-        bytes_per_token: 4096,
         hbm_bytes: Some(16 << 20),
         host_bytes: 8 << 20,
         disk_bytes: 256 << 20,

@@ -17,33 +17,26 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-use strata_allocator::{Kind, PagePool, PoolConfig};
-use strata_kernels::pattern;
-use strata_tiers::policy::Links;
-use strata_tiers::{
+use strata::allocator::{Kind, PagePool, PoolConfig};
+use strata::tiers::policy::Links;
+use strata::tiers::{
     DiskConfig, KvBlockManager, KvBlocksConfig, KvBlocksStats, PolicyKind, RequestId, StoreConfig,
     StoreStats, Tier, TierSpec, TierStore,
 };
-use strata_vmm::{Backend, Error, Result};
+use strata::vmm::{Backend, Error, Result};
+
+use super::workload::{matches, pattern_bytes, tensor_seed, Checks, Workload};
+use crate::cli::chart::{write_chart, Series};
 
 /// Shape of a tiered run.
 #[derive(Clone, Debug)]
 pub struct TieredConfig {
-    pub device: u32,
-    pub seed: u64,
-    pub requests: u32,
+    /// The requests; `bytes_per_token` must divide the page size.
+    pub workload: Workload,
     /// Requests decoding in one step.
     pub batch: u32,
     /// Lookahead window K (steps hinted ahead).
     pub lookahead: u32,
-    pub prompt: (u32, u32),
-    pub output: (u32, u32),
-    /// Layers of the KV space (each with a K and a V tensor).
-    pub layers: u32,
-    /// Bytes of one token in one tensor (must divide the page size).
-    pub bytes_per_token: u64,
     /// The store's copy unit (divides the page size).
     pub chunk_bytes: u64,
     /// HBM the KV space may take from the pool (None: the device's whole memory).
@@ -58,15 +51,17 @@ pub struct TieredConfig {
 impl Default for TieredConfig {
     fn default() -> Self {
         TieredConfig {
-            device: 0,
-            seed: 42,
-            requests: 80,
+            workload: Workload {
+                device: 0,
+                seed: 42,
+                requests: 80,
+                prompt: (128, 1280),
+                output: (8, 32),
+                layers: 2,
+                bytes_per_token: 2048,
+            },
             batch: 8,
             lookahead: 1,
-            prompt: (128, 1280),
-            output: (8, 32),
-            layers: 2,
-            bytes_per_token: 2048,
             chunk_bytes: 256 << 10,
             hbm_bytes: None,
             host_bytes: 128 << 20,
@@ -123,30 +118,24 @@ fn observe(kv: &KvBlockManager, l: &mut Live) -> Result<()> {
     Ok(())
 }
 
-/// The pattern of tensor `t` of the request of `seed`, tokens `from..from + n`.
-fn tokens(seed: u64, t: usize, from: u32, n: u32, bpt: u64) -> Vec<u8> {
-    let mut v = vec![0u8; (u64::from(n) * bpt) as usize];
-    pattern::fill(&mut v, tensor_seed(seed, t), u64::from(from) * bpt);
-    v
-}
-
-fn tensor_seed(seed: u64, t: usize) -> u64 {
-    seed.wrapping_mul(64).wrapping_add(t as u64)
-}
-
-fn tensors(layers: u32) -> impl Iterator<Item = (usize, u32, Kind)> {
-    (0..layers)
-        .flat_map(|l| [(l, Kind::K), (l, Kind::V)])
-        .enumerate()
+/// Every tensor: its number (for [`tensor_seed`]), layer and kind.
+fn tensors(layers: u32) -> impl Iterator<Item = (u64, u32, Kind)> {
+    (0..)
+        .zip((0..layers).flat_map(|l| [(l, Kind::K), (l, Kind::V)]))
         .map(|(t, (l, k))| (t, l, k))
 }
 
 /// Appends `n` tokens to `r` and writes them in every tensor, as the engine's kernels would.
-fn decode(kv: &KvBlockManager, l: &Live, n: u32, config: &TieredConfig) -> Result<()> {
+fn decode(kv: &KvBlockManager, l: &Live, n: u32, w: &Workload) -> Result<()> {
     let have = kv.tokens(l.id)?;
     kv.append(l.id, n)?;
-    for (t, layer, kind) in tensors(config.layers) {
-        let data = tokens(l.seed, t, have, n, config.bytes_per_token);
+    let bpt = w.bytes_per_token;
+    for (t, layer, kind) in tensors(w.layers) {
+        let data = pattern_bytes(
+            tensor_seed(l.seed, t),
+            u64::from(have) * bpt,
+            u64::from(n) * bpt,
+        );
         kv.write_kv(l.id, layer, kind, have, &data)?;
     }
     Ok(())
@@ -159,21 +148,23 @@ pub fn run(
     mut progress: impl FnMut(u64, u32),
 ) -> Result<TieredReport> {
     let start = Instant::now();
-    if config.batch == 0 || config.requests == 0 || config.layers == 0 {
+    let w = &config.workload;
+    w.validate()?;
+    if config.batch == 0 {
         return Err(Error::InvalidArgument(
-            "tiered demo needs requests, batch and layers".into(),
+            "tiered demo: the batch must be positive".into(),
         ));
     }
-    let page = backend.granularity(strata_vmm::Location::Device(config.device))?;
+    let page = backend.granularity(strata::vmm::Location::Device(w.device))?;
     let hbm_bytes = match config.hbm_bytes {
         Some(b) => b,
         // The KV space's zero page lives outside the pool.
-        None => backend.mem_info(config.device)?.total.saturating_sub(page),
+        None => backend.mem_info(w.device)?.total.saturating_sub(page),
     } / page
         * page;
     let pool = PagePool::new(
         Arc::clone(&backend),
-        config.device,
+        w.device,
         PoolConfig {
             background: false,
             limit: Some(hbm_bytes),
@@ -181,7 +172,7 @@ pub fn run(
         },
     )?;
     let mut sc = StoreConfig::new(config.chunk_bytes, 0, config.host_bytes);
-    sc.device = config.device;
+    sc.device = w.device;
     sc.hbm_policy = PolicyKind::Lookahead;
     sc.staging_blocks = 32;
     sc.disk = Some(DiskConfig {
@@ -198,10 +189,10 @@ pub fn run(
     let kv = KvBlockManager::new(
         Arc::clone(&store),
         KvBlocksConfig {
-            layers: config.layers,
-            max_requests: config.requests,
-            max_tokens: config.prompt.1 + config.output.1,
-            bytes_per_token: config.bytes_per_token,
+            layers: w.layers,
+            max_requests: w.requests,
+            max_tokens: w.prompt.1 + w.output.1,
+            bytes_per_token: w.bytes_per_token,
             t_iter: Duration::from_millis(20),
             delta_sched: Duration::from_micros(100),
             links: Links {
@@ -210,12 +201,12 @@ pub fn run(
             },
         },
     )?;
-    let bpt = config.bytes_per_token;
-    let mut rng = SmallRng::seed_from_u64(config.seed);
+    let bpt = w.bytes_per_token;
+    let mut rng = w.rng();
     let mut live: Vec<Live> = Vec::new();
     let mut admitted = 0u32;
     let mut finished = 0u32;
-    let (mut verified, mut mismatches) = (0u64, 0u64);
+    let mut checks = Checks::default();
     let mut samples = Vec::new();
     let mut peak_kv = 0u64;
     let mut step = 0u64;
@@ -224,31 +215,23 @@ pub fn run(
     let mut pending: Option<(u32, u32)> = None;
     let tpb = kv.tokens_per_block();
     let mut buf = Vec::new();
-    while finished < config.requests {
+    while finished < w.requests {
         step += 1;
         kv.advance(step);
         // Admission: prefill up to half a batch of new requests per step (they are used in
         // this step, so they stay resident next to the decoding batch).
         for _ in 0..config.batch.div_ceil(2) {
-            if admitted == config.requests {
+            if admitted == w.requests {
                 break;
             }
-            let (prompt, output) = *pending.get_or_insert_with(|| {
-                (
-                    rng.random_range(config.prompt.0..=config.prompt.1),
-                    rng.random_range(config.output.0..=config.output.1),
-                )
-            });
+            let (prompt, output) = *pending.get_or_insert_with(|| w.lengths(&mut rng));
             let l = Live {
                 id: kv.admit()?,
-                seed: config
-                    .seed
-                    .wrapping_mul(1_000_003)
-                    .wrapping_add(u64::from(admitted)),
+                seed: w.request_seed(u64::from(admitted)),
                 target: prompt + output,
                 went_down: BTreeSet::new(),
             };
-            match decode(&kv, &l, prompt, config) {
+            match decode(&kv, &l, prompt, w) {
                 Ok(()) => {}
                 // HBM is full of this step's requests: the prompt waits for a later step (it
                 // can never fit when nothing else is live).
@@ -322,26 +305,20 @@ pub fn run(
             let first = b * tpb;
             let n = (total - first).min(tpb);
             let mut good = true;
-            for (t, layer, kind) in tensors(config.layers) {
+            for (t, layer, kind) in tensors(w.layers) {
                 buf.resize((u64::from(n) * bpt) as usize, 0);
                 let tier = kv.read_kv(l.id, layer, kind, first, &mut buf)?;
                 good &= tier == Tier::Hbm
-                    && pattern::first_mismatch(
-                        &buf,
-                        tensor_seed(l.seed, t),
-                        u64::from(first) * bpt,
-                    )
-                    .is_none();
+                    && matches(&buf, tensor_seed(l.seed, t), u64::from(first) * bpt);
             }
-            verified += 1;
-            mismatches += u64::from(!good);
+            checks.record(good);
         }
         // Decode one token for each request of the batch; finished ones leave.
         let mut done = Vec::new();
         let mut progressed = false;
         for &i in &now {
             let l = &live[i];
-            match decode(&kv, l, 1, config) {
+            match decode(&kv, l, 1, w) {
                 Ok(()) => progressed = true,
                 // No page for a new block while this step's requests fill HBM: this token
                 // waits for a later step.
@@ -398,8 +375,8 @@ pub fn run(
         peak_kv_bytes: peak_kv,
         steps: step,
         requests: finished,
-        verified_blocks: verified,
-        mismatches,
+        verified_blocks: checks.verified,
+        mismatches: checks.mismatches,
         disk_direct: st.disk_direct,
         store: st,
         kv: kv.stats(),
@@ -408,67 +385,8 @@ pub fn run(
     })
 }
 
-/// One line of a chart: name, colour and `(x, y)` points.
-pub struct Series<'a> {
-    pub name: &'a str,
-    pub color: &'a str,
-    pub points: Vec<(f64, f64)>,
-}
-
-/// Writes an SVG line chart (written directly: a few polylines and axes need no plotting
-/// dependency). Shared by the demo's occupancy plot and `strata sim`'s plots.
-pub fn write_chart(
-    path: &std::path::Path,
-    title: &str,
-    x_label: &str,
-    y_label: &str,
-    series: &[Series<'_>],
-) -> std::io::Result<()> {
-    let (w, h, m) = (800.0f64, 360.0f64, 50.0f64);
-    let all = || series.iter().flat_map(|s| s.points.iter());
-    let min_x = all().map(|p| p.0).fold(f64::INFINITY, f64::min);
-    let min_x = if min_x.is_finite() { min_x } else { 0.0 };
-    let max_x = all().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
-    let max_x = if max_x > min_x { max_x } else { min_x + 1.0 };
-    let max_y = all().map(|p| p.1).fold(0.0f64, f64::max);
-    let max_y = if max_y > 0.0 { max_y } else { 1.0 };
-    let x = |v: f64| m + ((v - min_x) / (max_x - min_x)) * (w - 2.0 * m);
-    let y = |v: f64| h - m - (v / max_y) * (h - 2.0 * m);
-    let mut svg = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{m}\" y=\"20\" font-size=\"14\">{title}</text>\n\
-         <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"{m}\" y=\"{lb}\">{min_x:.3}</text>\n\
-         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">{x_label} {max_x:.3}</text>\n\
-         <text x=\"5\" y=\"{top}\">{max_y:.3} {y_label}</text>\n",
-        b = h - m,
-        r = w - m,
-        lb = h - m + 20.0,
-        top = m - 5.0,
-    );
-    for (i, s) in series.iter().enumerate() {
-        let pts = s
-            .points
-            .iter()
-            .map(|&(px, py)| format!("{:.1},{:.1}", x(px), y(py)))
-            .collect::<Vec<_>>()
-            .join(" ");
-        svg.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.5\" points=\"{pts}\"/>\n\
-             <text x=\"{lx}\" y=\"40\" fill=\"{c}\">{n}</text>\n",
-            c = s.color,
-            n = s.name,
-            lx = m + 10.0 + 120.0 * i as f64
-        ));
-    }
-    svg.push_str("</svg>\n");
-    std::fs::write(path, svg)
-}
-
 /// Writes tier occupancy over time (MiB per tier against the step) as an SVG line chart.
-pub fn write_svg(path: &std::path::Path, samples: &[Sample]) -> std::io::Result<()> {
+pub fn write_svg(path: &std::path::Path, samples: &[Sample]) -> Result<()> {
     let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
     let line = |f: fn(&Sample) -> u64| {
         samples

@@ -1,0 +1,132 @@
+//! [`DeviceRuntime`]: what one device's users share.
+
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+use strata_allocator::{AllocatorStats, CachingAllocator, PagePool, PoolStats};
+use strata_vmm::{Backend, Result};
+
+use crate::RuntimeConfig;
+
+/// One device of a [`Runtime`](crate::Runtime): its page pool and the users drawing on it.
+///
+/// The pool is the device's only one: the caching allocator maps its pages, Harvest lends them
+/// to peers (and adopts peers' pages here as borrowed), and KV spaces and tier stores should take
+/// theirs from [`DeviceRuntime::pool`] too, so that `PoolStats` tells the whole story.
+///
+/// # Adding a registry (KV spaces, tier stores)
+///
+/// A per-device registry is a field of this struct, created empty in [`DeviceRuntime::new`]
+/// (or lazily behind a `OnceLock`, like `allocator`), whose entries are built over
+/// [`DeviceRuntime::pool`]; give it an accessor here and count it in [`DeviceStats`]. Fields
+/// drop in declaration order: declare registries before `allocator` and `pool`, so that their
+/// pages go back before the allocator and the pool go.
+pub struct DeviceRuntime {
+    backend: Arc<dyn Backend>,
+    device: u32,
+    config: RuntimeConfig,
+    allocator: OnceLock<CachingAllocator>,
+    pool: OnceLock<Arc<PagePool>>,
+    init: Mutex<()>,
+}
+
+/// A snapshot of a device's runtime (`None`: not created yet).
+#[derive(Clone, Debug, Default)]
+pub struct DeviceStats {
+    pub pool: Option<PoolStats>,
+    pub allocator: Option<AllocatorStats>,
+}
+
+impl DeviceRuntime {
+    pub(crate) fn new(backend: Arc<dyn Backend>, device: u32, config: RuntimeConfig) -> Self {
+        DeviceRuntime {
+            backend,
+            device,
+            config,
+            allocator: OnceLock::new(),
+            pool: OnceLock::new(),
+            init: Mutex::new(()),
+        }
+    }
+
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The device's page pool, created on first use.
+    pub fn pool(&self) -> Result<&Arc<PagePool>> {
+        match self.pool.get() {
+            Some(p) => Ok(p),
+            None => self.create_pool(),
+        }
+    }
+
+    /// The pool if it was already created.
+    pub fn existing_pool(&self) -> Option<&Arc<PagePool>> {
+        self.pool.get()
+    }
+
+    /// The caching allocator over [`DeviceRuntime::pool`], created on first use.
+    #[inline]
+    pub fn allocator(&self) -> Result<&CachingAllocator> {
+        match self.allocator.get() {
+            Some(a) => Ok(a),
+            None => self.create_allocator(),
+        }
+    }
+
+    /// The allocator if it was already created.
+    #[inline]
+    pub fn existing_allocator(&self) -> Option<&CachingAllocator> {
+        self.allocator.get()
+    }
+
+    /// The pool's and the allocator's counters.
+    pub fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            pool: self.pool.get().map(|p| p.stats()),
+            allocator: self.allocator.get().map(CachingAllocator::stats),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn create_pool(&self) -> Result<&Arc<PagePool>> {
+        let _guard = self.init.lock();
+        if let Some(p) = self.pool.get() {
+            return Ok(p);
+        }
+        let pool = PagePool::new(
+            Arc::clone(&self.backend),
+            self.device,
+            self.config.pool.clone(),
+        )?;
+        Ok(self.pool.get_or_init(|| pool))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn create_allocator(&self) -> Result<&CachingAllocator> {
+        let pool = Arc::clone(self.pool()?);
+        let _guard = self.init.lock();
+        if let Some(a) = self.allocator.get() {
+            return Ok(a);
+        }
+        let allocator = CachingAllocator::new(pool, self.config.caching.clone())?;
+        Ok(self.allocator.get_or_init(|| allocator))
+    }
+}
+
+impl std::fmt::Debug for DeviceRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRuntime")
+            .field("device", &self.device)
+            .field("pool", &self.pool.get().is_some())
+            .field("allocator", &self.allocator.get().is_some())
+            .finish()
+    }
+}
