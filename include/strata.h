@@ -3,7 +3,8 @@
  *
  * Entry points for PyTorch's pluggable allocator (exact signatures of
  * torch/csrc/cuda/CUDAPluggableAllocator.h), the hooks PyTorch can take, statistics, tags,
- * sleep/wake, Harvest (peer-memory allocations with revocation), errors and a version, plus small test-support calls (streams, copies).
+ * sleep/wake, Harvest (peer-memory allocations with revocation), KV spaces (an engine's KV cache
+ * at fixed addresses, spilled to host memory and disk), errors and a version, plus small test-support calls (streams, copies).
  *
  * Conventions
  *  - Nothing has to be called first: the backend (STRATA_BACKEND=cuda|host|auto) and one caching
@@ -193,7 +194,13 @@ int strata_tag_depth(void);
  * with a message naming the devices left asleep (strata_wake wakes them). */
 int strata_sleep(const char *tag, int keep_host_copy);
 
-/* Maps fresh pages at the same addresses and restores the host copies (or zeros). A tag asleep
+/* strata_sleep keeping the copies on disk: in an unlinked file in directory `dir` (which must
+ * exist), not in host memory (at most three 8 MiB chunks of host memory per device while they
+ * move; device reads overlap file writes). strata_wake reads them back, file reads overlapping
+ * device writes. A failed copy (no such directory, disk full) leaves the tag awake. */
+int strata_sleep_to_disk(const char *tag, const char *dir);
+
+/* Maps fresh pages at the same addresses and restores the host or disk copies (or zeros). A tag asleep
  * nowhere is STRATA_INVALID_STATE. On failure (e.g. out of memory) the tag stays asleep where
  * it was not woken yet: call again. */
 int strata_wake(const char *tag);
@@ -265,6 +272,285 @@ int strata_harvest_write(const strata_harvest_handle_t *handle, uint64_t offset,
 /* Copies `len` bytes of the allocation at `offset` into host memory `dst` and waits. */
 int strata_harvest_read(const strata_harvest_handle_t *handle, uint64_t offset, void *dst,
                         size_t len);
+
+/* ---- KV spaces: an engine's KV cache at fixed addresses, tiered ----------------------------- */
+
+/* A KV space holds, for each of `layers` layers, a K and a V tensor of shape
+ * [max_requests, max_tokens, kv_heads, head_dim] at addresses fixed for the space's life (a
+ * framework wraps them without a copy; kernels and CUDA graphs may bake them in). Each request
+ * is one slot of the first axis; its pages are mapped as it grows (strata_kv_append). A *block*
+ * is one page index of a request across all 2 x layers tensors (tokens_per_block tokens): the
+ * unit of residency. Blocks spill to host memory or disk and come back at the same addresses;
+ * holes read as zeros when zero_page is set (else they are unmapped).
+ * The space's pages come from the device's page pool, the one strata_malloc maps from: one
+ * budget. Handles are opaque, 0 is never valid; a destroyed space's handle, a released
+ * request's handle and a request of another space are errors (STRATA_INVALID_HANDLE /
+ * STRATA_INVALID_ARGUMENT), never someone else's memory. Thread-safe: the calls on one space
+ * serialize on its lock; calls on different spaces run in parallel. The engine synchronizes
+ * its own work on a request's KV before spilling or releasing it. */
+typedef uint64_t strata_kv_t;
+typedef uint64_t strata_kv_request_t;
+
+enum {
+    STRATA_KV_BACKED = 0, /* revocations spill victims to host memory first: nothing is lost */
+    STRATA_KV_LOSSY = 1   /* revocations drop blocks without copying; each is reported once */
+};
+enum { STRATA_KV_K = 0, STRATA_KV_V = 1 };
+enum { STRATA_TIER_HOST = 1, STRATA_TIER_DISK = 2 };
+/* Residency of a block (strata_kv_residency; strata_kv_read's tier uses the first three). */
+enum { STRATA_KV_RESIDENT = 0, STRATA_KV_IN_HOST = 1, STRATA_KV_ON_DISK = 2, STRATA_KV_LOST = 3 };
+
+typedef struct strata_kv_config_t {
+    int32_t device;
+    int32_t durability;     /* STRATA_KV_BACKED or STRATA_KV_LOSSY */
+    uint32_t layers;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t elem_size;     /* 1, 2, 4 or 8; kv_heads x head_dim x elem_size must divide the page */
+    uint32_t max_requests;
+    uint32_t max_tokens;    /* per request */
+    int32_t zero_page;      /* nonzero: holes are backed by one shared read-only zero page */
+    int32_t reserved;       /* zero */
+    uint64_t host_bytes;    /* host tier (pinned host memory allocated at creation); 0: none */
+    uint64_t disk_bytes;    /* disk tier; 0: none (then disk_dir must be NULL) */
+    const char *disk_dir;   /* existing writable directory for the disk tier's file, or NULL */
+    uint64_t step_time_ns;  /* one engine step, for the lookahead window (0: 20 ms) */
+    uint64_t spare[4];      /* zero */
+} strata_kv_config_t;
+
+/* One (layer, K/V) tensor: element [r][t][h][d] is at data + r*strides[0] + t*strides[1] +
+ * h*strides[2] + d*strides[3] (byte strides). dlpack_device_type is DLPack's DLDeviceType of
+ * the addresses: 2 (kDLCUDA), 1 (kDLCPU: the host backend outside strict mode), 0 (not
+ * CPU-accessible: the strict host backend). */
+typedef struct strata_kv_tensor_t {
+    uint64_t data;
+    int32_t device;
+    int32_t dlpack_device_type;
+    int32_t ndim;           /* 4 */
+    uint32_t elem_size;
+    int64_t shape[4];       /* max_requests, max_tokens, kv_heads, head_dim */
+    int64_t strides[4];     /* bytes */
+} strata_kv_tensor_t;
+
+typedef struct strata_kv_request_info_t {
+    uint32_t slot;          /* index along the tensors' first axis */
+    uint32_t tokens;
+    uint32_t blocks;        /* ceil(tokens / tokens_per_block) */
+    uint32_t resident;      /* blocks by residency (a snapshot) */
+    uint32_t host;
+    uint32_t disk;
+    uint32_t lost;
+    uint32_t reserved;
+} strata_kv_request_info_t;
+
+typedef struct strata_kv_stats_t {
+    uint64_t page_size;
+    uint64_t tokens_per_block;
+    uint64_t block_bytes;        /* one block in all tensors */
+    uint64_t requests_admitted;  /* ever */
+    uint64_t blocks;             /* of the live requests, now: */
+    uint64_t blocks_resident;
+    uint64_t blocks_spilled;
+    uint64_t blocks_clean;       /* resident with a clean copy below (re-spill copies nothing) */
+    uint64_t blocks_lost;
+    uint64_t pool_free_pages;    /* the device's page pool (shared with strata_malloc) */
+    uint64_t pool_in_use_pages;
+    uint64_t pool_created_pages; /* pages by source: created for the pool, ever */
+    uint64_t pool_adopted_pages; /* pages by source: reclaimed (MIRAGE) or borrowed, ever */
+    uint64_t host_used_bytes;    /* tier occupancy */
+    uint64_t host_capacity_bytes;
+    uint64_t disk_used_bytes;
+    uint64_t disk_capacity_bytes;
+    uint64_t bytes_to_device;    /* bytes moved each way, ever */
+    uint64_t bytes_from_device;
+    uint64_t disk_read_bytes;
+    uint64_t disk_write_bytes;
+    uint64_t spills;             /* blocks copied down, ever */
+    uint64_t clean_spills;       /* blocks spilled without a copy (clean copy reused), ever */
+    uint64_t clean_revocations;  /* blocks revoked without loss thanks to a clean copy, ever */
+    uint64_t restores;           /* blocks copied back, ever */
+    uint64_t prefetch_hits;      /* blocks brought back ahead of need by strata_kv_hint */
+    uint64_t prefetch_misses;    /* blocks strata_kv_make_resident had to copy itself */
+    uint64_t stalls;             /* strata_kv_make_resident calls that copied blocks */
+    uint64_t evictions;          /* requests spilled to make room, ever */
+    uint64_t lost_blocks;        /* ever */
+    uint64_t pages_revoked;      /* ever */
+    uint64_t spare[8];           /* zero */
+} strata_kv_stats_t;
+
+/* Called once per block lost to a revocation of a STRATA_KV_LOSSY space, on the thread of the
+ * strata_kv_revoke that lost it, after that call released every strata lock: it may call strata
+ * (strata_kv_request_info, strata_kv_make_resident, ...). A block reported here is not reported
+ * again by strata_kv_take_lost. `user_data` is passed through untouched. */
+typedef void (*strata_kv_lost_fn)(strata_kv_t kv, strata_kv_request_t request, uint32_t block,
+                                  void *user_data);
+
+/* Creates a KV space (the device's pool and backend are created on first use). Bad shapes,
+ * NULL, elem_size or durability out of range, disk_bytes without disk_dir:
+ * STRATA_INVALID_ARGUMENT; bytes per token not dividing the page: STRATA_INVALID_ARGUMENT; no
+ * such device: STRATA_NO_DEVICE. */
+int strata_kv_create(const strata_kv_config_t *config, strata_kv_t *out);
+
+/* Waits for the space's copies and releases everything it holds; its handle and its requests'
+ * handles are stale afterwards. Calls already running on it finish first. */
+int strata_kv_destroy(strata_kv_t kv);
+
+/* Describes the `kind` (STRATA_KV_K / STRATA_KV_V) tensor of `layer`. */
+int strata_kv_tensor(strata_kv_t kv, uint32_t layer, int kind, strata_kv_tensor_t *out);
+
+/* Admits a request with no tokens. All slots taken: STRATA_INVALID_STATE. */
+int strata_kv_admit(strata_kv_t kv, strata_kv_request_t *out);
+
+/* Appends `tokens` (> 0) tokens to a request: maps the pages they need in every tensor,
+ * spilling requests that run furthest away while the pool is short. Past max_tokens:
+ * STRATA_INVALID_ARGUMENT; out of memory: STRATA_OUT_OF_MEMORY; the request's last block
+ * spilled or blocks lost and not yet reported: STRATA_INVALID_STATE. On error nothing changed. */
+int strata_kv_append(strata_kv_t kv, strata_kv_request_t request, uint32_t tokens);
+
+/* Releases a request after its copies (its pages go to the next request; its handle is stale). */
+int strata_kv_release(strata_kv_t kv, strata_kv_request_t request);
+
+/* A request's slot, tokens and blocks by residency. */
+int strata_kv_request_info(strata_kv_t kv, strata_kv_request_t request,
+                           strata_kv_request_info_t *out);
+
+/* Writes STRATA_KV_RESIDENT / _IN_HOST / _ON_DISK / _LOST for each block of the request into
+ * out[0..*count). *count always receives the number of blocks; more than `capacity`:
+ * STRATA_INVALID_ARGUMENT and nothing written to `out`. */
+int strata_kv_residency(strata_kv_t kv, strata_kv_request_t request, uint8_t *out,
+                        size_t capacity, size_t *count);
+
+/* Copies `len` host bytes (whole tokens, already appended, in resident blocks) into tokens
+ * first_token.. of the request in the `kind` tensor of `layer` (a backend copy; waits). */
+int strata_kv_write(strata_kv_t kv, strata_kv_request_t request, uint32_t layer, int kind,
+                    uint32_t first_token, const void *src, size_t len);
+
+/* Copies `len` bytes (whole tokens) of tokens first_token.. of the request in the `kind` tensor
+ * of `layer` into host memory, from wherever they are; *tier (if not NULL) receives the
+ * slowest tier read. Lost blocks: STRATA_INVALID_STATE. */
+int strata_kv_read(strata_kv_t kv, strata_kv_request_t request, uint32_t layer, int kind,
+                   uint32_t first_token, void *dst, size_t len, int *tier);
+
+/* Spills the request's resident blocks to STRATA_TIER_HOST or STRATA_TIER_DISK (blocks already
+ * in host memory move to disk too). Full blocks with a clean copy copy nothing. Out of tier
+ * space: STRATA_OUT_OF_MEMORY with the blocks left resident. */
+int strata_kv_spill(strata_kv_t kv, strata_kv_request_t request, int tier);
+
+/* Spills every request not used for more than `idle_steps` steps; *blocks (if not NULL)
+ * receives the blocks spilled. */
+int strata_kv_spill_idle(strata_kv_t kv, uint64_t idle_steps, int tier, uint64_t *blocks);
+
+/* Moves the scheduler's step clock to `step` (never back). Requests used in the current step
+ * are never spilled for room. */
+int strata_kv_advance(strata_kv_t kv, uint64_t step);
+
+/* The scheduler's waiting queue beyond the hinted window, in the order the requests will run
+ * (eviction takes the last first). Replaces the previous queue. */
+int strata_kv_queue(strata_kv_t kv, const strata_kv_request_t *waiting, size_t count);
+
+/* TierKV lookahead: the batches of the next `steps` steps (`step_counts[i]` handles each, one
+ * after another in `requests`). Spilled blocks of those requests whose transfer fits the
+ * compute window come back now, evicting only requests that run later; `stream` waits for the
+ * copies (no host synchronization). Released requests are ignored (a hint is advice). */
+int strata_kv_hint(strata_kv_t kv, const strata_kv_request_t *requests,
+                   const uint32_t *step_counts, size_t steps, cudaStream_t stream);
+
+/* Makes every block of the batch resident (spilling requests outside it while the pool is
+ * short) and orders the copies before `stream`'s later work: the stream waits on them, the
+ * host does not. All or nothing: out of memory, or a request with unreported lost blocks
+ * (STRATA_INVALID_STATE), changes no block's residency. Lost blocks (once reported) come back
+ * as fresh pages of undefined contents for the engine to recompute. */
+int strata_kv_make_resident(strata_kv_t kv, const strata_kv_request_t *batch, size_t count,
+                            cudaStream_t stream);
+
+/* The request's blocks lost to revocations and not yet reported, ascending, into
+ * blocks[0..*count); each block is reported once (here or to the strata_kv_lost_fn). capacity
+ * must be at least the request's block count (else STRATA_INVALID_ARGUMENT, *count receives
+ * that count and nothing is taken). */
+int strata_kv_take_lost(strata_kv_t kv, strata_kv_request_t request, uint32_t *blocks,
+                        size_t capacity, size_t *count);
+
+/* Registers the space's lost-block callback (replacing the previous one); NULL clears it. */
+int strata_kv_on_lost(strata_kv_t kv, strata_kv_lost_fn callback, void *user_data);
+
+/* Takes `pages` pool pages from the space back to the device's pool (for strata_malloc, another
+ * space, a lender): free pool pages first, then blocks of the requests running furthest away.
+ * STRATA_KV_LOSSY: blocks with a clean copy become spilled, others are lost (reported once:
+ * the callback runs before this call returns, else strata_kv_take_lost). STRATA_KV_BACKED: the
+ * victims are spilled to host memory first, nothing is lost. *lost_blocks (if not NULL)
+ * receives the blocks lost. Not enough pages even then: STRATA_OUT_OF_MEMORY. */
+int strata_kv_revoke(strata_kv_t kv, uint64_t pages, uint64_t *lost_blocks);
+
+/* Fills *out with the space's figures. */
+int strata_kv_stats(strata_kv_t kv, strata_kv_stats_t *out);
+
+/* Checks the space's invariants (tests): STRATA_INVALID_STATE with the broken one. */
+int strata_kv_check(strata_kv_t kv);
+
+/* ---- Parameters (MIRAGE): idle models' layer memory lent to the KV cache ------------------ */
+
+/* A model's layers live in strata parameter memory, each with a pinned host copy that is the
+ * authority (copied from the caller's buffers at registration). When the KV cache runs short,
+ * strata_params_step has the device's remapping controller pick idle models (lowest priority,
+ * most recently active last, up to `cap` layers each, within the budget T_T x N <= T_compute)
+ * and give alpha layers' worth of their pages to the device's pool, where KV spaces and
+ * strata_malloc grow; those models then stream m = alpha + 1 or alpha + 2 evenly spaced layers
+ * through beta slots, reloaded by strata_params_prepare_layer. When pressure falls the pages
+ * come back (reversion) and the layers are reloaded at their own addresses. One controller per
+ * device; a model handle stays valid for the process's life (models are not unregistered). */
+typedef uint64_t strata_model_t;
+
+typedef struct strata_params_model_stats_t {
+    int32_t device;
+    uint32_t layers;
+    uint64_t layer_bytes;      /* rounded up to pages */
+    uint64_t pages_per_layer;
+    uint32_t remapped_layers;  /* alpha: layers' worth of pages given to the pool */
+    uint32_t streamed_layers;  /* m: layers loaded into slots when they run */
+    uint32_t slots;            /* beta */
+    uint32_t remap_limit;      /* most layers remappable now (0 until compute is reported) */
+    uint64_t gpu_pages;        /* pages the model holds on the device */
+    uint64_t spare[4];         /* zero */
+} strata_params_model_stats_t;
+
+/* Registers a model of `layers` layers of `layer_bytes` bytes on `device`; host_layers[i] holds
+ * layer i (copied now into strata's host copy, then loaded to the device; the call measures
+ * the reload time T_T). At most `cap` layers are ever remapped. A new model is idle. */
+int strata_params_register(int device, uint32_t layers, uint64_t layer_bytes, uint32_t cap,
+                           const void *const *host_layers, strata_model_t *out);
+
+/* Where `layer` is now: its own address when resident, its slot when streamed and prepared;
+ * streamed and not prepared: STRATA_INVALID_STATE. */
+int strata_params_layer_ptr(strata_model_t model, uint32_t layer, uint64_t *out);
+
+/* Marks the model serving (never remapped while active) or idle. */
+int strata_params_set_active(strata_model_t model, int active);
+
+/* Reports the model's compute time per layer (T_c); until then none of its layers is remapped. */
+int strata_params_report_compute(strata_model_t model, uint64_t per_layer_ns);
+
+/* One controller step on `device`: `pages_short` pages the KV cache could not get remap layers
+ * until covered; 0 reverts what the pool's free pages cover. *decisions (if not NULL) receives
+ * the number of models changed. The caller has synchronized the compute reading the models. */
+int strata_params_step(int device, uint64_t pages_short, uint32_t *decisions);
+
+/* Reverts every remapped layer on `device` (pages taken back from the pool, layers reloaded). */
+int strata_params_revert_all(int device);
+
+/* Makes `layer` ready to run: a streamed layer is reloaded into a slot behind the previous
+ * occupant's strata_params_layer_done; `stream` waits for the copy, the host does not. A
+ * resident layer needs nothing. */
+int strata_params_prepare_layer(strata_model_t model, uint32_t layer, cudaStream_t stream);
+
+/* The layer's kernels were queued on `stream`: its slot may be reloaded after them. */
+int strata_params_layer_done(strata_model_t model, uint32_t layer, cudaStream_t stream);
+
+/* Copies `len` bytes of `layer` at `offset` (where it is now) into host memory (test support). */
+int strata_params_read(strata_model_t model, uint32_t layer, uint64_t offset, void *dst,
+                       size_t len);
+
+/* Fills *out with the model's figures. */
+int strata_params_model_stats(strata_model_t model, strata_params_model_stats_t *out);
 
 /* ---- Test support: streams and copies ----------------------------------------------------- */
 

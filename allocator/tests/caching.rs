@@ -490,6 +490,50 @@ fn wake_out_of_memory_leaves_the_tag_asleep() {
 }
 
 #[test]
+fn sleep_to_disk_keeps_contents_in_a_file_and_wake_restores_them() {
+    let e = env();
+    let a = &e.alloc;
+    let dir = std::env::temp_dir().join(format!("strata-sleep-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Several chunks of the disk pipeline, a small block, one freed while asleep.
+    let sizes = [300u64, 70_000, 3 * MIB + 5, 20 * MIB + 3];
+    let tagged: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            let p = a.allocate_tagged(s, S0, 9).unwrap();
+            fill(&e.backend, p, s, 500 + i as u64);
+            (p, s, 500 + i as u64)
+        })
+        .collect();
+    let freed_later = a.allocate_tagged(MIB, S0, 9).unwrap();
+    let before = free_mem(&e.backend);
+    a.sleep_to_disk(9, &dir).unwrap();
+    ok(a);
+    assert!(a.is_asleep(9));
+    assert!(free_mem(&e.backend) >= before + 24 * MIB);
+    // The copies are not in host memory and the file is already unlinked.
+    assert_eq!(a.stats().tag(9).unwrap().host_copy_bytes, 0);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    a.deallocate(freed_later, S0).unwrap();
+    a.wake(9).unwrap();
+    ok(a);
+    for &(p, s, seed) in &tagged {
+        check(&e.backend, p, s, seed);
+    }
+    // A directory that does not exist: an OS error, the tag stays awake and intact.
+    let err = a.sleep_to_disk(9, &dir.join("missing")).unwrap_err();
+    assert!(matches!(err, Error::Os { .. }), "{err}");
+    assert!(!a.is_asleep(9));
+    for &(p, s, seed) in &tagged {
+        check(&e.backend, p, s, seed);
+        a.deallocate(p, S0).unwrap();
+    }
+    ok(a);
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
 fn tags_never_share_pages() {
     let e = env();
     let a = &e.alloc;

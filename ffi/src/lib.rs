@@ -22,7 +22,11 @@
 
 mod boundary;
 mod global;
+mod handles;
 mod harvest;
+mod kv;
+mod params;
+mod sleep;
 mod sleeping;
 mod status;
 mod tags;
@@ -500,35 +504,45 @@ pub unsafe extern "C" fn strata_sleep(tag: *const c_char, keep_host_copy: c_int)
     boundary::status("strata_sleep", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let lease = tags::lease(name)?;
-        let id = lease.id();
-        let g = global()?;
-        let mut sleeping = sleeping::lock();
-        let asleep_on: Vec<String> = g
-            .existing_all()
-            .filter(|(_, a)| a.is_asleep(id))
-            .map(|(d, _)| d.to_string())
-            .collect();
-        if sleeping.contains(&id) || !asleep_on.is_empty() {
-            let place = match asleep_on.len() {
-                0 => String::new(),
-                1 => format!(" on device {}", asleep_on[0]),
-                _ => format!(" on devices {}", asleep_on.join(", ")),
-            };
-            return Err(Error::InvalidState(format!(
-                "tag {name:?} is already asleep{place}"
-            )));
-        }
-        let mut slept: Vec<(usize, &strata_allocator::CachingAllocator)> = Vec::new();
-        for (d, a) in g.existing_all() {
-            if let Err(e) = a.sleep(id, keep_host_copy != 0) {
-                return Err(roll_back_sleep(name, id, d, e, &slept));
-            }
-            slept.push((d, a));
-        }
-        sleeping.insert(id);
-        Ok(())
+        sleep_tag(name, |a, id| a.sleep(id, keep_host_copy != 0))
     })
+}
+
+/// Puts tag `name` to sleep on every device with `put` (host copies, none, or a file), all or
+/// nothing: a tag already asleep anywhere is refused before anything changes, and a device's
+/// failure wakes the devices this call put to sleep (see [`roll_back_sleep`]).
+pub(crate) fn sleep_tag(
+    name: &str,
+    put: impl Fn(&strata_allocator::CachingAllocator, strata_allocator::TagId) -> Result<()>,
+) -> Result<()> {
+    let lease = tags::lease(name)?;
+    let id = lease.id();
+    let g = global()?;
+    let mut sleeping = sleeping::lock();
+    let asleep_on: Vec<String> = g
+        .existing_all()
+        .filter(|(_, a)| a.is_asleep(id))
+        .map(|(d, _)| d.to_string())
+        .collect();
+    if sleeping.contains(&id) || !asleep_on.is_empty() {
+        let place = match asleep_on.len() {
+            0 => String::new(),
+            1 => format!(" on device {}", asleep_on[0]),
+            _ => format!(" on devices {}", asleep_on.join(", ")),
+        };
+        return Err(Error::InvalidState(format!(
+            "tag {name:?} is already asleep{place}"
+        )));
+    }
+    let mut slept: Vec<(usize, &strata_allocator::CachingAllocator)> = Vec::new();
+    for (d, a) in g.existing_all() {
+        if let Err(e) = put(a, id) {
+            return Err(roll_back_sleep(name, id, d, e, &slept));
+        }
+        slept.push((d, a));
+    }
+    sleeping.insert(id);
+    Ok(())
 }
 
 /// Wakes the devices a failed `strata_sleep` already put to sleep. The sleep's error is what

@@ -210,6 +210,31 @@ fn c_tag_names_no_longer_in_use_are_released() {
 }
 
 #[test]
+fn c_sleep_to_disk() {
+    c_test("sleep_disk");
+}
+
+#[test]
+fn c_params_remap_and_revert() {
+    c_test("params");
+}
+
+#[test]
+fn c_kv_spaces() {
+    c_test("kv");
+}
+
+#[test]
+fn c_kv_threads_with_a_revoker() {
+    c_test("kv_threads");
+}
+
+#[test]
+fn c_kv_random_walk() {
+    c_test("kv_walk");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }

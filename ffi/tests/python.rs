@@ -1,10 +1,31 @@
 //! Runs the Python package's tests (`python/tests`, `python3 -m unittest`) against the
-//! `libstrata.so` cargo built, on the host backend in strict mode. Skips, saying why, when
-//! python3 is missing; torch-only tests skip themselves when PyTorch (or a GPU) is absent.
+//! `libstrata.so` cargo built, on the host backend in strict mode, then the DLPack tests
+//! (`test_kv_torch`) again outside strict mode, where KV tensors are CPU tensors: with PyTorch
+//! installed (as in `.ci/run`'s virtual environment) they must run, not skip. Skips, saying why,
+//! when python3 is missing; torch-only tests skip themselves when PyTorch (or a GPU) is absent.
 
 mod support;
 
 use std::process::Command;
+
+/// `python -m unittest` against the built library, on the host backend (unless a GPU run asks
+/// for CUDA) with two small devices, strict mode as given ("1" or "0"); arguments follow.
+fn unittest(python: &str, strict: &str) -> Command {
+    let repo = support::repo();
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "unittest"])
+        .current_dir(&repo)
+        .env("PYTHONPATH", repo.join("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("STRATA_LIB", support::library())
+        .env("STRATA_HOST_DEVICES", "2x512MiB")
+        .env("STRATA_HOST_STRICT", strict)
+        .env_remove("STRATA_HOST_LINK");
+    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
+        cmd.env("STRATA_BACKEND", "host");
+    }
+    cmd
+}
 
 #[test]
 fn python_package_unittests() {
@@ -17,26 +38,52 @@ fn python_package_unittests() {
         eprintln!("skipping the Python tests: {python} not found (set PYTHON to override)");
         return;
     }
-    let lib = support::library();
     let repo = support::repo();
-    let mut cmd = Command::new(&python);
-    cmd.args(["-m", "unittest", "discover", "-v", "-s"])
+    let out = unittest(&python, "1")
+        .args(["discover", "-v", "-s"])
         .arg(repo.join("python/tests"))
-        .current_dir(&repo)
-        .env("PYTHONPATH", repo.join("python"))
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("STRATA_LIB", &lib)
-        .env("STRATA_HOST_DEVICES", "2x512MiB")
-        .env("STRATA_HOST_STRICT", "1")
-        .env_remove("STRATA_HOST_LINK");
-    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
-        cmd.env("STRATA_BACKEND", "host");
-    }
-    let out = cmd.output().expect("run python3 -m unittest");
+        .output()
+        .expect("run python3 -m unittest");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
     assert!(out.status.success(), "Python tests failed:\n{stderr}");
     assert!(stderr.contains("\nOK"), "{stderr}");
     // The ctypes tests really ran (not everything skipped).
     assert!(stderr.contains("test_tags_and_sleep_wake_keep_contents") && stderr.contains("... ok"));
+    assert!(stderr.contains("test_lost_callback_fires_exactly_once_per_lost_block ("));
+}
+
+/// The DLPack tests outside strict mode: KV tensors are CPU tensors over the space's pages.
+#[test]
+fn python_kv_tensors_through_dlpack() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_torch {
+        eprintln!("skipping the DLPack tests: {python} cannot import torch (.ci/run installs it)");
+        return;
+    }
+    let out = unittest(&python, "0")
+        .args(["-v", "test_kv_torch"])
+        .current_dir(support::repo().join("python/tests"))
+        .output()
+        .expect("run python3 -m unittest");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "DLPack tests failed:\n{stderr}");
+    assert!(
+        !stderr.contains("skipped"),
+        "DLPack tests skipped:\n{stderr}"
+    );
+    for test in [
+        "test_spill_to_host_and_disk_and_back_bit_for_bit_at_the_same_address",
+        "test_lost_blocks_called_back_once_each_then_recomputed_in_place",
+    ] {
+        assert!(
+            stderr.contains(&format!("{test} (")),
+            "{test} did not run:\n{stderr}"
+        );
+    }
 }

@@ -10,21 +10,46 @@ A thin ctypes layer over libstrata.so (no torch needed to import it):
     strata.wake("weights")                          # same addresses, contents restored
 
 PyTorch integration lives in `strata.torch` (imports torch lazily): `strata.torch.pool(tag)`
-(the MemPool route) and `strata.torch.use_globally()` (the global route).
+(the MemPool route) and `strata.torch.use_globally()` (the global route). Engines reach the rest
+through `strata.kv` (KV spaces: tensors at fixed addresses, exported by DLPack, spilled to host
+memory and disk), `strata.params` (MIRAGE parameter remapping) and `strata.harvest` (peer
+memory). Failures raise subclasses of StrataError (OutOfMemory, StaleHandle, InvalidArgument, ...).
 
 The library is found through $STRATA_LIB, next to this package, or in a source checkout's
 target/release or target/debug.
 """
 
 import contextlib
+import os
 
 from . import _lib
-from ._lib import StrataError, library_path
+from ._lib import (
+    DoubleFree,
+    InvalidArgument,
+    InvalidState,
+    LimitExceeded,
+    NoDevice,
+    OutOfMemory,
+    StaleHandle,
+    StrataError,
+    UnknownPointer,
+    Unsupported,
+    library_path,
+)
 from ._status import Status
 
 __all__ = [
+    "DoubleFree",
+    "InvalidArgument",
+    "InvalidState",
+    "LimitExceeded",
+    "NoDevice",
+    "OutOfMemory",
+    "StaleHandle",
     "Status",
     "StrataError",
+    "UnknownPointer",
+    "Unsupported",
     "device_count",
     "empty_cache",
     "library_path",
@@ -87,15 +112,19 @@ def _names(tags):
     return names
 
 
-def sleep(tags, keep_host_copy=True):
+def sleep(tags, keep_host_copy=True, disk_dir=None):
     """Puts each tag to sleep: copies its live allocations to host memory (if keep_host_copy),
-    releases its pages, keeps its addresses. All or nothing: on failure the tags already put to
-    sleep by this call are woken again and StrataError is raised."""
+    or into a file in directory `disk_dir` (if given: host memory holds only the chunks in
+    flight), releases its pages, keeps its addresses. All or nothing: on failure the tags
+    already put to sleep by this call are woken again and StrataError is raised."""
     names = _names(tags)
     done = []
     try:
         for n in names:
-            _lib.check(_lib.lib().strata_sleep(_lib.encode(n), 1 if keep_host_copy else 0))
+            if disk_dir is not None:
+                _lib.check(_lib.lib().strata_sleep_to_disk(_lib.encode(n), os.fsencode(disk_dir)))
+            else:
+                _lib.check(_lib.lib().strata_sleep(_lib.encode(n), 1 if keep_host_copy else 0))
             done.append(n)
     except BaseException:
         for n in reversed(done):
@@ -104,8 +133,8 @@ def sleep(tags, keep_host_copy=True):
 
 
 def wake(tags):
-    """Wakes each tag: fresh pages at the same addresses, contents restored (zeros if it slept
-    without host copies)."""
+    """Wakes each tag: fresh pages at the same addresses, contents restored from host memory or
+    disk (zeros if it slept without copies)."""
     for n in _names(tags):
         _lib.check(_lib.lib().strata_wake(_lib.encode(n)))
 

@@ -19,6 +19,61 @@ class StrataError(RuntimeError):
         self.message = message
 
 
+class OutOfMemory(StrataError):
+    """STRATA_OUT_OF_MEMORY: physical memory, address space or a tier is exhausted (recoverable)."""
+
+
+class LimitExceeded(OutOfMemory):
+    """STRATA_LIMIT_EXCEEDED: the memory-fraction cap would be exceeded."""
+
+
+class InvalidArgument(StrataError, ValueError):
+    """STRATA_INVALID_ARGUMENT: an argument is outside what the call accepts."""
+
+
+class UnknownPointer(StrataError):
+    """STRATA_UNKNOWN_POINTER: not a pointer strata handed out."""
+
+
+class DoubleFree(StrataError):
+    """STRATA_DOUBLE_FREE: freed twice."""
+
+
+class StaleHandle(StrataError):
+    """STRATA_INVALID_HANDLE: a destroyed, released or unknown handle (never someone else's)."""
+
+
+class InvalidState(StrataError):
+    """STRATA_INVALID_STATE: the call conflicts with the current state."""
+
+
+class Unsupported(StrataError):
+    """STRATA_UNSUPPORTED: the operation or backend is not available here."""
+
+
+class NoDevice(StrataError):
+    """STRATA_NO_DEVICE: no driver, or no such device."""
+
+
+ERROR_CLASSES = {
+    Status.OUT_OF_MEMORY: OutOfMemory,
+    Status.LIMIT_EXCEEDED: LimitExceeded,
+    Status.INVALID_ARGUMENT: InvalidArgument,
+    Status.UNKNOWN_POINTER: UnknownPointer,
+    Status.DOUBLE_FREE: DoubleFree,
+    Status.INVALID_HANDLE: StaleHandle,
+    Status.INVALID_STATE: InvalidState,
+    Status.UNSUPPORTED: Unsupported,
+    Status.NO_DEVICE: NoDevice,
+}
+
+
+def error(status, message):
+    """The typed exception for `status` (StrataError for statuses without a subclass)."""
+    status = Status.of(status)
+    return ERROR_CLASSES.get(status, StrataError)(status, message)
+
+
 class Stats(ctypes.Structure):
     """strata_stats_t."""
 
@@ -100,6 +155,7 @@ PROTOTYPES = {
     "strata_tag_depth": (_c_int, []),
     "strata_sleep": (_c_int, [_c_char_p, _c_int]),
     "strata_wake": (_c_int, [_c_char_p]),
+    "strata_sleep_to_disk": (_c_int, [_c_char_p, _c_char_p]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),
     "strata_stream_synchronize": (_c_int, [_c_void_p]),
@@ -152,6 +208,35 @@ def lib():
     return _lib
 
 
+def binder(prototypes):
+    """A function returning the library with `prototypes` ({name: (restype, argtypes)})
+    declared, on first use: the modules over the optional calls (kv, params, harvest) declare
+    theirs this way."""
+    bound = []
+    lock = threading.Lock()
+
+    def bound_lib():
+        if not bound:
+            handle = lib()
+            with lock:
+                if not bound:
+                    for name, (restype, argtypes) in prototypes.items():
+                        fn = getattr(handle, name)
+                        fn.restype = restype
+                        fn.argtypes = argtypes
+                    bound.append(handle)
+        return bound[0]
+
+    return bound_lib
+
+
+def stream_handle(stream):
+    """A cudaStream_t value from None, an int or a torch stream (its `cuda_stream`)."""
+    if stream is None:
+        return None
+    return getattr(stream, "cuda_stream", stream) or None
+
+
 def loaded_path():
     """The path the library was loaded from (loads it if needed)."""
     lib()
@@ -163,9 +248,9 @@ def last_error():
 
 
 def check(status):
-    """Raises StrataError for a non-zero status."""
+    """Raises the typed StrataError subclass of a non-zero status."""
     if status != 0:
-        raise StrataError(status, last_error())
+        raise error(status, last_error())
 
 
 def encode(name):
@@ -195,7 +280,7 @@ def malloc(size, device=0, stream=None):
         message = last_error()
         if size == 0 and not message:
             return 0
-        raise StrataError(Status.from_message(message), message)
+        raise error(Status.from_message(message), message)
     return ptr
 
 
@@ -203,7 +288,7 @@ def last_failure():
     """A StrataError for a call that reports failure without a status (NULL, -1): the status
     is the one its last error names."""
     message = last_error()
-    return StrataError(Status.from_message(message), message)
+    return error(Status.from_message(message), message)
 
 
 def free(ptr, size=0, device=0, stream=None):

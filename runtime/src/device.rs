@@ -16,7 +16,7 @@ use crate::RuntimeConfig;
 ///
 /// # Adding a registry (KV spaces, tier stores)
 ///
-/// A per-device registry is a field of this struct, created empty in [`DeviceRuntime::new`]
+/// A per-device registry is a field of this struct, created empty in `DeviceRuntime::new`
 /// (or lazily behind a `OnceLock`, like `allocator`), whose entries are built over
 /// [`DeviceRuntime::pool`]; give it an accessor here and count it in [`DeviceStats`]. Fields
 /// drop in declaration order: declare registries before `allocator` and `pool`, so that their

@@ -1,6 +1,7 @@
 //! One [`Runtime`] per process, with one [`DeviceRuntime`] per device: the backend, one
-//! [`PagePool`] (each page keeps its source: fresh, reclaimed, borrowed), the
-//! [`CachingAllocator`] over that pool, and Harvest's lending and borrowing over the same pools.
+//! [`PagePool`](strata_allocator::PagePool) (each page keeps its source: fresh, reclaimed,
+//! borrowed), the [`CachingAllocator`] over that pool, and Harvest's lending and borrowing over
+//! the same pools.
 //! `libstrata.so` (the C ABI and its Harvest calls) and `libstrata_preload.so` each hold one,
 //! so within a library a page is counted once and can move between uses: a page the allocator
 //! frees to the pool can be lent, a lent page counts in its lender's `in_use` and `lent` only,

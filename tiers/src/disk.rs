@@ -96,6 +96,62 @@ impl Drop for IoPool {
     }
 }
 
+/// Fault injection for tests: while a [`ReadHold`] lives, reads of its file wait (writes do not).
+/// Lets a test show what proceeds while a disk read is slow.
+#[derive(Default)]
+struct ReadGate {
+    held: AtomicBool,
+    /// Reads waiting at the gate.
+    waiting: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl ReadGate {
+    #[cold]
+    #[inline(never)]
+    fn pass(&self) {
+        let mut waiting = self.waiting.lock();
+        *waiting += 1;
+        self.changed.notify_all();
+        while self.held.load(Ordering::Acquire) {
+            self.changed.wait(&mut waiting);
+        }
+        *waiting -= 1;
+    }
+}
+
+/// Holds the reads of a [`DiskFile`] until dropped ([`DiskFile::hold_reads`]).
+pub struct ReadHold {
+    gate: Arc<ReadGate>,
+}
+
+impl ReadHold {
+    /// Waits until `n` reads wait at the hold, for at most `timeout`; false on timeout.
+    pub fn wait_for_readers(&self, n: usize, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut waiting = self.gate.waiting.lock();
+        while *waiting < n {
+            if self
+                .gate
+                .changed
+                .wait_until(&mut waiting, deadline)
+                .timed_out()
+            {
+                return *waiting >= n;
+            }
+        }
+        true
+    }
+}
+
+impl Drop for ReadHold {
+    fn drop(&mut self) {
+        let _waiting = self.gate.waiting.lock();
+        self.gate.held.store(false, Ordering::Release);
+        self.gate.changed.notify_all();
+    }
+}
+
 /// The file behind the disk tier.
 pub struct DiskFile {
     path: PathBuf,
@@ -106,6 +162,7 @@ pub struct DiskFile {
     direct_disabled: AtomicBool,
     pub(crate) bytes_read: AtomicU64,
     pub(crate) bytes_written: AtomicU64,
+    gate: Arc<ReadGate>,
 }
 
 impl std::fmt::Debug for DiskFile {
@@ -166,6 +223,7 @@ impl DiskFile {
             direct: Mutex::new(direct),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
+            gate: Arc::default(),
         })
     }
 
@@ -197,6 +255,15 @@ impl DiskFile {
         op(&self.buffered)
     }
 
+    /// Fault injection for tests: reads that start while the returned hold lives wait until it
+    /// is dropped (one hold at a time).
+    pub fn hold_reads(&self) -> ReadHold {
+        self.gate.held.store(true, Ordering::Release);
+        ReadHold {
+            gate: Arc::clone(&self.gate),
+        }
+    }
+
     /// Reads `len` bytes at `file_offset` into `buf` at `offset`.
     pub fn read_into(
         &self,
@@ -205,6 +272,9 @@ impl DiskFile {
         file_offset: u64,
         len: u64,
     ) -> Result<()> {
+        if self.gate.held.load(Ordering::Acquire) {
+            self.gate.pass();
+        }
         self.with_fallback(|f| buf.read_from_file(f, file_offset, offset, len))?;
         self.bytes_read.fetch_add(len, Ordering::Relaxed);
         Ok(())

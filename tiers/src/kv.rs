@@ -81,6 +81,9 @@ pub struct KvBlocksConfig {
     pub delta_sched: Duration,
     /// Link terms for Algorithm 1.
     pub links: Links,
+    /// Back the addresses of holes (spilled, lost, not yet appended) with the shared read-only
+    /// zero page ([`KvConfig::zero_page`]), so that kernels reading padded ranges never fault.
+    pub zero_page: bool,
 }
 
 /// Counters of a block manager ("blocks" as in the module documentation).
@@ -107,6 +110,11 @@ pub struct KvBlocksStats {
     pub restores: u64,
     /// Blocks brought back by lookahead hints, ever.
     pub hinted_prefetches: u64,
+    /// Blocks [`KvBlockManager::make_resident`] had to copy back itself (no hint had brought
+    /// them in ahead: prefetch misses), ever.
+    pub demand_restores: u64,
+    /// `make_resident` calls that copied at least one block back (the step waits), ever.
+    pub stalls: u64,
     /// Requests spilled to make room (memory pressure), ever.
     pub evictions: u64,
     /// Blocks lost to revocations, ever.
@@ -237,7 +245,7 @@ impl KvBlockManager {
                 max_slots: config.max_requests,
                 max_tokens: config.max_tokens,
                 bytes_per_token: bpt,
-                zero_page: true,
+                zero_page: config.zero_page,
             },
         )?;
         Ok(KvBlockManager {
@@ -272,6 +280,29 @@ impl KvBlockManager {
     /// Bytes of one block in all tensors together (`2 × layers` pages).
     pub fn block_bytes(&self) -> u64 {
         2 * u64::from(self.config.layers) * self.page
+    }
+
+    /// Start of the `kind` tensor of `layer` (fixed for the life of the manager): request slot
+    /// `i` starts at `+ i × slot_stride`, token `t` of it at `+ t × bytes_per_token`.
+    pub fn tensor_ptr(&self, layer: u32, kind: Kind) -> Result<DevicePtr> {
+        if layer >= self.config.layers {
+            return Err(Error::InvalidArgument(format!(
+                "kv layer {layer} out of range (layers: {})",
+                self.config.layers
+            )));
+        }
+        Ok(self.inner.lock().space.tensor_ptr(layer, kind))
+    }
+
+    /// Bytes between two request slots of a tensor.
+    pub fn slot_stride(&self) -> u64 {
+        self.inner.lock().space.slot_stride()
+    }
+
+    /// The slot of `r` in every tensor (its index along the first axis).
+    pub fn slot_index(&self, r: RequestId) -> Result<u32> {
+        let inner = self.inner.lock();
+        Ok(get(&inner.reqs, r)?.slot.index())
     }
 
     fn tensors(&self) -> impl Iterator<Item = (u32, Kind)> {
@@ -425,6 +456,20 @@ impl KvBlockManager {
         Ok(lost.into_iter().collect())
     }
 
+    /// Requests with lost blocks not yet reported by [`KvBlockManager::take_lost`], ascending
+    /// (after a [`KvBlockManager::revoke`] that failed part way, whose losses stand).
+    pub fn requests_with_lost(&self) -> Vec<RequestId> {
+        let inner = self.inner.lock();
+        let mut out: Vec<RequestId> = inner
+            .reqs
+            .iter()
+            .filter(|(_, q)| !q.lost_unreported.is_empty())
+            .map(|(&r, _)| RequestId(r))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Appends `tokens` tokens to `r`: maps the pages they need in every tensor (spilling
     /// requests that run furthest away while the pool is short); the engine then writes them at
     /// [`KvBlockManager::kv_ptr`]. The partly filled last block must be resident
@@ -442,8 +487,12 @@ impl KvBlockManager {
         let total = have
             .checked_add(tokens)
             .filter(|_| tokens > 0)
+            .filter(|&t| t <= self.config.max_tokens)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("append of {tokens} tokens to {have}"))
+                Error::InvalidArgument(format!(
+                    "append of {tokens} tokens to {have} (0 tokens, or past max_tokens {})",
+                    self.config.max_tokens
+                ))
             })?;
         let first = (u64::from(have) * self.config.bytes_per_token / self.page) as usize;
         if let Some(p) = inner
@@ -684,7 +733,14 @@ impl KvBlockManager {
         for &r in &keep {
             self.touch(&mut inner, r, step);
         }
-        match self.bring_in(&mut inner, &wanted, &keep, false)? {
+        let before = inner.stats.restores;
+        let brought = self.bring_in(&mut inner, &wanted, &keep, false)?;
+        let restored = inner.stats.restores - before;
+        if restored > 0 {
+            inner.stats.demand_restores += restored;
+            inner.stats.stalls += 1;
+        }
+        match brought {
             Some(ev) => Ok(ev),
             None => self.store.take_to_device(&[], &[]),
         }
@@ -1043,6 +1099,43 @@ impl KvBlockManager {
                 })
                 .collect(),
         })
+    }
+
+    /// Takes `pages` pool pages back for a lender without losing any KV: as
+    /// [`KvBlockManager::revoke`], but the victims (requests running furthest away, those used
+    /// in the current step last) are spilled to host memory first, whole, with copies. For
+    /// spaces whose KV cannot be recomputed cheaply. Out of host space or of victims: the
+    /// error, with the requests spilled so far left spilled.
+    pub fn revoke_spilling(&self, pages: usize) -> Result<Vec<Page>> {
+        let mut inner = self.inner.lock();
+        let pool = Arc::clone(self.store.pool());
+        let none = HashSet::new();
+        let mut reclaimed = false;
+        loop {
+            match pool.take(pages) {
+                Ok(taken) => {
+                    inner.stats.pages_revoked += taken.len() as u64;
+                    return Ok(taken);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    if !reclaimed {
+                        reclaimed = true;
+                        if inner.space.reclaim_deferred() > 0 {
+                            continue;
+                        }
+                    }
+                    let victim = self
+                        .victim(&mut inner, &none, None, false)
+                        .or_else(|| self.victim(&mut inner, &none, None, true));
+                    let Some(r) = victim else {
+                        return Err(e);
+                    };
+                    self.spill(&mut inner, r, Tier::Host)?;
+                    inner.stats.evictions += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Unmaps a resident block of `r` without copying it (after the copies into it): the last

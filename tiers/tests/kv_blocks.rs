@@ -73,6 +73,7 @@ fn manager(
                 host_to_hbm: (Duration::from_micros(5), 50e9),
                 disk_to_host: (Duration::from_micros(80), 7e9),
             },
+            zero_page: true,
         },
     )
     .unwrap()
@@ -367,6 +368,55 @@ fn revoked_blocks_are_lost_reported_once_and_rebuilt_at_the_same_addresses() {
     assert_eq!(m.stats().pages_revoked, 4);
     m.release(a).unwrap();
     m.check_invariants().unwrap();
+}
+
+#[test]
+fn revoke_spilling_copies_victims_down_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(12, 64, 256, dir.path());
+    let a = m.admit().unwrap();
+    grow(&m, a, 6, 2 * TPB + 10).unwrap(); // 3 blocks: the whole pool
+    assert_eq!(m.requests_with_lost(), vec![]);
+    m.advance(1);
+    let pages = m.revoke_spilling(4).unwrap();
+    assert_eq!(pages.len(), 4);
+    // The victim went down whole, with copies: spilled, nothing lost.
+    assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Host); 3]);
+    assert_eq!(m.stats().lost_blocks, 0);
+    assert_eq!(m.requests_with_lost(), vec![]);
+    assert_eq!(verify(&m, a, 6).unwrap(), (Tier::Host, 3));
+    m.check_invariants().unwrap();
+    // More than the device holds: an error, still nothing lost.
+    assert!(m.revoke_spilling(1 << 20).unwrap_err().is_out_of_memory());
+    m.store().pool().give(pages);
+    let before = m.stats();
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    let after = m.stats();
+    // Restored on demand: three prefetch misses, one stall.
+    assert_eq!(after.demand_restores - before.demand_restores, 3);
+    assert_eq!(after.stalls - before.stalls, 1);
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(m.stats().stalls, after.stalls, "nothing to copy: no stall");
+    assert_eq!(verify(&m, a, 6).unwrap(), (Tier::Hbm, 3));
+    m.release(a).unwrap();
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_lossy_revocation_that_runs_dry_leaves_its_losses_findable() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(12, 64, 256, dir.path());
+    let a = m.admit().unwrap();
+    grow(&m, a, 7, 2 * TPB).unwrap();
+    m.advance(1);
+    assert!(m.revoke(1 << 20).unwrap_err().is_out_of_memory());
+    assert_eq!(m.requests_with_lost(), vec![a]);
+    assert_eq!(m.take_lost(a).unwrap(), vec![0, 1]);
+    assert_eq!(m.requests_with_lost(), vec![]);
+    assert!(matches!(
+        m.append(a, 4 * TPB),
+        Err(Error::InvalidArgument(msg)) if msg.contains("max_tokens")
+    ));
 }
 
 /// Bytes copied device → host so far (spills).

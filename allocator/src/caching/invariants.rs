@@ -369,7 +369,7 @@ impl CachingAllocator {
                     tag.tag, tt.allocated, tt.allocated_blocks, tt.live
                 ));
             }
-            if !tag.asleep && !tag.sleep.copies.is_empty() {
+            if !tag.asleep && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
                 return Err(format!("awake tag {} keeps host copies", tag.tag));
             }
         }

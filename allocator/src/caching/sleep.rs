@@ -1,20 +1,38 @@
 //! Sleep and wake per tag (the vLLM `CuMemAllocator` / torch_memory_saver scheme, on the arena):
 //! sleep optionally copies live allocations to host buffers, unmaps the tag's pages and releases
 //! them to the driver while keeping the VA; wake maps fresh pages at the same VAs and restores
-//! the copies (or zeros).
+//! the copies (or zeros). [`CachingAllocator::sleep_to_disk`] keeps the copies in a file instead
+//! (torch_memory_saver's disk backup): device → host chunks → file on the way down, file → host
+//! chunks → device on the way up, each direction pipelined through a second thread.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 use rustc_hash::FxHashMap;
-use strata_vmm::{Error, Result, StreamHandle};
+use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use super::grow::DriverCalls;
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId, LARGE};
 use crate::pool::Page;
 
-/// What a sleeping tag keeps: host copies of its live allocations, by block id.
+/// Bytes moved per step of the disk pipelines (and the host memory each of its buffers holds).
+const DISK_CHUNK: usize = 8 << 20;
+
+/// What a sleeping tag keeps: host copies of its live allocations, by block id, or a file.
 #[derive(Default)]
 pub(super) struct SleepData {
     pub keep: bool,
     pub copies: FxHashMap<u32, Vec<u8>>,
+    pub disk: Option<DiskCopy>,
+}
+
+/// Copies of a sleeping tag's live allocations in an unlinked file: block id → (offset, length).
+pub(super) struct DiskCopy {
+    file: File,
+    blocks: FxHashMap<u32, (u64, u64)>,
 }
 
 impl SleepData {
@@ -25,7 +43,69 @@ impl SleepData {
     /// A sleeping allocation was freed: its copy goes.
     pub fn forget(&mut self, id: u32) {
         self.copies.remove(&id);
+        if let Some(d) = &mut self.disk {
+            d.blocks.remove(&id);
+        }
     }
+}
+
+/// Where [`CachingAllocator::sleep`] keeps a tag's contents.
+#[derive(Clone, Copy, Debug)]
+enum Keep<'a> {
+    Nothing,
+    Host,
+    Disk(&'a Path),
+}
+
+fn io(call: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |source| Error::Os { call, source }
+}
+
+/// An unlinked file in `dir` (gone from the directory at once; its space returns on close).
+fn anonymous_file(dir: &Path) -> Result<File> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!("strata-sleep-{}-{n}", std::process::id()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(io("open sleep file"))?;
+    std::fs::remove_file(&path).map_err(io("unlink sleep file"))?;
+    Ok(file)
+}
+
+/// Runs `produce` on the calling thread and `consume` on a second one, handing filled chunks
+/// over a two-deep channel and the emptied buffers back (at most three chunks exist): the two
+/// sides overlap. The first error of either side is returned.
+fn pipeline(
+    produce: impl FnOnce(&SyncSender<(u64, Vec<u8>)>, &Receiver<Vec<u8>>) -> Result<()>,
+    consume: impl FnOnce(Receiver<(u64, Vec<u8>)>, SyncSender<Vec<u8>>) -> Result<()> + Send,
+) -> Result<()> {
+    let (full_tx, full_rx) = sync_channel(2);
+    let (empty_tx, empty_rx) = sync_channel(3);
+    std::thread::scope(|scope| {
+        let consumer = scope.spawn(move || consume(full_rx, empty_tx));
+        let produced = produce(&full_tx, &empty_rx);
+        drop(full_tx);
+        let consumed = consumer
+            .join()
+            .unwrap_or_else(|_| Err(Error::InvalidState("sleep pipeline thread panicked".into())));
+        produced.and(consumed)
+    })
+}
+
+/// A chunk buffer: a returned one, else a new one while fewer than three exist.
+fn buffer(returned: &Receiver<Vec<u8>>, made: &mut usize) -> Vec<u8> {
+    if let Ok(b) = returned.try_recv() {
+        return b;
+    }
+    if *made < 3 {
+        *made += 1;
+        return vec![0u8; DISK_CHUNK];
+    }
+    returned.recv().unwrap_or_else(|_| vec![0u8; DISK_CHUNK])
 }
 
 /// Something of a sleeping tag that wake maps again.
@@ -47,6 +127,23 @@ impl CachingAllocator {
     /// driver calls running on another thread) is waited for first, so its pages are
     /// published before they are put to sleep with the rest.
     pub fn sleep(&self, tag: TagId, keep_host_copy: bool) -> Result<()> {
+        let keep = if keep_host_copy {
+            Keep::Host
+        } else {
+            Keep::Nothing
+        };
+        self.sleep_keeping(tag, keep)
+    }
+
+    /// [`sleep`](Self::sleep) keeping the copies in an unlinked file in `dir` rather than in
+    /// host memory (host memory holds at most three 8 MiB chunks while the copies move, device
+    /// reads overlapping file writes); [`wake`](Self::wake) reads them back, file reads
+    /// overlapping device writes. A failed copy (disk full included) leaves the tag awake.
+    pub fn sleep_to_disk(&self, tag: TagId, dir: &Path) -> Result<()> {
+        self.sleep_keeping(tag, Keep::Disk(dir))
+    }
+
+    fn sleep_keeping(&self, tag: TagId, keep: Keep<'_>) -> Result<()> {
         let mut guard = self.state.lock();
         let ti = guard.ensure_tag(tag, self.classes.len());
         while guard.inflight.growing(ti as u32) {
@@ -72,17 +169,26 @@ impl CachingAllocator {
         }
         self.sync_streams(st, streams)?;
 
+        let live: Vec<(u32, DevicePtr, u64)> = st
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.tag == t32 && b.state == BlockState::Live)
+            .map(|(id, b)| (id as u32, b.ptr, b.requested))
+            .collect();
         let mut copies = FxHashMap::default();
-        if keep_host_copy {
-            for (id, b) in st.blocks.iter().enumerate() {
-                if b.tag != t32 || b.state != BlockState::Live {
-                    continue;
+        let mut disk = None;
+        match keep {
+            Keep::Nothing => {}
+            Keep::Host => {
+                for &(id, ptr, requested) in &live {
+                    // Host memory may run out: an error, with the tag still awake and intact.
+                    let mut buf = strata_vmm::try_host_vec(requested)?;
+                    self.backend.read(ptr, &mut buf)?;
+                    copies.insert(id, buf);
                 }
-                // Host memory may run out: an error, with the tag still awake and intact.
-                let mut buf = strata_vmm::try_host_vec(b.requested)?;
-                self.backend.read(b.ptr, &mut buf)?;
-                copies.insert(id as u32, buf);
             }
+            Keep::Disk(dir) => disk = Some(self.copy_to_disk(&live, dir)?),
         }
 
         let mut pages: Vec<Page> = Vec::new();
@@ -135,8 +241,9 @@ impl CachingAllocator {
         let t = &mut st.tags[ti];
         t.asleep = true;
         t.sleep = SleepData {
-            keep: keep_host_copy,
+            keep: !matches!(keep, Keep::Nothing),
             copies,
+            disk,
         };
         st.totals.counts.sleeps += 1;
         first_err.map_or(Ok(()), Err)
@@ -242,6 +349,9 @@ impl CachingAllocator {
     /// Writes the host copies back (or zeros over every target) on the default stream.
     fn restore(&self, st: &State, ti: usize, targets: &[(Target, u64, u64)]) -> Result<()> {
         let data = &st.tags[ti].sleep;
+        if let Some(disk) = &data.disk {
+            return self.copy_from_disk(st, disk);
+        }
         if data.keep {
             for (&id, buf) in &data.copies {
                 if !buf.is_empty() {
@@ -259,5 +369,91 @@ impl CachingAllocator {
             )?;
         }
         self.backend.stream_synchronize(StreamHandle::DEFAULT)
+    }
+
+    /// Copies the `live` allocations (id, pointer, bytes) into a new unlinked file in `dir`:
+    /// device reads on this thread, file writes on a second one.
+    fn copy_to_disk(&self, live: &[(u32, DevicePtr, u64)], dir: &Path) -> Result<DiskCopy> {
+        let file = anonymous_file(dir)?;
+        let mut blocks = FxHashMap::default();
+        let mut offset = 0u64;
+        for &(id, _, len) in live {
+            blocks.insert(id, (offset, len));
+            offset = offset
+                .checked_add(len)
+                .ok_or(Error::Overflow("sleep file size"))?;
+        }
+        let writer = &file;
+        pipeline(
+            |full, returned| {
+                let mut made = 0;
+                for &(id, ptr, len) in live {
+                    let base = blocks[&id].0;
+                    let mut done = 0u64;
+                    while done < len {
+                        let n = (len - done).min(DISK_CHUNK as u64) as usize;
+                        let mut buf = buffer(returned, &mut made);
+                        self.backend.read(ptr + done, &mut buf[..n])?;
+                        buf.truncate(n);
+                        if full.send((base + done, buf)).is_err() {
+                            return Ok(()); // the writer failed: its error is returned
+                        }
+                        done += n as u64;
+                    }
+                }
+                Ok(())
+            },
+            |full, returned| {
+                for (at, mut buf) in full {
+                    writer
+                        .write_all_at(&buf, at)
+                        .map_err(io("write sleep file"))?;
+                    buf.resize(DISK_CHUNK, 0);
+                    let _ = returned.send(buf);
+                }
+                Ok(())
+            },
+        )?;
+        Ok(DiskCopy { file, blocks })
+    }
+
+    /// Writes the disk copies back to their allocations: file reads on this thread, device
+    /// writes on a second one.
+    fn copy_from_disk(&self, st: &State, disk: &DiskCopy) -> Result<()> {
+        let targets: Vec<(DevicePtr, u64, u64)> = disk
+            .blocks
+            .iter()
+            .map(|(&id, &(offset, len))| (st.blocks[id as usize].ptr, offset, len))
+            .collect();
+        let reader = &disk.file;
+        pipeline(
+            |full, returned| {
+                let mut made = 0;
+                for &(ptr, offset, len) in &targets {
+                    let mut done = 0u64;
+                    while done < len {
+                        let n = (len - done).min(DISK_CHUNK as u64) as usize;
+                        let mut buf = buffer(returned, &mut made);
+                        buf.truncate(n);
+                        reader
+                            .read_exact_at(&mut buf, offset + done)
+                            .map_err(io("read sleep file"))?;
+                        if full.send((ptr + done, buf)).is_err() {
+                            return Ok(()); // the device side failed: its error is returned
+                        }
+                        done += n as u64;
+                    }
+                }
+                Ok(())
+            },
+            |full, returned| {
+                for (dst, mut buf) in full {
+                    self.backend.write(dst, &buf)?;
+                    buf.resize(DISK_CHUNK, 0);
+                    let _ = returned.send(buf);
+                }
+                Ok(())
+            },
+        )
     }
 }

@@ -199,6 +199,7 @@ pub fn run(
                 host_to_hbm: (Duration::from_micros(5), 50e9),
                 disk_to_host: (Duration::from_micros(80), 7e9),
             },
+            zero_page: true,
         },
     )?;
     let bpt = w.bytes_per_token;

@@ -1,0 +1,106 @@
+/* MIRAGE parameters through the C API: bad input, registration, an idle model's layers remapped
+ * to the device pool under KV pressure (the serving model untouched), every layer readable with
+ * its bytes through prepare_layer / layer_done on a stream, reversion. */
+#include <stdlib.h>
+
+#include "common.h"
+
+#define LAYERS 8
+#define LAYER_BYTES (3u << 20) /* rounded up to 2 pages of 2 MiB */
+
+static strata_params_model_stats_t stats_of_model(strata_model_t m) {
+    strata_params_model_stats_t s;
+    memset(&s, 0xAB, sizeof s);
+    CHECK_OK(strata_params_model_stats(m, &s));
+    return s;
+}
+
+static void check_layer(strata_model_t m, uint32_t layer, unsigned char *want, unsigned char *got) {
+    fill_pattern(want, LAYER_BYTES, 900 + layer);
+    CHECK_OK(strata_params_read(m, layer, 0, got, LAYER_BYTES));
+    CHECK(memcmp(want, got, LAYER_BYTES) == 0);
+}
+
+int main(void) {
+    unsigned char *host[LAYERS];
+    const void *ptrs[LAYERS];
+    for (int l = 0; l < LAYERS; l++) {
+        host[l] = malloc(LAYER_BYTES);
+        CHECK(host[l] != NULL);
+        fill_pattern(host[l], LAYER_BYTES, 900 + (uint64_t)l);
+        ptrs[l] = host[l];
+    }
+    unsigned char *want = malloc(LAYER_BYTES), *got = malloc(LAYER_BYTES);
+    CHECK(want != NULL && got != NULL);
+    strata_model_t idle = 0, serving = 0;
+
+    CHECK(strata_params_register(0, LAYERS, LAYER_BYTES, 4, ptrs, NULL) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_register(0, LAYERS, LAYER_BYTES, 4, NULL, &idle) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_register(0, 0, LAYER_BYTES, 4, ptrs, &idle) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_register(9, LAYERS, LAYER_BYTES, 4, ptrs, &idle) == STRATA_NO_DEVICE);
+    const void *holes[2] = {host[0], NULL};
+    CHECK(strata_params_register(0, 2, LAYER_BYTES, 1, holes, &idle) == STRATA_INVALID_ARGUMENT);
+    CHECK_ERR("host_layers[1] is NULL");
+    CHECK(strata_params_set_active(0, 1) == STRATA_INVALID_HANDLE);
+    CHECK(strata_params_set_active(0x100000005ull, 1) == STRATA_INVALID_HANDLE);
+    CHECK(strata_params_set_active(0x900000001ull, 1) == STRATA_INVALID_HANDLE); /* device 8 */
+
+    CHECK_OK(strata_params_register(0, LAYERS, LAYER_BYTES, 4, ptrs, &idle));
+    CHECK_OK(strata_params_register(0, 2, LAYER_BYTES, 2, ptrs, &serving));
+    CHECK(idle != serving);
+    strata_params_model_stats_t s = stats_of_model(idle);
+    CHECK(s.layers == LAYERS && s.layer_bytes == 4u << 20 && s.pages_per_layer == 2);
+    CHECK(s.remapped_layers == 0 && s.remap_limit == 0 && s.device == 0);
+    uint64_t gpu_before = s.gpu_pages;
+    for (uint32_t l = 0; l < LAYERS; l++) check_layer(idle, l, want, got);
+    CHECK(strata_params_read(idle, 0, (4u << 20) - 4, got, 8) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_read(idle, LAYERS, 0, got, 8) == STRATA_INVALID_ARGUMENT);
+
+    /* Without compute reports nothing may be remapped. */
+    uint32_t decisions = 99;
+    CHECK_OK(strata_params_step(0, 4, &decisions));
+    CHECK(decisions == 0 && stats_of_model(idle).remapped_layers == 0);
+
+    CHECK_OK(strata_params_set_active(serving, 1));
+    CHECK_OK(strata_params_report_compute(serving, 50000000));
+    CHECK_OK(strata_params_report_compute(idle, 50000000));
+    CHECK(stats_of_model(idle).remap_limit >= 2);
+    uint64_t pool_before = stats_of(0).pool_free_bytes;
+    CHECK_OK(strata_params_step(0, 4, &decisions));
+    CHECK(decisions == 1);
+    s = stats_of_model(idle);
+    CHECK(s.remapped_layers >= 2 && s.streamed_layers > s.remapped_layers && s.slots >= 1);
+    CHECK(s.gpu_pages + 2 * s.remapped_layers == gpu_before);
+    CHECK(stats_of(0).pool_free_bytes >= pool_before + 4 * (2u << 20));
+    CHECK(stats_of_model(serving).remapped_layers == 0);
+
+    /* Every layer, streamed or not, comes with its bytes through prepare/done on a stream. */
+    cudaStream_t st;
+    CHECK_OK(strata_stream_create(0, &st));
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t l = 0; l < LAYERS; l++) {
+            CHECK_OK(strata_params_prepare_layer(idle, l, st));
+            CHECK_OK(strata_stream_synchronize(st));
+            uint64_t p = 0;
+            CHECK_OK(strata_params_layer_ptr(idle, l, &p));
+            CHECK(p != 0);
+            check_layer(idle, l, want, got);
+            CHECK_OK(strata_params_layer_done(idle, l, st));
+        }
+    }
+    CHECK(strata_params_prepare_layer(idle, LAYERS, st) == STRATA_INVALID_ARGUMENT);
+
+    /* Reversion: pages back, layers at their own addresses again with their bytes. */
+    CHECK_OK(strata_stream_synchronize(st));
+    CHECK_OK(strata_params_revert_all(0));
+    s = stats_of_model(idle);
+    CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);
+    for (uint32_t l = 0; l < LAYERS; l++) check_layer(idle, l, want, got);
+    CHECK(strata_params_revert_all(7) == STRATA_NO_DEVICE);
+    CHECK_OK(strata_stream_destroy(st));
+    for (int l = 0; l < LAYERS; l++) free(host[l]);
+    free(want);
+    free(got);
+    printf("params: ok\n");
+    return 0;
+}

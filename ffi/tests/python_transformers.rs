@@ -1,0 +1,64 @@
+//! Runs `python/tests/test_transformers.py` (strata.transformers: real transformers models
+//! generating with `StrataCache`) against the `libstrata.so` cargo built, on the host backend
+//! outside strict mode, where KV tensors are CPU tensors torch's kernels read. Pages of 64 KiB
+//! make the tiny models' sequences cross page boundaries while they generate; torch uses one
+//! thread. With torch and
+//! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
+//! without them this test says why and returns.
+
+mod support;
+
+use std::process::Command;
+
+#[test]
+fn python_transformers_generate_on_strata_kv() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_transformers = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_transformers {
+        eprintln!(
+            "skipping the transformers tests: {python} cannot import torch and transformers \
+             (.ci/run installs them)"
+        );
+        return;
+    }
+    let lib = support::library();
+    let repo = support::repo();
+    let mut cmd = Command::new(&python);
+    cmd.args(["-m", "unittest", "-v", "test_transformers"])
+        .current_dir(repo.join("python/tests"))
+        .env("PYTHONPATH", repo.join("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("STRATA_LIB", &lib)
+        .env("STRATA_HOST_DEVICES", "1x512MiB")
+        .env("STRATA_HOST_GRANULARITY", "64KiB")
+        .env("STRATA_HOST_STRICT", "0")
+        // One torch thread: tiny matrices gain nothing from two, and OpenMP's spinning threads
+        // crawl on a machine whose cores are busy with the other tests.
+        .env("OMP_NUM_THREADS", "1")
+        .env_remove("STRATA_HOST_LINK");
+    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
+        cmd.env("STRATA_BACKEND", "host");
+    }
+    let out = cmd.output().expect("run python3 -m unittest");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "transformers tests failed:\n{stderr}");
+    assert!(
+        !stderr.contains("skipped"),
+        "transformers tests skipped:\n{stderr}"
+    );
+    for test in [
+        "test_llama_greedy_matches_dynamic_cache",
+        "test_qwen2_greedy_matches_dynamic_cache",
+        "test_mixtral_moe_greedy_matches_dynamic_cache",
+        "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
+    ] {
+        assert!(
+            stderr.contains(&format!("{test} (")),
+            "{test} did not run:\n{stderr}"
+        );
+    }
+}

@@ -1,0 +1,437 @@
+"""KV spaces: an engine's KV cache at fixed addresses, spilled to host memory and disk
+(`strata_kv_*` in include/strata.h).
+
+    import strata.kv, torch
+    space = strata.kv.KvSpace(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16",
+                              max_requests=64, max_tokens=8192, host_bytes=8 << 30)
+    k0 = torch.from_dlpack(space.tensor(0, "k"))   # [max_requests, max_tokens, heads, dim]
+    r = space.admit()
+    r.append(512)                    # pages mapped for 512 tokens in every layer
+    k0[r.slot, :512] = ...           # the engine writes through its own tensors
+    r.spill("host")                  # pages back to the pool, bytes in host memory
+    space.make_resident([r], stream) # same addresses, bytes back, ordered on the stream
+
+Tensors are DLPack exports of the space's memory (no copy): CUDA tensors on the CUDA backend,
+CPU tensors on the host backend outside strict mode. Their addresses never change while the
+space lives, spilled or not (spilled blocks read as zeros with the zero page). A space with
+exported tensors alive cannot be closed.
+
+Errors raise typed exceptions (strata.OutOfMemory, strata.StaleHandle, strata.InvalidState, ...).
+Lost-block callbacks run on the thread that called `revoke`, after strata released its locks.
+"""
+
+import ctypes
+import os
+import threading
+
+from . import _dlpack, _lib
+
+BACKED, LOSSY = 0, 1
+_KINDS = {"k": 0, "v": 1, 0: 0, 1: 1}
+_TIERS = {"host": 1, "disk": 2}
+_RESIDENCY = {0: "device", 1: "host", 2: "disk", 3: "lost"}
+
+_u64 = ctypes.c_uint64
+_int = ctypes.c_int
+_size = ctypes.c_size_t
+_vp = ctypes.c_void_p
+
+
+class Config(ctypes.Structure):
+    """strata_kv_config_t."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("durability", ctypes.c_int32),
+        ("layers", ctypes.c_uint32),
+        ("kv_heads", ctypes.c_uint32),
+        ("head_dim", ctypes.c_uint32),
+        ("elem_size", ctypes.c_uint32),
+        ("max_requests", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_uint32),
+        ("zero_page", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("host_bytes", _u64),
+        ("disk_bytes", _u64),
+        ("disk_dir", ctypes.c_char_p),
+        ("step_time_ns", _u64),
+        ("spare", _u64 * 4),
+    ]
+
+
+class TensorDesc(ctypes.Structure):
+    """strata_kv_tensor_t."""
+
+    _fields_ = [
+        ("data", _u64),
+        ("device", ctypes.c_int32),
+        ("dlpack_device_type", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("elem_size", ctypes.c_uint32),
+        ("shape", ctypes.c_int64 * 4),
+        ("strides", ctypes.c_int64 * 4),
+    ]
+
+
+class RequestInfo(ctypes.Structure):
+    """strata_kv_request_info_t."""
+
+    _fields_ = [
+        (name, ctypes.c_uint32)
+        for name in ("slot", "tokens", "blocks", "resident", "host", "disk", "lost", "reserved")
+    ]
+
+
+class Stats(ctypes.Structure):
+    """strata_kv_stats_t."""
+
+    _fields_ = [
+        (name, _u64)
+        for name in (
+            "page_size tokens_per_block block_bytes requests_admitted blocks blocks_resident "
+            "blocks_spilled blocks_clean blocks_lost pool_free_pages pool_in_use_pages "
+            "pool_created_pages pool_adopted_pages host_used_bytes host_capacity_bytes "
+            "disk_used_bytes disk_capacity_bytes bytes_to_device bytes_from_device "
+            "disk_read_bytes disk_write_bytes spills clean_spills clean_revocations restores "
+            "prefetch_hits prefetch_misses stalls evictions lost_blocks pages_revoked"
+        ).split()
+    ] + [("spare", _u64 * 8)]
+
+
+LostFn = ctypes.CFUNCTYPE(None, _u64, _u64, ctypes.c_uint32, _vp)
+
+_P = ctypes.POINTER
+PROTOTYPES = {
+    "strata_kv_create": (_int, [_P(Config), _P(_u64)]),
+    "strata_kv_destroy": (_int, [_u64]),
+    "strata_kv_tensor": (_int, [_u64, ctypes.c_uint32, _int, _P(TensorDesc)]),
+    "strata_kv_admit": (_int, [_u64, _P(_u64)]),
+    "strata_kv_append": (_int, [_u64, _u64, ctypes.c_uint32]),
+    "strata_kv_release": (_int, [_u64, _u64]),
+    "strata_kv_request_info": (_int, [_u64, _u64, _P(RequestInfo)]),
+    "strata_kv_residency": (_int, [_u64, _u64, _P(ctypes.c_uint8), _size, _P(_size)]),
+    "strata_kv_write": (_int, [_u64, _u64, ctypes.c_uint32, _int, ctypes.c_uint32, _vp, _size]),
+    "strata_kv_read": (
+        _int,
+        [_u64, _u64, ctypes.c_uint32, _int, ctypes.c_uint32, _vp, _size, _P(_int)],
+    ),
+    "strata_kv_spill": (_int, [_u64, _u64, _int]),
+    "strata_kv_spill_idle": (_int, [_u64, _u64, _int, _P(_u64)]),
+    "strata_kv_advance": (_int, [_u64, _u64]),
+    "strata_kv_queue": (_int, [_u64, _P(_u64), _size]),
+    "strata_kv_hint": (_int, [_u64, _P(_u64), _P(ctypes.c_uint32), _size, _vp]),
+    "strata_kv_make_resident": (_int, [_u64, _P(_u64), _size, _vp]),
+    "strata_kv_take_lost": (_int, [_u64, _u64, _P(ctypes.c_uint32), _size, _P(_size)]),
+    "strata_kv_on_lost": (_int, [_u64, LostFn, _vp]),
+    "strata_kv_revoke": (_int, [_u64, _u64, _P(_u64)]),
+    "strata_kv_stats": (_int, [_u64, _P(Stats)]),
+    "strata_kv_check": (_int, [_u64]),
+}
+
+
+
+_c = _lib.binder(PROTOTYPES)
+
+
+def _choice(table, value, what):
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"{what} {value!r}: one of {', '.join(map(repr, table))}") from None
+
+
+def _kind(kind):
+    return _choice(_KINDS, kind, "kind")
+
+
+def _tier(tier):
+    return _choice(_TIERS, tier, "tier")
+
+
+
+def _handles(requests):
+    arr = (_u64 * max(len(requests), 1))(*[r.handle for r in requests])
+    return arr, len(requests)
+
+
+class KvTensor:
+    """One (layer, K/V) tensor of a space, whole ([max_requests, max_tokens, heads, dim]) or one
+    request's rows ([max_tokens, heads, dim]). Exported by DLPack without a copy."""
+
+    def __init__(self, space, desc, dtype, request=None):
+        self.space = space
+        self.request = request
+        self.dtype = dtype
+        self.elem_size = desc.elem_size
+        self.device = desc.device
+        self.dlpack_device_type = desc.dlpack_device_type
+        shape = list(desc.shape)
+        strides = list(desc.strides)  # bytes
+        self.data_ptr = desc.data
+        if request is not None:
+            self.data_ptr += request.slot * strides[0]
+            shape, strides = shape[1:], strides[1:]
+        self.shape = tuple(shape)
+        self.byte_strides = tuple(strides)
+
+    def __repr__(self):
+        return f"KvTensor(shape={self.shape}, dtype={self.dtype}, data={self.data_ptr:#x})"
+
+    def __dlpack_device__(self):
+        if self.dlpack_device_type == 0:
+            raise _lib.error(
+                _lib.Status.UNSUPPORTED,
+                "KV addresses are not CPU-accessible on the strict host backend "
+                "(STRATA_HOST_STRICT=1): no DLPack export",
+            )
+        return (self.dlpack_device_type, self.device)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """A "dltensor" capsule (DLPack 0.x). `copy=True` is refused (the point is no copy);
+        the stream argument needs no synchronization: make_resident already ordered its
+        copies on the stream the caller named."""
+        device = self.__dlpack_device__()
+        if copy:
+            raise BufferError("strata KV tensors are exported without a copy (copy=True)")
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(f"KV tensor lives on {device}, asked for {tuple(dl_device)}")
+        strides = [s // self.elem_size for s in self.byte_strides]
+        code_bits = _dlpack.dtype_of(self.dtype, self.elem_size)
+        self.space._dlpack_exported()
+        try:
+            return _dlpack.capsule(
+                self.space, self.data_ptr, device[0], device[1], code_bits, self.shape, strides
+            )
+        except BaseException:
+            self.space._dlpack_released()
+            raise
+
+
+class Request:
+    """A request of a KvSpace (its handle is stale once released)."""
+
+    def __init__(self, space, handle):
+        self.space = space
+        self.handle = handle
+
+    def __repr__(self):
+        return f"Request({self.handle:#x})"
+
+    def __eq__(self, other):
+        return isinstance(other, Request) and other.handle == self.handle
+
+    def __hash__(self):
+        return hash(self.handle)
+
+    def _call(self, name, *args):
+        _lib.check(getattr(_c(), name)(self.space.handle, self.handle, *args))
+
+    def append(self, tokens):
+        """Maps the pages `tokens` more tokens need in every tensor."""
+        self._call("strata_kv_append", tokens)
+
+    def release(self):
+        self._call("strata_kv_release")
+
+    def spill(self, tier="host"):
+        """Moves the request's resident blocks to "host" or "disk"."""
+        self._call("strata_kv_spill", _tier(tier))
+
+    def info(self):
+        i = RequestInfo()
+        self._call("strata_kv_request_info", ctypes.byref(i))
+        return {n: getattr(i, n) for n, _ in RequestInfo._fields_ if n != "reserved"}
+
+    @property
+    def slot(self):
+        return self.info()["slot"]
+
+    @property
+    def tokens(self):
+        return self.info()["tokens"]
+
+    def residency(self):
+        """Per block: "device", "host", "disk" or "lost"."""
+        n = _size()
+        blocks = self.info()["blocks"] + 64
+        out = (ctypes.c_uint8 * blocks)()
+        self._call("strata_kv_residency", out, blocks, ctypes.byref(n))
+        return [_RESIDENCY[out[i]] for i in range(n.value)]
+
+    def take_lost(self):
+        """Blocks lost to revocations and not reported yet (each reported once)."""
+        cap = self.info()["blocks"] + 64
+        out = (ctypes.c_uint32 * cap)()
+        n = _size()
+        self._call("strata_kv_take_lost", out, cap, ctypes.byref(n))
+        return list(out[: n.value])
+
+    def tensor(self, layer, kind):
+        """This request's rows of the (layer, kind) tensor: [max_tokens, heads, dim]."""
+        return self.space.tensor(layer, kind, request=self)
+
+    def write(self, layer, kind, first_token, data):
+        """Copies whole tokens of `data` (bytes-like) in with a backend copy (strict mode too)."""
+        buf = (ctypes.c_char * len(data)).from_buffer_copy(data)
+        self._call("strata_kv_write", layer, _kind(kind), first_token, buf, len(data))
+
+    def read(self, layer, kind, first_token, tokens):
+        """`tokens` tokens from wherever they are, as bytes."""
+        n = tokens * self.space.bytes_per_token
+        buf = ctypes.create_string_buffer(n)
+        self._call("strata_kv_read", layer, _kind(kind), first_token, buf, n, None)
+        return buf.raw
+
+
+class KvSpace:
+    """A KV space (strata_kv_create). Close it (or use `with`) to release its memory."""
+
+    def __init__(
+        self,
+        layers,
+        kv_heads,
+        head_dim,
+        dtype="float16",
+        max_requests=16,
+        max_tokens=4096,
+        device=0,
+        durability=LOSSY,
+        zero_page=True,
+        host_bytes=0,
+        disk_bytes=0,
+        disk_dir=None,
+        step_time=None,
+    ):
+        name = str(dtype).rsplit(".", 1)[-1]
+        if name not in _dlpack.DTYPES:
+            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"dtype {dtype!r}: one of {', '.join(_dlpack.DTYPES)}")
+        elem_size = _dlpack.DTYPES[name][1] // 8
+        self.dtype = name
+        self.bytes_per_token = kv_heads * head_dim * elem_size
+        c = Config()
+        c.device = device
+        c.durability = {"backed": BACKED, "lossy": LOSSY}.get(durability, durability)
+        c.layers, c.kv_heads, c.head_dim, c.elem_size = layers, kv_heads, head_dim, elem_size
+        c.max_requests, c.max_tokens = max_requests, max_tokens
+        c.zero_page = 1 if zero_page else 0
+        c.host_bytes, c.disk_bytes = host_bytes, disk_bytes
+        c.disk_dir = os.fsencode(disk_dir) if disk_dir is not None else None
+        c.step_time_ns = int(step_time * 1e9) if step_time else 0
+        handle = _u64()
+        _lib.check(_c().strata_kv_create(ctypes.byref(c), ctypes.byref(handle)))
+        self.handle = handle.value
+        self._exports = 0
+        self._exports_lock = threading.Lock()
+        self._on_lost = None  # (LostFn, python callable): kept alive while registered
+        self._callback_errors = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _dlpack_exported(self):
+        with self._exports_lock:
+            self._exports += 1
+
+    def _dlpack_released(self):
+        with self._exports_lock:
+            self._exports -= 1
+
+    def close(self):
+        """Destroys the space. Refused (InvalidState) while DLPack tensors of it are alive."""
+        if self.handle is None:
+            return
+        with self._exports_lock:
+            if self._exports:
+                raise _lib.error(
+                    _lib.Status.INVALID_STATE, f"{self._exports} DLPack tensors of this KV space are still alive"
+                )
+        _lib.check(_c().strata_kv_destroy(self.handle))
+        self.handle = None
+        self._on_lost = None
+
+    def _space(self):
+        if self.handle is None:
+            raise _lib.error(_lib.Status.INVALID_HANDLE, "the KV space is closed")
+        return self.handle
+
+    def admit(self):
+        h = _u64()
+        _lib.check(_c().strata_kv_admit(self._space(), ctypes.byref(h)))
+        return Request(self, h.value)
+
+    def request(self, handle):
+        """The Request of a raw handle (as a lost-block callback passes it)."""
+        return Request(self, handle)
+
+    def tensor(self, layer, kind, request=None):
+        d = TensorDesc()
+        _lib.check(_c().strata_kv_tensor(self._space(), layer, _kind(kind), ctypes.byref(d)))
+        return KvTensor(self, d, self.dtype, request)
+
+    def make_resident(self, requests, stream=None):
+        """Every block of `requests` resident; `stream` waits on the copies (None: the default
+        stream, which on the host backend means the copies are done on return)."""
+        arr, n = _handles(list(requests))
+        _lib.check(_c().strata_kv_make_resident(self._space(), arr, n, _lib.stream_handle(stream)))
+
+    def hint(self, steps, stream=None):
+        """Lookahead: `steps` is a list of the next steps' batches (lists of requests)."""
+        steps = [list(s) for s in steps]
+        flat = [r for s in steps for r in s]
+        arr, _ = _handles(flat)
+        counts = (ctypes.c_uint32 * max(len(steps), 1))(*[len(s) for s in steps])
+        _lib.check(_c().strata_kv_hint(self._space(), arr, counts, len(steps), _lib.stream_handle(stream)))
+
+    def queue(self, waiting):
+        arr, n = _handles(list(waiting))
+        _lib.check(_c().strata_kv_queue(self._space(), arr, n))
+
+    def advance(self, step):
+        _lib.check(_c().strata_kv_advance(self._space(), step))
+
+    def spill_idle(self, idle_steps, tier="host"):
+        n = _u64()
+        _lib.check(
+            _c().strata_kv_spill_idle(self._space(), idle_steps, _tier(tier), ctypes.byref(n))
+        )
+        return n.value
+
+    def on_lost(self, callback):
+        """`callback(request, block)` for each block a revocation loses (None clears). It runs on
+        the thread that called `revoke`, with no strata lock held; an exception it raises is
+        re-raised by that `revoke`."""
+        if callback is None:
+            _lib.check(_c().strata_kv_on_lost(self._space(), LostFn(), None))
+            self._on_lost = None
+            return
+
+        def trampoline(_kv, request, block, _user):
+            try:
+                callback(Request(self, request), block)
+            except BaseException as e:  # noqa: BLE001 - handed to the revoking thread
+                self._callback_errors.append(e)
+
+        fn = LostFn(trampoline)
+        _lib.check(_c().strata_kv_on_lost(self._space(), fn, None))
+        self._on_lost = (fn, callback)
+
+    def revoke(self, pages):
+        """Takes `pages` pages back to the device's pool; returns the blocks lost."""
+        lost = _u64()
+        status = _c().strata_kv_revoke(self._space(), pages, ctypes.byref(lost))
+        errors, self._callback_errors = self._callback_errors, []
+        if errors:
+            raise errors[0]
+        _lib.check(status)
+        return lost.value
+
+    def stats(self):
+        s = Stats()
+        _lib.check(_c().strata_kv_stats(self._space(), ctypes.byref(s)))
+        return _lib.as_dict(s)
+
+    def check(self):
+        _lib.check(_c().strata_kv_check(self._space()))

@@ -1,0 +1,127 @@
+"""MIRAGE parameters (`strata_params_*` in include/strata.h): a model's layers as strata
+parameter memory with a host copy as authority. Under KV pressure the device's remapping
+controller gives idle models' layer pages to the pool KV spaces grow from, and takes them back
+when pressure falls; streamed layers are reloaded into slots by `prepare_layer`.
+
+    import strata.params as params
+    m = params.register([layer0_bytes, layer1_bytes, ...], cap=8)   # idle until set_active
+    m.report_compute(per_layer_seconds=0.002)
+    params.step(device=0, pages_short=64)     # e.g. after a KV space raised OutOfMemory
+    m.prepare_layer(3, stream); ...; m.layer_done(3, stream)
+    params.step(device=0, pages_short=0)      # revert what free pages cover
+"""
+
+import ctypes
+
+from . import _lib
+
+_u64 = ctypes.c_uint64
+_int = ctypes.c_int
+_vp = ctypes.c_void_p
+
+
+class ModelStats(ctypes.Structure):
+    """strata_params_model_stats_t."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("layers", ctypes.c_uint32),
+        ("layer_bytes", _u64),
+        ("pages_per_layer", _u64),
+        ("remapped_layers", ctypes.c_uint32),
+        ("streamed_layers", ctypes.c_uint32),
+        ("slots", ctypes.c_uint32),
+        ("remap_limit", ctypes.c_uint32),
+        ("gpu_pages", _u64),
+        ("spare", _u64 * 4),
+    ]
+
+
+_P = ctypes.POINTER
+PROTOTYPES = {
+    "strata_params_register": (
+        _int,
+        [_int, ctypes.c_uint32, _u64, ctypes.c_uint32, _P(_vp), _P(_u64)],
+    ),
+    "strata_params_layer_ptr": (_int, [_u64, ctypes.c_uint32, _P(_u64)]),
+    "strata_params_set_active": (_int, [_u64, _int]),
+    "strata_params_report_compute": (_int, [_u64, _u64]),
+    "strata_params_step": (_int, [_int, _u64, _P(ctypes.c_uint32)]),
+    "strata_params_revert_all": (_int, [_int]),
+    "strata_params_prepare_layer": (_int, [_u64, ctypes.c_uint32, _vp]),
+    "strata_params_layer_done": (_int, [_u64, ctypes.c_uint32, _vp]),
+    "strata_params_read": (_int, [_u64, ctypes.c_uint32, _u64, _vp, ctypes.c_size_t]),
+    "strata_params_model_stats": (_int, [_u64, _P(ModelStats)]),
+}
+
+
+
+_c = _lib.binder(PROTOTYPES)
+
+
+
+class Model:
+    """A registered model (handles stay valid for the process's life)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __repr__(self):
+        return f"params.Model({self.handle:#x})"
+
+    def layer_ptr(self, layer):
+        out = _u64()
+        _lib.check(_c().strata_params_layer_ptr(self.handle, layer, ctypes.byref(out)))
+        return out.value
+
+    def set_active(self, active=True):
+        _lib.check(_c().strata_params_set_active(self.handle, 1 if active else 0))
+
+    def report_compute(self, per_layer_seconds):
+        _lib.check(_c().strata_params_report_compute(self.handle, int(per_layer_seconds * 1e9)))
+
+    def prepare_layer(self, layer, stream=None):
+        """Makes `layer` ready; `stream` waits for its reload (None: the default stream)."""
+        _lib.check(_c().strata_params_prepare_layer(self.handle, layer, _lib.stream_handle(stream)))
+
+    def layer_done(self, layer, stream=None):
+        _lib.check(_c().strata_params_layer_done(self.handle, layer, _lib.stream_handle(stream)))
+
+    def read(self, layer, offset, length):
+        """`length` bytes of `layer` at `offset`, wherever it is now (a backend copy)."""
+        buf = ctypes.create_string_buffer(length)
+        _lib.check(_c().strata_params_read(self.handle, layer, offset, buf, length))
+        return buf.raw
+
+    def stats(self):
+        s = ModelStats()
+        _lib.check(_c().strata_params_model_stats(self.handle, ctypes.byref(s)))
+        return _lib.as_dict(s)
+
+
+def register(layers, cap, device=0):
+    """Registers a model whose layer i holds the bytes-like `layers[i]` (all the same length);
+    the bytes are copied into strata's host copy, the authority. Idle until `set_active`."""
+    layers = [bytes(layer) for layer in layers]
+    if not layers or len({len(layer) for layer in layers}) != 1:
+        raise _lib.error(_lib.Status.INVALID_ARGUMENT, "layers must be a non-empty list of equal-length byte strings")
+    keep = [ctypes.create_string_buffer(layer, len(layer)) for layer in layers]
+    ptrs = (_vp * len(keep))(*[ctypes.cast(b, _vp) for b in keep])
+    out = _u64()
+    _lib.check(
+        _c().strata_params_register(
+            device, len(layers), len(layers[0]), cap, ptrs, ctypes.byref(out)
+        )
+    )
+    return Model(out.value)
+
+
+def step(device=0, pages_short=0):
+    """One controller step; returns the number of models changed."""
+    n = ctypes.c_uint32()
+    _lib.check(_c().strata_params_step(device, pages_short, ctypes.byref(n)))
+    return n.value
+
+
+def revert_all(device=0):
+    _lib.check(_c().strata_params_revert_all(device))

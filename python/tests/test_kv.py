@@ -1,0 +1,130 @@
+"""strata.kv through ctypes, no torch: contents across spills to host and disk (backend copies, so
+this runs in strict mode too), typed exceptions, lost-block callbacks exactly once per block.
+(cargo test runs this through ffi/tests/python.rs.)"""
+
+import tempfile
+import unittest
+
+import strata
+from strata import kv
+
+BPT = 4 * 64 * 2  # heads x dim x float16: 4096 tokens per 2 MiB page
+
+
+def pattern(seed, n):
+    return bytes((seed * 131 + i * 7) % 251 for i in range(n))
+
+
+def space(**kw):
+    args = dict(layers=2, kv_heads=4, head_dim=64, dtype="float16", max_requests=4, max_tokens=8192)
+    args.update(kw)
+    return kv.KvSpace(**args)
+
+
+class KvSpaceTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_spill_to_host_and_disk_keeps_every_byte(self):
+        with space(host_bytes=64 << 20, disk_bytes=64 << 20, disk_dir=self.dir.name) as s:
+            r = s.admit()
+            r.append(5000)
+            self.assertEqual(r.info()["blocks"], 2)
+            data = {}
+            for layer in range(2):
+                for k in "kv":
+                    data[layer, k] = pattern(layer * 2 + (k == "v"), 5000 * BPT)
+                    r.write(layer, k, 0, data[layer, k])
+            for tier in ("host", "disk"):
+                r.spill(tier)
+                self.assertEqual(r.residency(), [tier, tier])
+                s.make_resident([r])
+                self.assertEqual(r.residency(), ["device", "device"])
+                for (layer, k), want in data.items():
+                    self.assertEqual(r.read(layer, k, 0, 5000), want)
+            st = s.stats()
+            self.assertGreater(st["bytes_from_device"], 0)
+            self.assertGreater(st["disk_write_bytes"], 0)
+            self.assertEqual(st["blocks_resident"], 2)
+            s.check()
+
+    def test_typed_exceptions(self):
+        with self.assertRaises(strata.InvalidArgument) as ctx:
+            space(layers=0)
+        self.assertIsInstance(ctx.exception, ValueError)
+        self.assertIn("layers is 0", str(ctx.exception))
+        with self.assertRaises(strata.NoDevice):
+            space(device=99)
+        with space() as s, space() as other:
+            r = s.admit()
+            with self.assertRaises(strata.InvalidArgument) as ctx:
+                r.append(10_000)
+            self.assertIn("max_tokens", str(ctx.exception))
+            self.assertEqual(r.tokens, 0)
+            foreign = other.admit()
+            with self.assertRaises(strata.InvalidArgument):
+                s.request(foreign.handle).append(1)
+            r.release()
+            with self.assertRaises(strata.StaleHandle):
+                r.append(1)
+            with self.assertRaises(strata.OutOfMemory):
+                r2 = s.admit()
+                r2.append(4096)
+                r2.spill("host")  # no host tier
+            r3 = s.admit()
+            r3.append(100)
+            with self.assertRaises(strata.InvalidArgument):
+                r3.spill("tape")
+            with self.assertRaises(strata.InvalidArgument):
+                s.tensor(0, "q")
+        with self.assertRaises(strata.StaleHandle):
+            s.admit()
+        self.assertTrue(issubclass(strata.StaleHandle, strata.StrataError))
+
+    def test_lost_callback_fires_exactly_once_per_lost_block(self):
+        with space(max_requests=4, host_bytes=64 << 20) as s:
+            reqs = [s.admit() for _ in range(3)]
+            for i, r in enumerate(reqs):
+                r.append(1000 + 3000 * i)  # 1, 1 and 2 blocks, never spilled: no clean copies
+            seen = []
+
+            def on_lost(request, block):
+                # No strata lock is held: calling back in works.
+                self.assertEqual(request.info()["lost"] >= 1, True)
+                seen.append((request.handle, block))
+
+            s.on_lost(on_lost)
+            with self.assertRaises(strata.OutOfMemory):
+                s.revoke(1 << 20)  # more than the device: every block goes
+            self.assertEqual(len(seen), len(set(seen)))
+            every_block = [(r.handle, b) for r in reqs for b in range(len(r.residency()))]
+            self.assertEqual(sorted(seen), sorted(every_block))
+            self.assertEqual(s.stats()["lost_blocks"], len(seen))
+            for r in reqs:
+                self.assertEqual(r.take_lost(), [])
+                self.assertEqual(set(r.residency()), {"lost"})
+            s.make_resident(reqs)
+            for r in reqs:
+                self.assertEqual(set(r.residency()), {"device"})
+            s.on_lost(None)
+            s.check()
+
+    def test_backed_space_loses_nothing(self):
+        with space(durability="backed", host_bytes=64 << 20) as s:
+            r = s.admit()
+            r.append(4096)
+            want = pattern(9, 4096 * BPT)
+            r.write(1, "v", 0, want)
+            s.advance(1)
+            with self.assertRaises(strata.OutOfMemory):
+                s.revoke(1 << 20)
+            self.assertEqual(r.residency(), ["host"])
+            self.assertEqual(r.read(1, "v", 0, 4096), want)
+            self.assertEqual(s.stats()["lost_blocks"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,131 @@
+"""strata.kv with PyTorch: KV tensors are framework tensors without a copy (DLPack). On the host
+backend outside strict mode they are CPU tensors over the space's own pages; on CUDA, CUDA
+tensors. ffi/tests/python.rs runs this module a second time with STRATA_HOST_STRICT=0 and checks
+that these tests ran (they skip in strict mode, where device memory is not CPU-accessible)."""
+
+import tempfile
+import unittest
+
+try:
+    import torch
+except ImportError:  # the tests skip themselves
+    torch = None
+
+import strata
+from strata import kv
+
+LAYERS, HEADS, DIM = 2, 4, 64  # float16: 512 bytes per token, 4096 tokens per 2 MiB page
+
+
+def dlpack_usable():
+    if torch is None:
+        return False
+    with kv.KvSpace(layers=1, kv_heads=HEADS, head_dim=DIM, max_requests=1, max_tokens=4096) as s:
+        return s.tensor(0, "k").dlpack_device_type != 0
+
+
+@unittest.skipUnless(dlpack_usable(), "needs torch and CPU-accessible (non-strict) or CUDA KV memory")
+class KvTorchTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.space = kv.KvSpace(
+            layers=LAYERS,
+            kv_heads=HEADS,
+            head_dim=DIM,
+            dtype="float16",
+            max_requests=4,
+            max_tokens=8192,
+            host_bytes=64 << 20,
+            disk_bytes=64 << 20,
+            disk_dir=self.dir.name,
+        )
+        self.device = "cuda" if self.space.tensor(0, "k").dlpack_device_type == 2 else "cpu"
+
+    def tearDown(self):
+        self.space.close()
+        self.dir.cleanup()
+
+    def tensors(self):
+        return {(l, k): torch.from_dlpack(self.space.tensor(l, k)) for l in range(LAYERS) for k in "kv"}
+
+    def test_tensors_are_the_space_memory_with_its_shape(self):
+        t = self.tensors()
+        k0 = t[0, "k"]
+        self.assertEqual(k0.device.type, self.device)
+        self.assertEqual(k0.dtype, torch.float16)
+        self.assertEqual(tuple(k0.shape), (4, 8192, HEADS, DIM))
+        self.assertEqual(k0.data_ptr(), self.space.tensor(0, "k").data_ptr)
+        self.assertEqual(k0.stride()[1:], (HEADS * DIM, DIM, 1))
+        r = self.space.admit()
+        r.append(100)
+        rows = torch.from_dlpack(r.tensor(1, "v"))
+        self.assertEqual(tuple(rows.shape), (8192, HEADS, DIM))
+        self.assertEqual(rows.data_ptr(), t[1, "v"][r.slot].data_ptr())
+        # Written through torch, read back through strata's backend copy, and the other way.
+        rows[:100] = torch.arange(100 * HEADS * DIM, dtype=torch.float16).reshape(100, HEADS, DIM)
+        self.assertEqual(r.read(1, "v", 0, 100), rows[:100].cpu().numpy().tobytes())
+        r.write(0, "k", 0, bytes(range(256)) * 200)
+        self.assertEqual(t[0, "k"][r.slot, :100].cpu().numpy().tobytes(), bytes(range(256)) * 200)
+
+    def test_spill_to_host_and_disk_and_back_bit_for_bit_at_the_same_address(self):
+        t = self.tensors()
+        ptrs = {key: x.data_ptr() for key, x in t.items()}
+        reqs = [self.space.admit() for _ in range(3)]
+        for i, r in enumerate(reqs):
+            r.append(3000 + 2000 * i)
+        g = torch.Generator().manual_seed(7)
+        want = {}
+        for r in reqs:
+            n = r.tokens
+            for key, x in t.items():
+                x[r.slot, :n] = torch.randn(n, HEADS, DIM, generator=g).to(x.dtype).to(x.device)
+                want[r.handle, key] = x[r.slot, :n].clone()
+        for tier in ("host", "disk"):
+            for r in reqs:
+                r.spill(tier)
+                self.assertEqual(set(r.residency()), {tier})
+            # Spilled: the pages went back; the addresses now read the shared zero page.
+            self.assertEqual(int(t[0, "k"][reqs[0].slot, :100].abs().sum().item()), 0)
+            stream = torch.cuda.current_stream() if self.device == "cuda" else None
+            self.space.make_resident(reqs, stream)
+            if stream is not None:
+                stream.synchronize()
+            for r in reqs:
+                self.assertEqual(set(r.residency()), {"device"})
+                for key, x in t.items():
+                    got = x[r.slot, : r.tokens]
+                    self.assertTrue(torch.equal(got.view(torch.int16), want[r.handle, key].view(torch.int16)))
+            self.assertEqual({key: x.data_ptr() for key, x in t.items()}, ptrs)
+        st = self.space.stats()
+        self.assertGreater(st["bytes_to_device"], 0)
+        self.assertGreater(st["disk_read_bytes"], 0)
+
+    def test_lost_blocks_called_back_once_each_then_recomputed_in_place(self):
+        t = self.tensors()
+        reqs = [self.space.admit() for _ in range(2)]
+        for r in reqs:
+            r.append(5000)  # 2 blocks each
+            t[1, "k"][r.slot, :5000] = 1.0
+        seen = []
+        self.space.on_lost(lambda request, block: seen.append((request.handle, block)))
+        with self.assertRaises(strata.OutOfMemory):
+            self.space.revoke(1 << 20)
+        self.assertEqual(sorted(seen), sorted((r.handle, b) for r in reqs for b in range(2)))
+        self.space.make_resident(reqs)
+        for r in reqs:
+            t[1, "k"][r.slot, :5000] = 2.0  # the engine recomputes into the same tensor
+            self.assertEqual(r.read(1, "k", 4999, 1), t[1, "k"][r.slot, 4999].cpu().numpy().tobytes())
+        self.assertEqual(self.space.stats()["lost_blocks"], 4)
+
+    def test_close_is_refused_while_tensors_are_alive(self):
+        x = torch.from_dlpack(self.space.tensor(0, "v"))
+        with self.assertRaises(strata.InvalidState):
+            self.space.close()
+        del x
+        self.space.close()
+        with self.assertRaises(strata.StaleHandle):
+            self.space.admit()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,49 @@
+"""strata.params through ctypes (strict mode): an idle model's layers remapped under pressure
+and reverted, every layer's bytes intact through prepare_layer / layer_done; typed errors."""
+
+import unittest
+
+import strata
+from strata import params
+
+LAYER = 2 << 20
+
+
+def layer_bytes(i):
+    period = bytes((i * 37 + j * 11) % 253 for j in range(253))
+    return (period * (LAYER // 253 + 1))[:LAYER]
+
+
+class ParamsTest(unittest.TestCase):
+    def test_remap_prepare_and_revert_keep_every_layer(self):
+        model = params.register([layer_bytes(i) for i in range(6)], cap=3, device=1)
+        self.assertEqual(model.stats()["remapped_layers"], 0)
+        self.assertEqual(params.step(device=1, pages_short=2), 0)  # no compute reported yet
+        model.report_compute(0.05)
+        self.assertGreaterEqual(params.step(device=1, pages_short=2), 1)
+        st = model.stats()
+        self.assertGreaterEqual(st["remapped_layers"], 2)
+        for _ in range(2):
+            for i in range(6):
+                model.prepare_layer(i)
+                self.assertEqual(model.read(i, 0, LAYER), layer_bytes(i))
+                model.layer_done(i)
+        params.revert_all(device=1)
+        self.assertEqual(model.stats()["remapped_layers"], 0)
+        for i in range(6):
+            self.assertEqual(model.read(i, 1000, 5000), layer_bytes(i)[1000:6000])
+
+    def test_bad_input_is_typed(self):
+        with self.assertRaises(strata.InvalidArgument):
+            params.register([b"a" * 10, b"b" * 11], cap=1)
+        with self.assertRaises(strata.NoDevice):
+            params.register([b"a" * 4096], cap=1, device=42)
+        with self.assertRaises(strata.StaleHandle):
+            params.Model(0x7_0000_0009).set_active()
+        model = params.register([b"x" * 4096], cap=1)
+        with self.assertRaises(strata.InvalidArgument):
+            model.read(3, 0, 10)
+
+
+if __name__ == "__main__":
+    unittest.main()

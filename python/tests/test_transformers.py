@@ -1,0 +1,232 @@
+"""strata.transformers with real transformers model code on the CPU: greedy generation with
+StrataCache gives exactly DynamicCache's tokens, the KV tensors never move, pages follow the
+tokens held, and bad use raises typed errors. Models are random-initialised from small configs
+(nothing downloaded). KV tensors must be CPU-readable, so ffi/tests/python_transformers.rs runs
+this module outside strict mode (STRATA_HOST_STRICT=0) and checks that the tests ran; in the
+strict run of the whole suite they skip."""
+
+import math
+import unittest
+
+import strata
+from strata import kv
+
+NEW_TOKENS = 512
+PROMPTS = (24, 9, 16)  # tokens of each row; shorter rows are left-padded
+VOCAB = 96
+
+
+def cpu_readable_kv():
+    """KV tensors are CPU tensors torch can read (the host backend outside strict mode)."""
+    with kv.KvSpace(layers=1, kv_heads=1, head_dim=64, dtype="float32", max_requests=1, max_tokens=8) as s:
+        return s.tensor(0, "k").dlpack_device_type == 1
+
+
+# transformers is imported only where the tests can run (it takes seconds to import).
+if cpu_readable_kv():
+    try:
+        import torch
+        import transformers
+        from transformers import DynamicCache, LogitsProcessorList
+    except ImportError:
+        transformers = None
+else:
+    transformers = None
+
+
+def tiny(name, **extra):
+    """A random-initialised small model (2 layers, GQA: 4 query heads over 2 KV heads)."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(extra)
+    config = getattr(transformers, f"{name}Config")(**common)
+    torch.manual_seed(1234)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    return model
+
+
+def batch(prompts=PROMPTS):
+    torch.manual_seed(7)
+    width = max(prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(prompts):
+        ids[row, width - n :] = torch.randint(3, VOCAB, (n,))
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+class Watch:
+    """A logits processor, so it runs once per decoding step: records the cache's tensor
+    addresses and what it maps."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.addresses = set()
+        self.views_at_base = True
+        self.steps = 0
+        self.kv_bytes = []
+
+    def __call__(self, input_ids, scores):
+        self.steps += 1
+        self.addresses.add(tuple(self.cache.data_ptrs()))
+        for layer in self.cache.layers:
+            self.views_at_base &= layer.keys.data_ptr() == layer._k.data_ptr()
+            self.views_at_base &= layer.values.data_ptr() == layer._v.data_ptr()
+        self.kv_bytes.append(self.cache.stats()["kv_bytes"])
+        return scores
+
+
+def generate(model, cache, new_tokens=NEW_TOKENS, **kw):
+    ids, mask = batch()
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **kw,
+        )
+
+
+def mapped_bytes(cache):
+    """What whole pages for the tokens held cost: rows x blocks x block bytes."""
+    s = cache.stats()
+    return len(PROMPTS) * math.ceil(s["tokens"] / s["tokens_per_block"]) * s["block_bytes"]
+
+
+@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+class StrataCacheTest(unittest.TestCase):
+    def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, **extra):
+        from strata.transformers import StrataCache
+
+        model = tiny(name, **extra)
+        expected = generate(model, DynamicCache(), new_tokens)
+        total = max(PROMPTS) + new_tokens
+        with StrataCache(model.config, max_cache_len=total + 100) as cache:
+            watch = Watch(cache)
+            got = generate(model, cache, new_tokens, logits_processor=LogitsProcessorList([watch]))
+            self.assertEqual(got.shape, expected.shape)
+            self.assertTrue(torch.equal(got, expected), f"{name}: {(got != expected).sum()} tokens differ")
+            # One set of addresses for the whole generation, and the views start at the base.
+            self.assertEqual(watch.steps, new_tokens)
+            self.assertEqual(len(watch.addresses), 1)
+            self.assertTrue(watch.views_at_base)
+            # Pages follow the tokens held: whole pages for them, never the whole reservation.
+            s = cache.stats()
+            self.assertEqual(s["tokens"], total - 1)  # the last token is sampled, not cached
+            self.assertEqual(s["kv_bytes"], mapped_bytes(cache))
+            self.assertGreaterEqual(s["kv_bytes"], s["token_bytes"])
+            self.assertEqual(watch.kv_bytes, sorted(watch.kv_bytes))
+            cache.space.check()
+        return model
+
+    def test_llama_greedy_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Llama")
+
+    def test_qwen2_greedy_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Qwen2")
+
+    def test_mixtral_moe_greedy_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Mixtral", num_local_experts=4, num_experts_per_tok=2)
+
+    def test_mistral_window_wider_than_the_cache_is_full_attention(self):
+        self.same_tokens_as_dynamic("Mistral", new_tokens=64, sliding_window=4096)
+
+    def test_beam_search_matches_dynamic_cache(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        expected = generate(model, DynamicCache(), new_tokens=24, num_beams=3)
+        with StrataCache(model.config, max_cache_len=64) as cache:
+            got = generate(model, cache, new_tokens=24, num_beams=3)
+            self.assertTrue(torch.equal(got, expected))
+
+    def test_crop_then_continue_matches_dynamic_cache(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        ids, mask = batch()
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 6))
+        full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
+        logits = {}
+        with StrataCache(model.config, max_cache_len=128) as cache, torch.no_grad():
+            for name, c in (("dynamic", DynamicCache()), ("strata", cache)):
+                model(input_ids=ids, attention_mask=mask, past_key_values=c)
+                c.crop(-4)
+                kept = ids.shape[1] - 4
+                self.assertEqual(c.get_seq_length(), kept)
+                out = model(input_ids=more, attention_mask=full_mask[:, : kept + 6], past_key_values=c)
+                logits[name] = out.logits
+            self.assertTrue(torch.equal(logits["strata"], logits["dynamic"]))
+            with self.assertRaises(strata.InvalidArgument):
+                cache.crop(3)
+
+    def test_reset_returns_pages_and_keeps_addresses(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        with StrataCache(model.config, max_cache_len=200) as cache:
+            first = generate(model, cache, new_tokens=40)
+            addresses = cache.data_ptrs()
+            self.assertGreater(cache.stats()["kv_bytes"], 0)
+            cache.reset()
+            self.assertEqual(cache.get_seq_length(), 0)
+            self.assertEqual(cache.stats()["kv_bytes"], 0)
+            again = generate(model, cache, new_tokens=40)
+            self.assertTrue(torch.equal(first, again))
+            self.assertEqual(cache.data_ptrs(), addresses)
+
+    def test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        ids, mask = batch()
+        with StrataCache(model.config, max_cache_len=ids.shape[1] + 3) as cache, torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            held = cache.stats()["kv_bytes"]
+            with self.assertRaisesRegex(strata.InvalidArgument, "max_cache_len"):
+                model(input_ids=ids[:, :4], past_key_values=cache)
+            self.assertEqual(cache.get_seq_length(), ids.shape[1])
+            self.assertEqual(cache.stats()["kv_bytes"], held)
+        with StrataCache(model.config, max_cache_len=ids.shape[1] + 3) as short:
+            with self.assertRaisesRegex(strata.InvalidArgument, "max_cache_len"):
+                generate(model, short, new_tokens=10)
+
+    def test_closed_cache_is_a_clear_error(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        cache = StrataCache(model.config, max_cache_len=100)
+        generate(model, cache, new_tokens=4)
+        cache.close()
+        cache.close()  # idempotent
+        with self.assertRaisesRegex(strata.InvalidState, "closed"):
+            generate(model, cache, new_tokens=4)
+        with self.assertRaisesRegex(strata.InvalidState, "closed"):
+            cache.reset()
+
+    def test_unsupported_configs_are_refused(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Mistral", sliding_window=16)
+        with self.assertRaisesRegex(strata.Unsupported, "sliding_attention"):
+            StrataCache(model.config, max_cache_len=100)
+        with self.assertRaises(strata.InvalidArgument):
+            StrataCache(model.config, max_cache_len=0)
+
+
+if __name__ == "__main__":
+    unittest.main()
