@@ -59,7 +59,7 @@ impl Supply {
     /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
     /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
     /// old ranges are the caller's to free.
-    fn gather(self, pool: &PagePool, calls: &mut DriverCalls) -> Result<Vec<Page>> {
+    fn gather(self, pool: &PagePool, calls: &mut DriverCalls, requested: u64) -> Result<Vec<Page>> {
         let mut pages = self.ready;
         let unmapped = unmap_pages(self.mapped, &mut pages, calls);
         let fresh = unmapped.and_then(|()| match self.fresh {
@@ -76,9 +76,27 @@ impl Supply {
             }
             Err(e) => {
                 pool.give(pages);
-                Err(e)
+                Err(for_request(e, requested))
             }
         }
+    }
+}
+
+/// The pool's out-of-memory error (about the page it failed to create) restated for the
+/// caller's whole request.
+#[cold]
+fn for_request(e: Error, requested: u64) -> Error {
+    match e {
+        Error::OutOfMemory {
+            location,
+            available,
+            ..
+        } => Error::OutOfMemory {
+            location,
+            requested,
+            available,
+        },
+        e => e,
     }
 }
 
@@ -410,7 +428,7 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let got = supply.gather(&self.pool, &mut calls)?;
+                let got = supply.gather(&self.pool, &mut calls, requested)?;
                 self.map_run(start, got, &mut calls)
             }))
         });
@@ -586,7 +604,7 @@ impl CachingAllocator {
         let mut supply = self.reserve_supply(st, n, requested)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, &mut calls);
+        let got = supply.gather(&self.pool, &mut calls, requested);
         calls.add_to(&mut st.totals.counts);
         for (start, len) in ranges {
             st.va.free(start, len).map_err(internal)?;

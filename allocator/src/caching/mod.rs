@@ -92,7 +92,8 @@ pub struct CachingConfig {
     /// Bytes of VA reserved once for the arena (rounded up to the page size). `None`: four
     /// times the device memory, at least 1 TiB.
     pub arena_size: Option<u64>,
-    /// Requests below this many bytes are small (size classes in shared pages).
+    /// Requests below this many bytes are small (size classes in shared pages). Capped at
+    /// [`MAX_SEGMENT_PAGES`] pages, so small page sizes lower it.
     pub small_threshold: u64,
     /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
     pub limit: Option<u64>,
@@ -369,6 +370,11 @@ impl State {
             .collect()
     }
 
+    fn tag_is_idle(&self, ti: usize) -> bool {
+        let t = &self.tags[ti];
+        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+    }
+
     fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
         self.segments
             .iter()
@@ -426,7 +432,12 @@ impl CachingAllocator {
         if arena_size == 0 {
             return Err(Error::InvalidArgument("arena size 0".into()));
         }
-        let classes = SizeClasses::new(config.small_threshold, page);
+        // Small classes live in segments of at most MAX_SEGMENT_PAGES pages: with small pages
+        // (a 4 KiB host granularity) the threshold shrinks to fit instead of failing.
+        let threshold = config
+            .small_threshold
+            .min(MAX_SEGMENT_PAGES.saturating_mul(page));
+        let classes = SizeClasses::new(threshold, page);
         if let Some(last) = classes.len().checked_sub(1) {
             if classes.size(last) > bins::MAX_SEGMENT_PAGES * page {
                 return Err(Error::InvalidArgument(format!(
@@ -610,6 +621,30 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// Lets the caller reuse `tag`'s id for another name: succeeds (and restarts the tag's
+    /// counters) only while nothing of it is live, asleep or growing. Its cached pages stay
+    /// (blocks of one id never share a page with another id, whoever names it).
+    pub fn retire_tag(&self, tag: TagId) -> bool {
+        let mut st = self.state.lock();
+        let Some(ti) = st.tag_slot(tag) else {
+            return true;
+        };
+        if !st.tag_is_idle(ti) {
+            return false;
+        }
+        let totals = &mut st.tags[ti].totals;
+        totals.allocs = 0;
+        totals.frees = 0;
+        totals.peak_allocated = totals.allocated;
+        true
+    }
+
+    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
+    pub fn tag_is_idle(&self, tag: TagId) -> bool {
+        let st = self.state.lock();
+        st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
+    }
+
     /// The cap on reserved bytes.
     pub fn limit(&self) -> Option<u64> {
         self.state.lock().limit
@@ -648,6 +683,11 @@ impl CachingAllocator {
             cached_large_bytes: st.cache.pages() * page,
             large_segment_bytes: st.large.values().map(|s| s.pages).sum::<u64>() * page,
             large_free_bytes: st.extents.bytes(),
+            cached_small_bytes: st
+                .iter_segments()
+                .filter(|(_, s)| s.live == 0 && !s.mapped.is_empty())
+                .map(|(_, s)| s.pages * page)
+                .sum(),
             peak_allocated_bytes: st.totals.peak_allocated,
             peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
             peak_reserved_bytes: st.totals.peak_mapped_pages * page,

@@ -184,9 +184,8 @@ impl CachingAllocator {
             Keep::Nothing => {}
             Keep::Host => {
                 for &(id, ptr, requested) in &live {
-                    let len = usize::try_from(requested)
-                        .map_err(|_| Error::Overflow("host copy size"))?;
-                    let mut buf = vec![0u8; len];
+                    // Host memory may run out: an error, with the tag still awake and intact.
+                    let mut buf = strata_vmm::try_host_vec(requested)?;
                     self.backend.read(ptr, &mut buf)?;
                     copies.insert(id, buf);
                 }

@@ -83,6 +83,8 @@ pub struct AllocatorStats {
     /// and after them), and the free part of them.
     pub large_segment_bytes: u64,
     pub large_free_bytes: u64,
+    /// Bytes of small segments with no live block, kept mapped for reuse.
+    pub cached_small_bytes: u64,
     pub peak_allocated_bytes: u64,
     pub peak_allocated_block_bytes: u64,
     pub peak_reserved_bytes: u64,

@@ -181,6 +181,11 @@ fn threads_allocate_and_free_concurrently() {
 }
 
 #[test]
+fn a_forked_child_passes_through_to_the_driver() {
+    served_by_strata("fork");
+}
+
+#[test]
 fn limit_caps_what_strata_serves() {
     let limit = 32u64 << 20;
     let bytes = limit.to_string();
@@ -190,6 +195,18 @@ fn limit_caps_what_strata_serves() {
     ];
     let (ok, out) = run("limit", Mode::Preloaded, &env);
     assert!(ok, "limit under LD_PRELOAD:\n{out}");
+}
+
+#[test]
+fn mem_get_info_reports_what_a_large_allocation_gets() {
+    let limit = 64u64 << 20;
+    let bytes = limit.to_string();
+    let env = [
+        ("STRATA_PRELOAD_LIMIT", "64MiB"),
+        ("STRATA_PRELOAD_LIMIT_BYTES", bytes.as_str()),
+    ];
+    let (ok, out) = run("meminfo_small", Mode::Preloaded, &env);
+    assert!(ok, "meminfo_small under LD_PRELOAD:\n{out}");
 }
 
 /// The checks can fail: the shim serving where the fake driver should is caught, and so is

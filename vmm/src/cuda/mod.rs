@@ -1157,7 +1157,14 @@ impl Backend for CudaBackend {
             )));
         }
         self.enter(0)?;
-        let ptr = result::host::alloc(size)?;
+        let ptr = match result::host::alloc(size) {
+            Ok(ptr) => ptr,
+            // Pinned host memory exhausted: out of memory on the host, like the host backend.
+            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
+                return Err(crate::hostbuf::host_out_of_memory(size));
+            }
+            Err(e) => return Err(e),
+        };
         self.state.lock().pinned.insert(ptr, size);
         Ok(ptr)
     }
