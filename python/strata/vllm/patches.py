@@ -1,0 +1,242 @@
+"""The patches strata.vllm applies to vLLM. Each names the vLLM versions it was written against
+and checks, before touching anything, that its targets exist with the signatures it expects: on
+any other version, or a target that changed, it refuses with UnsupportedVllm instead of patching
+something it does not understand.
+
+Patches (all in the process that runs the model runner and the scheduler):
+  kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
+              one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer.
+  block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, touch, free_blocks,
+              unpin_blocks): blocks handed out map their group's pages; groups whose blocks all
+              fell free are unmapped beyond STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks
+              leaving the prefix cache and moving to the back of the free queue.
+"""
+
+import importlib
+import inspect
+import re
+
+from . import elastic
+
+
+class UnsupportedVllm(RuntimeError):
+    """vLLM's version, or a patched function, is not the one strata.vllm was written for."""
+
+
+def parse_version(text):
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not m:
+        raise UnsupportedVllm(f"strata.vllm: cannot read vLLM version {text!r}")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def _fmt(v):
+    return ".".join(map(str, v))
+
+
+class Patch:
+    """One patch: ``targets`` = {"module:attr": [parameter names expected]}."""
+
+    def __init__(self, name, first, end, targets, apply):
+        self.name, self.first, self.end = name, first, end
+        self.targets, self._apply = targets, apply
+
+    @property
+    def versions(self):
+        return f">={_fmt(self.first)},<{_fmt(self.end)}"
+
+    def check(self, version):
+        v = parse_version(version)
+        if not self.first <= v < self.end:
+            raise UnsupportedVllm(
+                f"strata.vllm: patch {self.name!r} supports vLLM {self.versions}, "
+                f"this is vLLM {version}; refusing to patch (unset STRATA_VLLM to run stock vLLM)"
+            )
+        for target, params in self.targets.items():
+            obj = _resolve(target)
+            got = list(inspect.signature(obj).parameters)
+            if got[: len(params)] != params:
+                raise UnsupportedVllm(
+                    f"strata.vllm: patch {self.name!r}: {target} takes {got}, expected {params} "
+                    f"(vLLM {version}); refusing to patch"
+                )
+
+    def apply(self):
+        self._apply()
+
+
+def _resolve(target):
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- kv-tensors -----------------------------------------------------------------------------
+
+
+def _apply_kv_tensors():
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1 import kv_cache_interface as kci
+    from vllm.v1 import kv_cache_layout as layout_mod
+
+    stock = runner.allocate_kv_cache
+    if getattr(stock, "_strata", False):
+        return
+    dims = (layout_mod._DIM_B, layout_mod._DIM_H, layout_mod._DIM_N, layout_mod._DIM_C)
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        if not kv_cache_config.kv_cache_tensors:
+            return stock(kv_cache_config, device, layout, kernel_block_sizes)
+        kv, views = elastic.layer_views(
+            kv_cache_config,
+            layout,
+            kernel_block_sizes,
+            kci.create_kv_cache_views,
+            kci.compute_layer_kv_cache_shape_bytes,
+            dims,
+        )
+        got = next(iter(views.values())).device
+        if got.type != device.type:
+            raise UnsupportedVllm(
+                f"strata.vllm: the KV space's tensors are {got.type} tensors, vLLM runs on "
+                f"{device} (strata's backend and vLLM's device must agree)"
+            )
+        return views
+
+    allocate_kv_cache._strata = True
+    runner.allocate_kv_cache = allocate_kv_cache
+
+
+# ---- block-pool -----------------------------------------------------------------------------
+
+
+def _apply_block_pool():
+    from vllm.v1.core.block_pool import BlockPool
+
+    if getattr(BlockPool, "_strata", False):
+        return
+    init, get_new, touch, free, unpin = (
+        BlockPool.__init__,
+        BlockPool.get_new_blocks,
+        BlockPool.touch,
+        BlockPool.free_blocks,
+        BlockPool.unpin_blocks,
+    )
+
+    def __init__(self, num_gpu_blocks, *args, **kwargs):
+        init(self, num_gpu_blocks, *args, **kwargs)
+        kv = elastic.newest()
+        if kv is None or kv.num_blocks != num_gpu_blocks:
+            raise UnsupportedVllm(
+                "strata.vllm: the scheduler's block pool has no strata KV space of "
+                f"{num_gpu_blocks} blocks in this process (the model runner must run in the "
+                "scheduler's process: one worker, no multiprocessing executor)"
+            )
+        self._strata_kv = kv
+
+    def get_new_blocks(self, num_blocks):
+        blocks = get_new(self, num_blocks)
+        kv = self._strata_kv
+        try:
+            kv.ensure_mapped([b.block_id for b in blocks])
+        except BaseException:
+            free(self, blocks)
+            raise
+        kv.maybe_log()
+        return blocks
+
+    def _touch(self, blocks):
+        touch(self, blocks)
+        self._strata_kv.used([b.block_id for b in blocks])
+
+    def _after_free(self, blocks):
+        kv = self._strata_kv
+        groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
+        candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
+        for g in kv.maybe_free(candidates):
+            members = candidates[g]
+            for b in members:
+                self.free_block_queue.remove(b)
+                self._maybe_evict_cached_block(b)
+            if self._reuse_watchers:
+                self._notify_reuse(members)
+            try:
+                kv.unmap(g)
+            finally:
+                self.free_block_queue.append_n(members)
+
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        free(self, blocks)
+        _after_free(self, blocks)
+
+    def unpin_blocks(self, blocks, on_reuse):
+        blocks = list(blocks)
+        unpin(self, blocks, on_reuse)
+        _after_free(self, blocks)
+
+    BlockPool.__init__ = __init__
+    BlockPool.get_new_blocks = get_new_blocks
+    BlockPool.touch = _touch
+    BlockPool.free_blocks = free_blocks
+    BlockPool.unpin_blocks = unpin_blocks
+    BlockPool._strata = True
+
+
+V0_32 = (0, 32, 0)
+V0_33 = (0, 33, 0)
+
+PATCHES = [
+    Patch(
+        "kv-tensors",
+        V0_32,
+        V0_33,
+        {
+            "vllm.v1.worker.gpu_model_runner:allocate_kv_cache": [
+                "kv_cache_config",
+                "device",
+                "layout",
+                "kernel_block_sizes",
+            ],
+            "vllm.v1.kv_cache_interface:create_kv_cache_views": [
+                "raw",
+                "spec",
+                "num_blocks",
+                "layout",
+                "kv_cache_tensor",
+                "kernel_block_size",
+            ],
+            "vllm.v1.kv_cache_interface:compute_layer_kv_cache_shape_bytes": [
+                "spec",
+                "num_blocks",
+                "kernel_block_size",
+            ],
+        },
+        _apply_kv_tensors,
+    ),
+    Patch(
+        "block-pool",
+        V0_32,
+        V0_33,
+        {
+            "vllm.v1.core.block_pool:BlockPool.__init__": ["self", "num_gpu_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.touch": ["self", "blocks"],
+            "vllm.v1.core.block_pool:BlockPool.free_blocks": ["self", "ordered_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.unpin_blocks": ["self", "blocks", "on_reuse"],
+            "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block": ["self", "block"],
+            "vllm.v1.core.block_pool:BlockPool._notify_reuse": ["self", "blocks"],
+        },
+        _apply_block_pool,
+    ),
+]
+
+
+def install(version):
+    """Checks every patch against ``version`` first, then applies them all (idempotent)."""
+    for p in PATCHES:
+        p.check(version)
+    for p in PATCHES:
+        p.apply()
