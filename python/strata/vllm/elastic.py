@@ -25,7 +25,8 @@ import time
 import strata
 import strata.kv
 
-log = logging.getLogger("strata.vllm")
+# A child of vLLM's logger: its lines go wherever vLLM sends its own.
+log = logging.getLogger("vllm.strata")
 
 _SPACES = []  # ElasticKv instances of this process, newest last (the block pool takes the newest)
 
@@ -88,7 +89,7 @@ class ElasticKv:
         self.maps = 0
         self.unmaps = 0
         self.peak_mapped_groups = 0
-        self._last_log = time.monotonic()
+        self._last_log = None  # the first allocation logs at once
         _SPACES.append(self)
 
     def layer_tensor(self, index):
@@ -190,10 +191,11 @@ class ElasticKv:
         }
 
     def maybe_log(self):
-        """One INFO line per STRATA_VLLM_LOG_INTERVAL seconds (default 10; 0: never)."""
+        """One INFO line at the first allocation, then at most one per STRATA_VLLM_LOG_INTERVAL
+        seconds (default 10; 0: never)."""
         interval = _env_int("STRATA_VLLM_LOG_INTERVAL", 10)
         now = time.monotonic()
-        if interval == 0 or now - self._last_log < interval:
+        if interval == 0 or (self._last_log is not None and now - self._last_log < interval):
             return
         self._last_log = now
         s = self.stats()

@@ -54,7 +54,7 @@ def run_engine(plugin, model_dir):
             f"run_engine (plugin={plugin}) failed, rc {proc.returncode}:\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
 
 
 @unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
@@ -132,7 +132,8 @@ class Elastic(unittest.TestCase):
         self.assertGreater(stats["unmaps"], 0)
 
     def test_stats_are_logged(self):
-        self.assertIn("strata.vllm:", self.strata_log)
+        self.assertIn("strata.vllm: 2 layers, 1024 blocks", self.strata_log)
+        self.assertRegex(self.strata_log, r"strata KV: \d+/512 groups mapped")
 
 
 if __name__ == "__main__":
