@@ -111,6 +111,9 @@ class Elastic(unittest.TestCase):
         self.assertTrue(all(len(o) == MAX_TOKENS for o in stock))
         self.assertGreater(len({tuple(o) for o in stock}), 1, "all requests gave one output")
         self.assertEqual(ours, stock)
+        # the second wave (same prompts, prefix cache partly evicted by unmapping) agrees too
+        self.assertEqual(self.stock["outputs_again"], stock)
+        self.assertEqual(self.strata["outputs_again"], stock)
 
     def test_mapped_bytes_follow_the_blocks_in_use(self):
         r = self.strata
