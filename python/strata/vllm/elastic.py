@@ -84,6 +84,7 @@ class ElasticKv:
         # holds tokens_per_group tokens and empty otherwise.
         self._requests = [self._admit(g) for g in range(self.num_groups)]
         self._groups = set()  # mapped groups
+        self._mapped_blocks = 0  # blocks of the mapped groups
         self._free_groups = set()  # mapped groups whose blocks are all free
         self._pinned = {0}  # vLLM's null block lives in group 0
         self.maps = 0
@@ -109,13 +110,34 @@ class ElasticKv:
         first = group * self.blocks_per_group
         return range(first, min(first + self.blocks_per_group, self.num_blocks))
 
-    def ensure_mapped(self, block_ids):
-        """Maps the groups of ``block_ids`` not mapped yet (every layer at once)."""
+    def map_groups(self, block_ids):
+        """Maps the groups of ``block_ids`` not mapped yet (every layer at once). Returns the
+        groups the pool had no pages for (out of memory is an outcome, not an error)."""
+        failed = set()
         with self._lock:
-            for g in {self.group_of(b) for b in block_ids}:
+            for g in sorted({self.group_of(b) for b in block_ids}):
                 self._free_groups.discard(g)
-                if g not in self._groups:
+                if g in self._groups:
+                    continue
+                try:
                     self._map(g)
+                except strata.OutOfMemory:
+                    failed.add(g)
+        return failed
+
+    def is_mapped(self, block_id):
+        return self.group_of(block_id) in self._groups
+
+    def free_blocks(self, queued, blocks_out):
+        """The blocks vLLM may take now: free blocks on mapped groups plus those the pool's free
+        pages could map (never more than the ``queued`` free blocks). ``blocks_out`` counts the
+        blocks not in the free queue (in use, and the null block), all on mapped groups."""
+        on_mapped = self._mapped_blocks - blocks_out
+        st = strata.stats(0)
+        # Two pages of slack: the zero page and rounding in the pool's own accounting.
+        room = st["total_bytes"] - st["pool_in_use_bytes"] - 2 * self.page_size
+        mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
+        return min(queued, on_mapped + mappable * self.blocks_per_group)
 
     def _admit(self, group):
         r = self.space.admit()
@@ -128,6 +150,7 @@ class ElasticKv:
     def _map(self, group):
         self._requests[group].append(self.tokens_per_group)
         self._groups.add(group)
+        self._mapped_blocks += len(self.group_blocks(group))
         self.maps += 1
         self.peak_mapped_groups = max(self.peak_mapped_groups, len(self._groups))
 
@@ -150,10 +173,19 @@ class ElasticKv:
                 return []
             return sorted(self._free_groups, reverse=True)[:excess]
 
+    def still_free(self, group, blocks):
+        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free; forgets it if not."""
+        with self._lock:
+            if all(b.ref_cnt == 0 for b in blocks):
+                return True
+            self._free_groups.discard(group)
+            return False
+
     def unmap(self, group):
         with self._lock:
             self._groups.discard(group)
             self._free_groups.discard(group)
+            self._mapped_blocks -= len(self.group_blocks(group))
             r = self._requests[group]
             r.spill("host")
             r.release()
@@ -263,7 +295,8 @@ def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn,
         )
         (views[name],) = views_fn(raw, spec, blocks, layout, one, kernel_block_size=kbs)
     # Block 0 is vLLM's null block: its group stays mapped (padding may read or write it).
-    kv.ensure_mapped([0])
+    if kv.map_groups([0]):
+        raise strata.OutOfMemory("strata.vllm: no pages for the null block's group")
     log.info(
         "strata.vllm: %d layers, %d blocks of %d B in %d groups of %d blocks (%.1f MiB virtual)",
         len(entries),

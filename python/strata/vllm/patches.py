@@ -6,15 +6,20 @@ something it does not understand.
 Patches (all in the process that runs the model runner and the scheduler):
   kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
               one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer.
-  block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, touch, free_blocks,
-              unpin_blocks): blocks handed out map their group's pages; groups whose blocks all
-              fell free are unmapped beyond STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks
-              leaving the prefix cache and moving to the back of the free queue.
+  block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, get_num_free_blocks,
+              touch, free_blocks, unpin_blocks): blocks handed out map their group's pages;
+              groups whose blocks all fell free are unmapped beyond STRATA_VLLM_SPARE_GROUPS
+              (hysteresis), their blocks leaving the prefix cache and moving to the back of the
+              free queue; the free count vLLM schedules by is bounded by the pages the pool can
+              still map, and blocks of groups it could not map are swapped for free blocks of
+              mapped groups, so a small pool makes vLLM queue and preempt instead of failing.
 """
 
 import importlib
 import inspect
 import re
+
+import strata
 
 from . import elastic
 
@@ -136,16 +141,49 @@ def _apply_block_pool():
             )
         self._strata_kv = kv
 
+    def get_num_free_blocks(self):
+        queued = self.free_block_queue.num_free_blocks
+        return self._strata_kv.free_blocks(queued, self.num_gpu_blocks - queued)
+
     def get_new_blocks(self, num_blocks):
         blocks = get_new(self, num_blocks)
         kv = self._strata_kv
         try:
-            kv.ensure_mapped([b.block_id for b in blocks])
+            failed = kv.map_groups([b.block_id for b in blocks])
+            if failed:
+                blocks = _swap_for_mapped(self, blocks, failed)
         except BaseException:
             free(self, blocks)
             raise
         kv.maybe_log()
         return blocks
+
+    def _swap_for_mapped(self, blocks, failed):
+        """The pool ran out of pages: blocks of groups it could not map go back to the free
+        queue, replaced by free blocks of mapped groups (get_num_free_blocks promised enough;
+        cached ones leave the prefix cache)."""
+        kv = self._strata_kv
+        bad = [b for b in blocks if kv.group_of(b.block_id) in failed]
+        queue = self.free_block_queue
+        spare, block = [], queue.fake_free_list_head.next_free_block
+        while block is not queue.fake_free_list_tail and len(spare) < len(bad):
+            if kv.is_mapped(block.block_id):
+                spare.append(block)
+            block = block.next_free_block
+        if len(spare) < len(bad):
+            raise strata.OutOfMemory(
+                f"strata.vllm: {len(bad)} KV blocks need pages the pool does not have"
+            )
+        kv.used([b.block_id for b in spare])
+        for b in spare:
+            queue.remove(b)
+            self._maybe_evict_cached_block(b)
+            b.ref_cnt += 1
+        for b in bad:
+            b.ref_cnt -= 1
+        queue.append_n(bad)
+        swap = dict(zip((b.block_id for b in bad), spare))
+        return [swap.get(b.block_id, b) for b in blocks]
 
     def _touch(self, blocks):
         touch(self, blocks)
@@ -156,7 +194,9 @@ def _apply_block_pool():
         groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
         candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
         for g in kv.maybe_free(candidates):
-            members = candidates[g]
+            members = [self.blocks[i] for i in kv.group_blocks(g)]
+            if not kv.still_free(g, members):
+                continue
             for b in members:
                 self.free_block_queue.remove(b)
                 self._maybe_evict_cached_block(b)
@@ -179,6 +219,7 @@ def _apply_block_pool():
 
     BlockPool.__init__ = __init__
     BlockPool.get_new_blocks = get_new_blocks
+    BlockPool.get_num_free_blocks = get_num_free_blocks
     BlockPool.touch = _touch
     BlockPool.free_blocks = free_blocks
     BlockPool.unpin_blocks = unpin_blocks
@@ -228,6 +269,9 @@ PATCHES = [
             "vllm.v1.core.block_pool:BlockPool.unpin_blocks": ["self", "blocks", "on_reuse"],
             "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block": ["self", "block"],
             "vllm.v1.core.block_pool:BlockPool._notify_reuse": ["self", "blocks"],
+            "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": ["self"],
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.remove": ["self", "block"],
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.append_n": ["self", "blocks"],
         },
         _apply_block_pool,
     ),

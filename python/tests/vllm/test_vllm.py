@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 SPARE_GROUPS = 2
 REQUESTS = 8
 MAX_TOKENS = 12
+SMALL_DEVICE = 1536 << 10
 
 try:
     import vllm  # noqa: F401
@@ -29,7 +30,7 @@ except ImportError:
         raise
 
 
-def run_engine(plugin, model_dir):
+def run_engine(plugin, model_dir, **extra_env):
     env = dict(os.environ)
     env.update(
         STRATA_VLLM="1" if plugin else "0",
@@ -40,6 +41,7 @@ def run_engine(plugin, model_dir):
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=os.path.join(REPO, "python"),
     )
+    env.update(extra_env)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "run_engine.py"), model_dir,
          "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS)],
@@ -100,6 +102,8 @@ class Elastic(unittest.TestCase):
         model = os.path.join(cls.tmp.name, "llama")
         cls.stock, _ = run_engine(False, model)
         cls.strata, cls.strata_log = run_engine(True, model)
+        # 64 MiB of virtual KV over a 1.5 MiB device: vLLM must queue and preempt by the pages
+        cls.small, _ = run_engine(True, model, STRATA_HOST_DEVICES="1536KiB")
 
     @classmethod
     def tearDownClass(cls):
@@ -133,6 +137,16 @@ class Elastic(unittest.TestCase):
         self.assertEqual(stats["pool_in_use_bytes"], stats["mapped_bytes"])
         self.assertLess(peak, stats["virtual_bytes"], "vLLM's capacity is not larger than mapped")
         self.assertGreater(stats["unmaps"], 0)
+
+    def test_a_small_device_queues_instead_of_failing(self):
+        r = self.small
+        self.assertEqual(r["outputs"], self.stock["outputs"])
+        self.assertEqual(r["outputs_again"], self.stock["outputs"])
+        peak = max(s["mapped"] for s in r["steps"])
+        self.assertLessEqual(peak, SMALL_DEVICE)
+        # the unconstrained run needed more than the small device holds at its peak
+        self.assertGreater(max(s["mapped"] for s in self.strata["steps"]), SMALL_DEVICE)
+        self.assertLess(peak, r["stats"]["virtual_bytes"])
 
     def test_stats_are_logged(self):
         self.assertIn("strata.vllm: 2 layers, 1024 blocks", self.strata_log)
