@@ -87,6 +87,7 @@ class ElasticKv:
         self._mapped_blocks = 0  # blocks of the mapped groups
         self._free_groups = set()  # mapped groups whose blocks are all free
         self._pinned = {0}  # vLLM's null block lives in group 0
+        self.block_pool = None  # the scheduler's BlockPool, once it exists
         self.maps = 0
         self.unmaps = 0
         self.peak_mapped_groups = 0
@@ -166,7 +167,9 @@ class ElasticKv:
         the groups to unmap (the caller takes their blocks out of the prefix cache first)."""
         with self._lock:
             for g, blocks in blocks_by_id.items():
-                if g in self._groups and g not in self._pinned and all(b.ref_cnt == 0 for b in blocks):
+                if g in self._groups and g not in self._pinned and all(
+                    b.ref_cnt == 0 for b in blocks
+                ):
                     self._free_groups.add(g)
             excess = len(self._free_groups) - self.spare_groups
             if excess <= 0:
@@ -193,6 +196,10 @@ class ElasticKv:
             self.unmaps += 1
 
     # ---- operator view ---------------------------------------------------------------------
+
+    def mapped_group_list(self):
+        with self._lock:
+            return sorted(self._groups)
 
     def mapped_groups(self):
         with self._lock:
@@ -275,7 +282,9 @@ def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn,
                 f"strata.vllm: KV spec {type(spec).__name__} of {tensor.layers[0]} is not a "
                 "plain attention cache (raw or padded pages)"
             )
-        kbs = kernel_block_sizes[gid] if kernel_block_sizes and gid < len(kernel_block_sizes) else None
+        kbs = None
+        if kernel_block_sizes and gid < len(kernel_block_sizes):
+            kbs = kernel_block_sizes[gid]
         for name in tensor.layers:
             entries.append((tensor, name, spec, kbs))
     num_blocks = {kv_cache_config.num_blocks_of(t) for t, *_ in entries}

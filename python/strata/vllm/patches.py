@@ -7,12 +7,15 @@ Patches (all in the process that runs the model runner and the scheduler):
   kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
               one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer.
   block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, get_num_free_blocks,
-              touch, free_blocks, unpin_blocks): blocks handed out map their group's pages;
-              groups whose blocks all fell free are unmapped beyond STRATA_VLLM_SPARE_GROUPS
-              (hysteresis), their blocks leaving the prefix cache and moving to the back of the
-              free queue; the free count vLLM schedules by is bounded by the pages the pool can
-              still map, and blocks of groups it could not map are swapped for free blocks of
-              mapped groups, so a small pool makes vLLM queue and preempt instead of failing.
+              reset_prefix_cache, touch, free_blocks, unpin_blocks): blocks handed out map
+              their group's pages; groups whose blocks all fell free are unmapped beyond
+              STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks leaving the prefix cache and
+              moving to the back of the free queue; the free count vLLM schedules by is bounded
+              by the pages the pool can still map, and blocks of groups it could not map are
+              swapped for free blocks of mapped groups, so a small pool makes vLLM queue and
+              preempt instead of failing (reset_prefix_cache still sees the plain count).
+  cpu-sleep   vllm.v1.worker.cpu_worker.CPUWorker.sleep (a no-op in vLLM's CPU build): level >= 1
+              unmaps every KV group whose blocks are free; wake needs nothing.
 """
 
 import importlib
@@ -117,17 +120,37 @@ def _apply_kv_tensors():
 # ---- block-pool -----------------------------------------------------------------------------
 
 
+def unmap_free_group(pool, group):
+    """Unmaps ``group`` if all its blocks are free: they leave the prefix cache and move to the
+    back of the free queue (reused after every block of a mapped group). Returns whether it did."""
+    kv = pool._strata_kv
+    members = [pool.blocks[i] for i in kv.group_blocks(group)]
+    if not kv.still_free(group, members):
+        return False
+    for b in members:
+        pool.free_block_queue.remove(b)
+        pool._maybe_evict_cached_block(b)
+    if pool._reuse_watchers:
+        pool._notify_reuse(members)
+    try:
+        kv.unmap(group)
+    finally:
+        pool.free_block_queue.append_n(members)
+    return True
+
+
 def _apply_block_pool():
     from vllm.v1.core.block_pool import BlockPool
 
     if getattr(BlockPool, "_strata", False):
         return
-    init, get_new, touch, free, unpin = (
+    init, get_new, touch, free, unpin, reset = (
         BlockPool.__init__,
         BlockPool.get_new_blocks,
         BlockPool.touch,
         BlockPool.free_blocks,
         BlockPool.unpin_blocks,
+        BlockPool.reset_prefix_cache,
     )
 
     def __init__(self, num_gpu_blocks, *args, **kwargs):
@@ -140,10 +163,22 @@ def _apply_block_pool():
                 "scheduler's process: one worker, no multiprocessing executor)"
             )
         self._strata_kv = kv
+        kv.block_pool = self
+        self._strata_all_free_check = False
 
     def get_num_free_blocks(self):
         queued = self.free_block_queue.num_free_blocks
+        if self._strata_all_free_check:
+            return queued
         return self._strata_kv.free_blocks(queued, self.num_gpu_blocks - queued)
+
+    def reset_prefix_cache(self):
+        # It asks get_num_free_blocks whether every block is free, not how many it may take.
+        self._strata_all_free_check = True
+        try:
+            return reset(self)
+        finally:
+            self._strata_all_free_check = False
 
     def get_new_blocks(self, num_blocks):
         blocks = get_new(self, num_blocks)
@@ -194,18 +229,7 @@ def _apply_block_pool():
         groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
         candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
         for g in kv.maybe_free(candidates):
-            members = [self.blocks[i] for i in kv.group_blocks(g)]
-            if not kv.still_free(g, members):
-                continue
-            for b in members:
-                self.free_block_queue.remove(b)
-                self._maybe_evict_cached_block(b)
-            if self._reuse_watchers:
-                self._notify_reuse(members)
-            try:
-                kv.unmap(g)
-            finally:
-                self.free_block_queue.append_n(members)
+            unmap_free_group(self, g)
 
     def free_blocks(self, ordered_blocks):
         blocks = list(ordered_blocks)
@@ -220,10 +244,36 @@ def _apply_block_pool():
     BlockPool.__init__ = __init__
     BlockPool.get_new_blocks = get_new_blocks
     BlockPool.get_num_free_blocks = get_num_free_blocks
+    BlockPool.reset_prefix_cache = reset_prefix_cache
     BlockPool.touch = _touch
     BlockPool.free_blocks = free_blocks
     BlockPool.unpin_blocks = unpin_blocks
     BlockPool._strata = True
+
+
+# ---- cpu-sleep ------------------------------------------------------------------------------
+
+
+def _apply_cpu_sleep():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if getattr(CPUWorker, "_strata", False):
+        return
+    stock = CPUWorker.sleep
+
+    def sleep(self, level=1):
+        """vLLM's CPU worker ignores sleep; with strata, level >= 1 (which discards the KV
+        cache: the engine paused and cleared the prefix cache first) unmaps every KV group
+        whose blocks are free. Wake needs nothing: groups map again as blocks are handed out."""
+        kv = elastic.newest()
+        pool = getattr(kv, "block_pool", None)
+        if level < 1 or pool is None:
+            return stock(self, level)
+        released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
+        elastic.log.info("strata.vllm: sleep level %d unmapped %d KV groups", level, released)
+
+    CPUWorker.sleep = sleep
+    CPUWorker._strata = True
 
 
 V0_32 = (0, 32, 0)
@@ -270,12 +320,24 @@ PATCHES = [
             "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block": ["self", "block"],
             "vllm.v1.core.block_pool:BlockPool._notify_reuse": ["self", "blocks"],
             "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": ["self"],
+            "vllm.v1.core.block_pool:BlockPool.reset_prefix_cache": ["self"],
             "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.remove": ["self", "block"],
             "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.append_n": ["self", "blocks"],
         },
         _apply_block_pool,
     ),
 ]
+
+
+PATCHES.append(
+    Patch(
+        "cpu-sleep",
+        V0_32,
+        V0_33,
+        {"vllm.v1.worker.cpu_worker:CPUWorker.sleep": ["self", "level"]},
+        _apply_cpu_sleep,
+    )
+)
 
 
 def install(version):

@@ -1,7 +1,8 @@
 """Throughput and time to first token, stock vLLM vs strata.vllm, side by side (BENCHMARKS.md).
 
     STRATA_LIB=target/release/libstrata.so PYTHONPATH=python \\
-        target/venv-vllm/bin/python python/tests/vllm/bench.py [--rounds 2] [--requests 16] [--max-tokens 32]
+        target/venv-vllm/bin/python python/tests/vllm/bench.py \\
+        [--rounds 2] [--requests 16] [--max-tokens 32]
 
 Each round runs run_engine.py once without the plugin and once with it (fresh processes,
 alternating, so machine noise hits both); prints every run and the medians as a Markdown table.

@@ -116,10 +116,17 @@ def main():
     # The same prompts again: prefix-cache hits on blocks whose groups stayed mapped, recompute
     # for the others (their hashes left the cache when their group was unmapped).
     run_wave("b")
+    # Sleep (strata: KV groups back to the pool), wake, and the same prompts once more.
+    llm.sleep(level=1)
+    asleep = mapped()
+    llm.wake_up()
+    run_wave("c")
     result = {
         "plugin": plugin,
         "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
         "outputs_again": [outputs[f"b{i}"] for i in range(args.requests)],
+        "outputs_after_sleep": [outputs[f"c{i}"] for i in range(args.requests)],
+        "mapped_asleep": asleep,
         "steps": steps,
         "tokens_per_s": generated / elapsed,
         "mean_ttft_s": ttft,

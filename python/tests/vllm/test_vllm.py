@@ -138,6 +138,12 @@ class Elastic(unittest.TestCase):
         self.assertLess(peak, stats["virtual_bytes"], "vLLM's capacity is not larger than mapped")
         self.assertGreater(stats["unmaps"], 0)
 
+    def test_sleep_unmaps_the_kv_cache_and_wake_runs_again(self):
+        r = self.strata
+        self.assertEqual(r["mapped_asleep"], r["group_bytes"])  # only the null block's group
+        self.assertEqual(r["outputs_after_sleep"], self.stock["outputs"])
+        self.assertEqual(self.stock["outputs_after_sleep"], self.stock["outputs"])
+
     def test_a_small_device_queues_instead_of_failing(self):
         r = self.small
         self.assertEqual(r["outputs"], self.stock["outputs"])
