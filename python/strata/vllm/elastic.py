@@ -47,8 +47,9 @@ def _env_int(name, default):
 class ElasticKv:
     """One KV space behind all of a model runner's attention layers, and its group map."""
 
-    def __init__(self, num_layers, num_blocks, block_bytes, spare_groups=None):
-        page = strata.stats(0)["page_size"]
+    def __init__(self, num_layers, num_blocks, block_bytes, device=0, spare_groups=None):
+        self.device = device
+        page = strata.stats(device)["page_size"]
         if block_bytes % page and page % block_bytes:
             raise strata.InvalidArgument(
                 f"strata.vllm: a KV block of {block_bytes} B and the strata page of {page} B "
@@ -77,6 +78,7 @@ class ElasticKv:
             max_tokens=self.tokens_per_group,
             zero_page=True,
             host_bytes=self.group_bytes,
+            device=device,
         )
         self._lock = threading.Lock()
         # Every slot is held by a request for the space's life (slot i = group i), so the slot a
@@ -134,7 +136,7 @@ class ElasticKv:
         pages could map (never more than the ``queued`` free blocks). ``blocks_out`` counts the
         blocks not in the free queue (in use, and the null block), all on mapped groups."""
         on_mapped = self._mapped_blocks - blocks_out
-        st = strata.stats(0)
+        st = strata.stats(self.device)
         # Two pages of slack: the zero page and rounding in the pool's own accounting.
         room = st["total_bytes"] - st["pool_in_use_bytes"] - 2 * self.page_size
         mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
@@ -258,11 +260,12 @@ def newest():
     return _SPACES[-1] if _SPACES else None
 
 
-def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims):
+def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims, device=0):
     """The per-layer views vLLM's ``allocate_kv_cache`` would return, over a new ElasticKv.
 
     ``views_fn`` is vLLM's ``create_kv_cache_views`` and ``shape_fn`` its
-    ``compute_layer_kv_cache_shape_bytes``; ``dims`` = (_DIM_B, _DIM_H, _DIM_N, _DIM_C)."""
+    ``compute_layer_kv_cache_shape_bytes``; ``dims`` = (_DIM_B, _DIM_H, _DIM_N, _DIM_C);
+    ``device`` the strata device (vLLM's device index)."""
     order = layout.value
     b, rest = dims[0], dims[1:]
     if any(order.index(b) > order.index(d) for d in rest):
@@ -295,7 +298,7 @@ def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn,
             f"({sorted(num_blocks)} blocks, {sorted(block_bytes)} B)"
         )
     (blocks,), (page,) = num_blocks, block_bytes
-    kv = ElasticKv(len(entries), blocks, page)
+    kv = ElasticKv(len(entries), blocks, page, device=device)
     views = {}
     for index, (tensor, name, spec, kbs) in enumerate(entries):
         raw = kv.layer_tensor(index)

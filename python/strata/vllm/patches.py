@@ -104,6 +104,7 @@ def _apply_kv_tensors():
             kci.create_kv_cache_views,
             kci.compute_layer_kv_cache_shape_bytes,
             dims,
+            device=device.index or 0,
         )
         got = next(iter(views.values())).device
         if got.type != device.type:
