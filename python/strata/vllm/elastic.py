@@ -188,12 +188,12 @@ class ElasticKv:
 
     def unmap(self, group):
         with self._lock:
+            r = self._requests[group]
+            r.spill("host")  # a failure here leaves the group mapped and counted
+            r.release()
             self._groups.discard(group)
             self._free_groups.discard(group)
             self._mapped_blocks -= len(self.group_blocks(group))
-            r = self._requests[group]
-            r.spill("host")
-            r.release()
             self._requests[group] = self._admit(group)
             self.unmaps += 1
 
