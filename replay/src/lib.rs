@@ -1,3 +1,4 @@
+#![deny(unsafe_code)]
 //! Replaying recorded allocation traces through the caching allocator: peak allocated, peak
 //! reserved, their ratio (the allocator's overhead on a real workload) and the time per
 //! operation. `strata bench replay` and `cargo bench --bench replay` drive it.
