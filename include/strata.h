@@ -407,6 +407,11 @@ int strata_kv_admit(strata_kv_t kv, strata_kv_request_t *out);
  * spilled or blocks lost and not yet reported: STRATA_INVALID_STATE. On error nothing changed. */
 int strata_kv_append(strata_kv_t kv, strata_kv_request_t request, uint32_t tokens);
 
+/* Truncates a request to its first `tokens` tokens (a crop), after its copies: the pages past
+ * them are unmapped and go back to the pool, and their spilled copies are released; the
+ * addresses stay. `tokens` above the request's length: STRATA_INVALID_ARGUMENT, nothing changed. */
+int strata_kv_truncate(strata_kv_t kv, strata_kv_request_t request, uint32_t tokens);
+
 /* Releases a request after its copies (its pages go to the next request; its handle is stale). */
 int strata_kv_release(strata_kv_t kv, strata_kv_request_t request);
 

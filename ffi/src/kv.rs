@@ -464,6 +464,16 @@ pub extern "C" fn strata_kv_append(kv: u64, request: u64, tokens: u32) -> c_int 
     })
 }
 
+/// Truncates a request to its first `tokens` tokens, unmapping the pages past them.
+#[no_mangle]
+pub extern "C" fn strata_kv_truncate(kv: u64, request: u64, tokens: u32) -> c_int {
+    boundary::status("strata_kv_truncate", || {
+        let s = space(kv)?;
+        let r = s.request(request)?;
+        s.manager.truncate(r, tokens)
+    })
+}
+
 /// Releases a request (its handle becomes stale).
 #[no_mangle]
 pub extern "C" fn strata_kv_release(kv: u64, request: u64) -> c_int {

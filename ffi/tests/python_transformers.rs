@@ -55,6 +55,7 @@ fn python_transformers_generate_on_strata_kv() {
         "test_qwen2_greedy_matches_dynamic_cache",
         "test_mixtral_moe_greedy_matches_dynamic_cache",
         "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
+        "test_crop_returns_the_pages_past_the_tokens_kept",
     ] {
         assert!(
             stderr.contains(&format!("{test} (")),

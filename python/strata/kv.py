@@ -108,6 +108,7 @@ PROTOTYPES = {
     "strata_kv_admit": (_int, [_u64, _P(_u64)]),
     "strata_kv_append": (_int, [_u64, _u64, ctypes.c_uint32]),
     "strata_kv_release": (_int, [_u64, _u64]),
+    "strata_kv_truncate": (_int, [_u64, _u64, ctypes.c_uint32]),
     "strata_kv_request_info": (_int, [_u64, _u64, _P(RequestInfo)]),
     "strata_kv_residency": (_int, [_u64, _u64, _P(ctypes.c_uint8), _size, _P(_size)]),
     "strata_kv_write": (_int, [_u64, _u64, ctypes.c_uint32, _int, ctypes.c_uint32, _vp, _size]),
@@ -229,6 +230,16 @@ class Request:
     def append(self, tokens):
         """Maps the pages `tokens` more tokens need in every tensor."""
         self._call("strata_kv_append", tokens)
+
+    def truncate(self, tokens):
+        """Keeps the first `tokens` tokens: the pages past them go back to the pool (the
+        addresses stay). A negative count, or more tokens than the request holds, raises
+        InvalidArgument."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise TypeError(f"truncate takes a token count (int), not {type(tokens).__name__}")
+        if tokens < 0:
+            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"truncate to {tokens} tokens (negative)")
+        self._call("strata_kv_truncate", tokens)
 
     def release(self):
         self._call("strata_kv_release")

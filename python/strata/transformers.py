@@ -26,9 +26,9 @@ tensors' addresses never move: CUDA graphs and compiled code may bake them in, a
 `update` writes the new tokens in place and returns views of the filled prefix, transposed to
 transformers' `[batch, kv_heads, tokens, head_dim]` (strided; no concatenation, no copy of old
 tokens). All rows of a batch hold the same number of positions (left padding is part of the
-sequence, masked by the model). `crop` lowers the held length (the pages stay mapped and are
-reused as the sequence grows again); `reset` releases every request's pages; `close` releases
-the space.
+sequence, masked by the model). `crop` lowers the held length and returns the pages past the
+tokens kept (`strata_kv_truncate`; the page holding the last kept token stays); `reset` releases
+every request's pages; `close` releases the space. The addresses stay through all three.
 
 The tensors are DLPack exports of strata memory (CUDA tensors on the CUDA backend, CPU tensors
 on the host backend outside strict mode). Errors are strata's typed exceptions
@@ -249,6 +249,17 @@ class StrataCache(Cache):
                 self._held[i] = upto
         self._mapped = upto
 
+    def _unhold(self, tokens):
+        """Every row keeps the pages of its first `tokens` positions; the pages past them go
+        back to the pool."""
+        page = self._tokens_per_page
+        upto = min(-(-tokens // page) * page, self.max_cache_len)
+        for i, r in enumerate(self._requests):
+            if self._held[i] > upto:
+                r.truncate(upto)
+                self._held[i] = upto
+        self._mapped = min(self._mapped, upto)
+
     def _admit(self):
         batch = self._shape[0]
         requests = []
@@ -273,6 +284,14 @@ class StrataCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._live()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def crop(self, tokens_to_remove):
+        """As DynamicCache's (a negative count of tokens to remove); the pages past the tokens
+        kept go back to the pool (the addresses stay)."""
+        self._live()
+        super().crop(tokens_to_remove)
+        if self._requests:
+            self._unhold(max(layer.length for layer in self.layers))
 
     def reset(self):
         """Every row empty; the requests' pages go back to the pool (the addresses stay)."""

@@ -51,6 +51,40 @@ class KvSpaceTest(unittest.TestCase):
             self.assertEqual(st["blocks_resident"], 2)
             s.check()
 
+    def test_truncate_returns_pages_and_keeps_the_rest(self):
+        with space(host_bytes=64 << 20, disk_bytes=64 << 20, disk_dir=self.dir.name) as s:
+            r = s.admit()
+            r.append(5000)
+            want = pattern(3, 5000 * BPT)
+            r.write(0, "k", 0, want)
+            with self.assertRaises(strata.InvalidArgument) as ctx:
+                r.truncate(5001)
+            self.assertIn("above its 5000", str(ctx.exception))
+            self.assertEqual(r.tokens, 5000)
+            in_use = s.stats()["pool_in_use_pages"]
+            r.truncate(4000)
+            # The second block's page in each of the 4 tensors went back.
+            self.assertEqual(in_use - s.stats()["pool_in_use_pages"], 4)
+            self.assertEqual((r.tokens, r.info()["blocks"]), (4000, 1))
+            self.assertEqual(r.read(0, "k", 0, 4000), want[: 4000 * BPT])
+            r.spill("host")
+            r.truncate(100)  # a spilled block: its copy is released
+            s.make_resident([r])
+            self.assertEqual(r.read(0, "k", 0, 100), want[: 100 * BPT])
+            r.append(5000)
+            self.assertEqual(r.info()["blocks"], 2)
+            with self.assertRaises(strata.InvalidArgument):
+                r.truncate(-1)
+            self.assertEqual(r.tokens, 5100)
+            r.truncate(0)
+            self.assertEqual(s.stats()["pool_in_use_pages"], in_use - 8)
+            s.check()
+            r.release()
+            with self.assertRaises(strata.StaleHandle):
+                r.truncate(0)
+            with self.assertRaises(TypeError):
+                r.truncate("ten")
+
     def test_typed_exceptions(self):
         with self.assertRaises(strata.InvalidArgument) as ctx:
             space(layers=0)

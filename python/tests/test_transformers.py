@@ -174,6 +174,33 @@ class StrataCacheTest(unittest.TestCase):
             with self.assertRaises(strata.InvalidArgument):
                 cache.crop(3)
 
+    def test_crop_returns_the_pages_past_the_tokens_kept(self):
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 600))
+        with StrataCache(model.config, max_cache_len=1024) as cache, torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+            per_page = cache.stats()["tokens_per_block"]
+            self.assertLess(per_page, 600, "the test needs sequences over one page")
+            addresses = cache.data_ptrs()
+            held = cache.stats()["kv_bytes"]
+            self.assertEqual(held, mapped_bytes(cache))
+            cache.crop(-(600 - per_page // 2))
+            self.assertEqual(cache.get_seq_length(), per_page // 2)
+            self.assertEqual(cache.stats()["kv_bytes"], mapped_bytes(cache))
+            self.assertLess(cache.stats()["kv_bytes"], held)
+            # Growing again maps pages at the same addresses and gives DynamicCache's logits.
+            dynamic = DynamicCache()
+            model(input_ids=ids, past_key_values=dynamic)
+            dynamic.crop(-(600 - per_page // 2))
+            more = ids[:, per_page // 2 : per_page // 2 + 500]
+            got = model(input_ids=more, past_key_values=cache).logits
+            want = model(input_ids=more, past_key_values=dynamic).logits
+            self.assertTrue(torch.equal(got, want))
+            self.assertEqual(cache.stats()["kv_bytes"], mapped_bytes(cache))
+            self.assertEqual(cache.data_ptrs(), addresses)
+
     def test_reset_returns_pages_and_keeps_addresses(self):
         from strata.transformers import StrataCache
 

@@ -1181,6 +1181,41 @@ impl KvBlockManager {
         Ok(Some(p))
     }
 
+    /// Truncates `r` to its first `tokens` tokens (a crop): the pages past them are unmapped and
+    /// given back to the pool, the blocks' spilled or clean copies released and their losses
+    /// forgotten, after the last copy into `r`; the last kept block keeps its clean copy only
+    /// while it is still full. `tokens` above `r`'s length is [`Error::InvalidArgument`] and
+    /// changes nothing.
+    pub fn truncate(&self, r: RequestId, tokens: u32) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let q = get(&inner.reqs, r)?;
+        let slot = q.slot;
+        let have = inner.space.tokens(slot)?;
+        if tokens > have {
+            return Err(Error::InvalidArgument(format!(
+                "truncate of request {} to {tokens} tokens above its {have}",
+                r.0
+            )));
+        }
+        if let Some(ev) = &q.ready {
+            ev.synchronize()?;
+        }
+        let kept = inner.space.pages_for(tokens);
+        let full = (u64::from(tokens) * self.config.bytes_per_token / self.page) as usize;
+        let q = inner.reqs.get_mut(&r.0).ok_or(unknown(r))?;
+        let spilled = q.spilled.split_off(&kept);
+        let clean = q.clean.split_off(&full);
+        q.lost_unreported.split_off(&kept);
+        q.lost_reported.split_off(&kept);
+        let mut first = inner.space.shrink(slot, tokens).err();
+        for &id in spilled.values().chain(clean.values()).flatten() {
+            if let Err(e) = self.store.release(id) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     /// Releases a request: its slot (pages to the next request) and its spilled objects, after
     /// the copies into it. Unknown or released: [`Error::StaleId`].
     pub fn release(&self, r: RequestId) -> Result<()> {

@@ -969,3 +969,54 @@ fn random_walks_against_a_model() {
     let clean_hits: u64 = (1..=2).map(|seed| walk(seed, 250)).sum();
     assert!(clean_hits > 0, "the walks never used a clean copy");
 }
+
+#[test]
+fn truncate_returns_the_pages_and_copies_past_the_kept_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(16, 64, 64, dir.path());
+    let in_use = || m.store().pool().stats().in_use;
+    let a = m.admit().unwrap();
+    grow(&m, a, 1, 1300).unwrap();
+    let addresses = ptrs(&m, a);
+    let before = in_use();
+    // Resident: the third block's page in each of the 4 tensors goes back to the pool.
+    m.truncate(a, 600).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(m.tokens(a).unwrap(), 600);
+    assert_eq!(before - in_use(), 4);
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 2));
+    // Spilled: the copies of the blocks cut off are released.
+    grow(&m, a, 1, 700).unwrap();
+    m.pause(a, Tier::Host).unwrap();
+    assert_eq!(m.store().stats().objects, 4 * (4 + 4 + 3));
+    m.truncate(a, 1000).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(m.store().stats().objects, 4 * (4 + 4));
+    m.make_resident(&[a]).unwrap().synchronize().unwrap();
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 2));
+    // Block 0 is full and clean; cutting into block 1 keeps block 0's clean copy.
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
+    m.truncate(a, 512).unwrap();
+    assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
+    // Cutting into block 0 drops its clean copy: its bytes are about to change.
+    m.truncate(a, 500).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(m.clean_blocks(a).unwrap(), Vec::<usize>::new());
+    assert_eq!(m.store().stats().objects, 0);
+    // The request grows again at the same addresses.
+    grow(&m, a, 1, 800).unwrap();
+    assert_eq!(verify(&m, a, 1).unwrap(), (Tier::Hbm, 3));
+    assert_eq!(ptrs(&m, a), addresses);
+    // Above the length: refused, nothing changed; to zero: every page back.
+    assert!(matches!(
+        m.truncate(a, 1301),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(m.tokens(a).unwrap(), 1300);
+    let mapped = in_use();
+    m.truncate(a, 0).unwrap();
+    assert_eq!(mapped - in_use(), 4 * 3);
+    m.check_invariants().unwrap();
+    m.release(a).unwrap();
+    assert!(matches!(m.truncate(a, 0), Err(Error::StaleId { .. })));
+}

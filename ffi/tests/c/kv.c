@@ -194,6 +194,25 @@ int main(void) {
     CHECK(info_of(kv, r1).tokens == 1500);
     CHECK(holds_all(kv, r1, 1500, 100, &tier));
 
+    /* Truncate: above the length or another space's request refused, nothing lost; below,
+     * the second block's pages (one per tensor) go back to the pool. */
+    CHECK(strata_kv_truncate(kv, r1, 1501) == STRATA_INVALID_ARGUMENT);
+    CHECK_ERR("above its 1500");
+    CHECK(strata_kv_truncate(kv, q, 0) == STRATA_INVALID_ARGUMENT);
+    CHECK(info_of(kv, r1).tokens == 1500);
+    CHECK(holds_all(kv, r1, 1500, 100, &tier));
+    strata_kv_stats_t before, after;
+    CHECK_OK(strata_kv_stats(kv, &before));
+    CHECK_OK(strata_kv_truncate(kv, r1, 1000));
+    CHECK_OK(strata_kv_stats(kv, &after));
+    CHECK(before.pool_in_use_pages - after.pool_in_use_pages == 2 * LAYERS);
+    i = info_of(kv, r1);
+    CHECK(i.tokens == 1000 && i.blocks == 1 && i.resident == 1);
+    CHECK(holds_all(kv, r1, 1000, 100, &tier));
+    CHECK_OK(strata_kv_append(kv, r1, 500));
+    write_all(kv, r1, 1500, 100);
+    CHECK(holds_all(kv, r1, 1500, 100, &tier));
+
     /* A request of another space. */
     CHECK(strata_kv_append(kv, q, 1) == STRATA_INVALID_ARGUMENT);
     CHECK_ERR("does not belong to this KV space");
@@ -320,6 +339,7 @@ int main(void) {
     CHECK_OK(strata_kv_release(kv, r2));
     CHECK(strata_kv_release(kv, r2) == STRATA_INVALID_HANDLE);
     CHECK(strata_kv_append(kv, r2, 1) == STRATA_INVALID_HANDLE);
+    CHECK(strata_kv_truncate(kv, r2, 0) == STRATA_INVALID_HANDLE);
     CHECK(strata_kv_request_info(kv, r2, &i) == STRATA_INVALID_HANDLE);
     strata_kv_request_t r3;
     CHECK_OK(strata_kv_admit(kv, &r3));
