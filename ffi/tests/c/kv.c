@@ -156,7 +156,9 @@ int main(void) {
     CHECK(t.shape[0] == 8 && t.shape[1] == 4096 && t.shape[2] == HEADS && t.shape[3] == HEAD_DIM);
     CHECK(t.strides[3] == ELEM && t.strides[2] == HEAD_DIM * ELEM && t.strides[1] == BPT);
     CHECK(t.strides[0] >= 4096 * BPT);
-    CHECK(t.dlpack_device_type == 0); /* strict host backend: not CPU-accessible */
+    /* DLPack: kDLCUDA (2) on CUDA; none (0) on the strict host backend (not CPU-accessible). */
+    const char *backend = getenv("STRATA_BACKEND");
+    CHECK(t.dlpack_device_type == (backend && strcmp(backend, "cuda") == 0 ? 2 : 0));
     CHECK_OK(strata_kv_tensor(kv, 0, STRATA_KV_K, &t2));
     CHECK(t2.data != t.data);
     CHECK(strata_kv_tensor(kv, 2, STRATA_KV_K, &t) == STRATA_INVALID_ARGUMENT);
