@@ -11,6 +11,10 @@ use parking_lot::Mutex;
 use proptest::prelude::*;
 
 use super::*;
+use crate::stats::{strata_stats, strata_stats_t, strata_tag_stats, strata_tag_stats_t};
+use crate::streams::{
+    strata_memcpy_dtoh, strata_memcpy_htod, strata_stream_create, strata_stream_destroy,
+};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
