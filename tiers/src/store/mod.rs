@@ -278,6 +278,7 @@ impl TierStore {
             lost: 0,
             redundant_dropped: 0,
             pages_revoked: 0,
+            ops_in_flight: 0,
         };
         Ok(TierStore {
             backend,

@@ -54,6 +54,8 @@ pub(super) struct State {
     pub(super) lost: u64,
     pub(super) redundant_dropped: u64,
     pub(super) pages_revoked: u64,
+    /// Operations begun and not yet ended (some may be inside [`Op::unlocked`]).
+    pub(super) ops_in_flight: u32,
 }
 
 pub(super) fn stale(id: ObjectId) -> Error {
@@ -250,6 +252,8 @@ impl<'s> Op<'s> {
         idle: &'s Condvar,
         returns: &'s Returns,
     ) -> Self {
+        let mut st = st;
+        st.ops_in_flight += 1;
         Op {
             st,
             token,
@@ -317,5 +321,6 @@ impl Drop for Op<'_> {
         let pinned = std::mem::take(&mut self.pinned);
         self.unpin(&pinned);
         self.settle();
+        self.st.ops_in_flight -= 1;
     }
 }
