@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
-use strata_allocator::{MappedRun, PagePool, PoolConfig};
+use strata_allocator::{MappedRun, PageLease, PagePool, PageSource, PoolConfig, Return};
 use strata_vmm::host::FaultOp;
 use strata_vmm::{
-    Access, Backend, Error, Event, HostBackend, HostConfig, Location, Reservation, Stream,
-    StreamHandle,
+    Access, Backend, CreateFlags, Error, Event, HostBackend, HostConfig, Location, PhysicalMemory,
+    Reservation, Stream, StreamHandle,
 };
 
 const PAGE: u64 = 2 << 20;
@@ -297,4 +297,51 @@ fn random_walk_of_writes_and_migrations_keeps_every_byte() {
         assert_eq!(device.stats().in_use, on_device, "step {step}");
         assert_eq!(hostp.stats().in_use, 10 - on_device, "step {step}");
     }
+}
+
+/// Revocation's building block: a run on pages borrowed from a peer moves to host pages, and
+/// the borrowed pages go back to the lender's driver (per the run's `Return::Release`).
+#[test]
+fn a_run_on_borrowed_pages_moves_off_them_and_the_lender_gets_them_back() {
+    let b = strata_vmm::host::open(HostConfig {
+        devices: vec![8 * PAGE, 8 * PAGE],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .unwrap();
+    let (device, hostp) = pools(&b);
+    let lender_free = b.mem_info(1).unwrap().free;
+    let mut lease = PageLease::empty(&device);
+    for _ in 0..2 {
+        let phys =
+            PhysicalMemory::create(&b, Location::Device(1), PAGE, CreateFlags::empty()).unwrap();
+        let page = device
+            .adopt(Arc::new(phys), PageSource::Borrowed { lender: 1 })
+            .unwrap();
+        lease.push(page);
+    }
+    let res = Arc::new(Reservation::new(&b, 2 * PAGE, 0).unwrap());
+    let mut run = MappedRun::map(lease, &res, res.ptr(), &RW)
+        .unwrap()
+        .returning(Return::Release);
+    let data = pattern(2 * PAGE, 5);
+    b.write(res.ptr(), &data).unwrap();
+    assert_eq!(b.mem_info(1).unwrap().free, lender_free - 2 * PAGE);
+    assert_eq!(device.stats().borrowed, 2);
+
+    run.migrate(&hostp, StreamHandle::DEFAULT, &[], &RW)
+        .unwrap();
+    assert_eq!(
+        b.mem_info(1).unwrap().free,
+        lender_free,
+        "the lender has its memory"
+    );
+    assert_eq!(device.stats().borrowed, 0);
+    assert_eq!(
+        device.stats().free,
+        0,
+        "borrowed pages never reach the free list"
+    );
+    assert_eq!(read(&b, res.ptr(), 2 * PAGE), data);
 }
