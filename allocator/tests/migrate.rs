@@ -330,8 +330,13 @@ fn a_run_on_borrowed_pages_moves_off_them_and_the_lender_gets_them_back() {
     assert_eq!(b.mem_info(1).unwrap().free, lender_free - 2 * PAGE);
     assert_eq!(device.stats().borrowed, 2);
 
-    run.migrate(&hostp, StreamHandle::DEFAULT, &[], &RW)
+    let moved = run
+        .migrate(&hostp, StreamHandle::DEFAULT, &[], &RW)
         .unwrap();
+    assert_eq!(
+        (moved.from, moved.to),
+        (Location::Device(1), Location::Host)
+    );
     assert_eq!(
         b.mem_info(1).unwrap().free,
         lender_free,

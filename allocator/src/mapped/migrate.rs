@@ -29,7 +29,7 @@ pub struct Migrated {
     pub va: DevicePtr,
     /// Bytes copied (the run's size).
     pub bytes: u64,
-    /// Where the pages were.
+    /// Where the pages were (their memory's location: a peer's for borrowed pages).
     pub from: Location,
     /// Where they are now.
     pub to: Location,
@@ -62,19 +62,17 @@ impl MappedRun {
                 to.page_size()
             )));
         }
-        let Some(reservation) = self.mappings.first().map(|m| Arc::clone(m.reservation())) else {
-            return Ok(Migrated {
-                va: self.va,
-                bytes: 0,
-                from: self.pool().location(),
-                to: to.location(),
-            });
-        };
         let moved = Migrated {
             va: self.va,
             bytes: self.size(),
-            from: self.pool().location(),
+            from: self
+                .pages()
+                .first()
+                .map_or(self.pool().location(), |p| p.phys().location()),
             to: to.location(),
+        };
+        let Some(reservation) = self.mappings.first().map(|m| Arc::clone(m.reservation())) else {
+            return Ok(moved);
         };
         let backend = Arc::clone(reservation.backend());
         let staging_va = Arc::new(Reservation::new(&backend, moved.bytes, 0)?);
@@ -91,8 +89,12 @@ impl MappedRun {
             buffers: &[],
             reservations: &[&reservation, &staging_va],
         };
-        copy_async_in(&backend, stream, CopyKind::Batch(&[copy]), scope)?;
-        backend.stream_synchronize(stream)?;
+        let copied = copy_async_in(&backend, stream, CopyKind::Batch(&[copy]), scope);
+        // Even when the submission reported an error, nothing may still be writing the staging
+        // pages when they unmap.
+        let synced = backend.stream_synchronize(stream);
+        copied?;
+        synced?;
 
         let landed = PageLease::from_pages(to, staging.unmap()?);
         let window = Unmapped::open(self, &reservation, grants)?;
