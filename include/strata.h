@@ -20,6 +20,10 @@
  *    other streams only after the work queued on S before the free has completed.
  *  - Device memory is never CPU-accessible through these pointers in general: move bytes with
  *    strata_memcpy_htod / strata_memcpy_dtoh (or CUDA).
+ *  - fork(): in a child forked after the process first used strata, every call that touches a
+ *    device (or Harvest) returns STRATA_INVALID_STATE with a message naming fork, as CUDA
+ *    refuses a context inherited over fork: the parent's memory and streams are never shared
+ *    with the child. Fork before the first use, or exec, to use strata in a child.
  */
 #ifndef STRATA_H
 #define STRATA_H
@@ -65,7 +69,7 @@ typedef struct strata_stats_t {
     uint64_t total_bytes;           /* physical memory of the device */
     uint64_t page_size;             /* mapping granularity */
     uint64_t allocated_bytes;       /* requested bytes of live allocations */
-    uint64_t allocated_block_bytes; /* bytes of the blocks holding them (class or pages) */
+    uint64_t allocated_block_bytes; /* bytes of the blocks holding them (class or 512 B units) */
     uint64_t reserved_bytes;        /* bytes of pages held mapped (live, segments, cache) */
     uint64_t mapped_pages;          /* reserved_bytes / page_size */
     uint64_t cached_large_bytes;    /* freed large blocks kept mapped for reuse */
@@ -74,7 +78,7 @@ typedef struct strata_stats_t {
     uint64_t peak_reserved_bytes;
     uint64_t live_allocations;
     uint64_t pending_blocks;        /* freed blocks waiting for other streams */
-    uint64_t limit_bytes;           /* cap on reserved bytes; 0 = none */
+    uint64_t limit_bytes;           /* cap on reserved bytes (0 and limit_set == 0: none) */
     uint64_t allocs;                /* counts since the allocator was created */
     uint64_t frees;
     uint64_t cache_hits;
@@ -85,12 +89,13 @@ typedef struct strata_stats_t {
     uint64_t pool_in_use_bytes;     /* pool pages in use (allocator, lent to peers, ...) */
     uint64_t lent_bytes;            /* of those, lent to peers (Harvest placements here) */
     uint64_t borrowed_bytes;        /* peers' pages this device borrowed (not in the above) */
-    uint64_t spare[5];              /* zero; room to grow */
+    uint64_t limit_set;             /* 1 when a cap is set (then limit_bytes, possibly 0) */
+    uint64_t spare[4];              /* zero; room to grow */
 } strata_stats_t;
 
 /* Per-tag statistics on one device (strata_tag_stats). */
 typedef struct strata_tag_stats_t {
-    uint32_t tag_id;                /* 1, 2, ... in order of first strata_tag_push */
+    uint32_t tag_id;                /* 1, 2, ... in order of first push (a released name's id is reused) */
     int32_t asleep;                 /* 1 while the tag sleeps on this device */
     uint64_t allocated_bytes;
     uint64_t reserved_bytes;
@@ -139,11 +144,14 @@ int strata_free_checked(void *ptr, size_t size, int device, cudaStream_t stream)
 void strata_init(int device_count);
 
 /* Unmaps every cached page on every device and returns it, and the pools' free pages, to the
- * driver. Live allocations stay. */
+ * driver. Live allocations stay. The pools refill only once allocations ask for pages again,
+ * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 
-/* Caps the bytes `device` holds mapped at `fraction` (0..1) of its memory; 1 lifts the cap.
- * Beyond it strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED). */
+/* Caps everything strata holds on `device` (pages mapped for allocations and cache, and the
+ * page pool's free pages) at `fraction` (0..1) of its memory; 1 lifts the cap. Beyond it
+ * strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED). A cap of 0 bytes is a cap (limit_set
+ * in strata_stats_t tells it from none). */
 void strata_set_memory_fraction(double fraction, int device);
 
 /* `ptr` is also used on `stream`: after its free, its memory is reused only once the work
@@ -162,7 +170,10 @@ int strata_tag_stats(const char *tag, int device, strata_tag_stats_t *out);
 
 /* Pushes tag `name` (non-empty UTF-8, at most 256 bytes) on the calling thread's tag stack: the
  * thread's allocations carry it until the matching strata_tag_pop. Blocks of different tags
- * never share a page. */
+ * never share a page. At most 65,536 names are registered at once: when that many are, the
+ * names no longer in use (pushed by no thread, nothing live or asleep under them) are released
+ * (strata_tag_stats then calls them unknown; pushed again they start from zero). Only with
+ * 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
 int strata_tag_push(const char *name);
 
 /* Pops the calling thread's tag stack (STRATA_INVALID_STATE when empty). */
@@ -171,11 +182,16 @@ int strata_tag_pop(void);
 /* Depth of the calling thread's tag stack. */
 int strata_tag_depth(void);
 
-/* Puts tag `tag` to sleep on every device in use: waits for the streams using its memory,
- * copies its live allocations to host memory if keep_host_copy != 0, unmaps and releases its
- * pages. Pointers keep their addresses; allocating under the tag fails until strata_wake;
- * freeing works. All or nothing across devices. Unknown tag: STRATA_INVALID_ARGUMENT.
- * A device used for the first time while the tag sleeps starts with the tag awake. */
+/* Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
+ * live allocations to host memory if keep_host_copy != 0 (host memory exhausted:
+ * STRATA_OUT_OF_MEMORY, the tag stays awake and intact), unmaps and releases its pages.
+ * Pointers keep their addresses; allocating under the tag fails until strata_wake; freeing
+ * works. A device used for the first time while the tag sleeps starts with the tag asleep
+ * (so a sleep before any allocation holds too). Unknown tag: STRATA_INVALID_ARGUMENT.
+ * All or nothing across devices: a tag already asleep anywhere is STRATA_INVALID_STATE with
+ * nothing changed; if a device fails, the devices this call put to sleep are woken again and
+ * its status is returned. Only if that wake fails too is the status STRATA_INVALID_STATE
+ * with a message naming the devices left asleep (strata_wake wakes them). */
 int strata_sleep(const char *tag, int keep_host_copy);
 
 /* strata_sleep keeping the copies on disk: in an unlinked file in directory `dir` (which must
@@ -203,7 +219,7 @@ enum {
  * never someone else's memory. */
 typedef struct strata_harvest_handle_t {
     int32_t device;
-    int32_t reserved; /* zero */
+    int32_t reserved; /* zero (a handle with another value is STRATA_INVALID_ARGUMENT) */
     uint64_t ptr;
     uint64_t size;
     uint64_t id;
@@ -247,7 +263,9 @@ int strata_harvest_on_revoke(const strata_harvest_handle_t *handle, strata_revok
  * pages). *revoked_bytes (if not NULL) receives the bytes revoked. */
 int strata_harvest_reclaim(int peer, uint64_t bytes, uint64_t *revoked_bytes);
 
-/* Copies `len` host bytes at `src` into the allocation at `offset` (a backend copy) and waits. */
+/* Copies `len` host bytes at `src` into the allocation at `offset` (a backend copy) and waits.
+ * A range beyond the allocation is STRATA_INVALID_ARGUMENT (checked before anything is
+ * allocated); host staging is bounded (8 MiB), whatever `len` is. */
 int strata_harvest_write(const strata_harvest_handle_t *handle, uint64_t offset, const void *src,
                          size_t len);
 
@@ -545,7 +563,9 @@ int strata_stream_destroy(cudaStream_t stream);
 /* Waits for the work queued on `stream` (NULL: the default stream). */
 int strata_stream_synchronize(cudaStream_t stream);
 
-/* Copies `len` host bytes at `src` to device memory `dst` (from strata_malloc) and waits. */
+/* Copies `len` host bytes at `src` to device memory `dst` (from strata_malloc) and waits. A
+ * range that is not inside live, awake memory (freed, out of range, tag asleep) is
+ * STRATA_INVALID_ARGUMENT; so for strata_memcpy_dtoh. */
 int strata_memcpy_htod(void *dst, const void *src, size_t len);
 
 /* Copies `len` bytes of device memory `src` (from strata_malloc) to host `dst` and waits. */

@@ -53,7 +53,8 @@ pub struct PoolConfig {
     pub low_watermark: usize,
     /// ... up to this many free pages; above it, free pages are trimmed.
     pub high_watermark: usize,
-    /// Most bytes of pages the pool may hold at once (free and in use).
+    /// Most bytes of pages the pool may hold at once (free and in use); the starting value of
+    /// [`PagePool::set_limit`].
     pub limit: Option<u64>,
     /// Trim free pages down to the low watermark after this long without `take`/`give`.
     pub idle_trim_after: Option<Duration>,
@@ -119,6 +120,11 @@ struct State {
     last_activity: Instant,
     /// The last refill ran out of memory: wait for pages to come back before trying again.
     refill_blocked: bool,
+    /// An explicit [`PagePool::trim`] emptied the pool on purpose: no refill until the next
+    /// `take` (demand), so an idle process keeps holding nothing.
+    refill_after_demand: bool,
+    /// Most bytes of pages held at once (free, in use and being created).
+    limit: Option<u64>,
     shutdown: bool,
 }
 
@@ -189,7 +195,6 @@ impl PagePool {
             device,
             location,
             page_size,
-            config,
             state: Mutex::new(State {
                 free: Vec::new(),
                 in_use: 0,
@@ -202,9 +207,12 @@ impl PagePool {
                 adopted_total: 0,
                 last_activity: Instant::now(),
                 refill_blocked: false,
+                refill_after_demand: false,
+                limit: config.limit,
                 shutdown: false,
             }),
             wake_worker: Condvar::new(),
+            config,
         });
         let worker = if inner.config.background {
             let inner = Arc::clone(&inner);
@@ -251,6 +259,7 @@ impl PagePool {
     pub fn take(&self, n: usize) -> Result<Vec<Page>> {
         let mut state = self.inner.state.lock();
         state.last_activity = Instant::now();
+        state.refill_after_demand = false;
         if state.free.len() >= n {
             let at = state.free.len() - n;
             let pages = state.free.split_off(at);
@@ -356,10 +365,12 @@ impl PagePool {
         (page.phys, page.source)
     }
 
-    /// Releases free pages until at most `keep` remain; returns how many were released.
+    /// Releases free pages until at most `keep` remain; returns how many were released. The
+    /// background refill then waits for the next `take`.
     pub fn trim(&self, keep: usize) -> usize {
         let released = {
             let mut state = self.inner.state.lock();
+            state.refill_after_demand = true;
             if state.free.len() <= keep {
                 return 0;
             }
@@ -395,8 +406,31 @@ impl PagePool {
             released_total: state.released_total,
             created_on_demand: state.created_on_demand,
             adopted_total: state.adopted_total,
-            limit: self.inner.config.limit,
+            limit: state.limit,
         }
+    }
+
+    /// Sets (or lifts) the cap on the bytes of pages held (free, in use, being created), and
+    /// releases free pages until what is held fits. Pages in use stay; creating more fails
+    /// ([`Error::LimitExceeded`]) until enough come back.
+    pub fn set_limit(&self, limit: Option<u64>) {
+        let released = {
+            let mut state = self.inner.state.lock();
+            state.limit = limit;
+            let Some(limit) = limit else {
+                return;
+            };
+            let others = (state.in_use + state.pending) as u64 * self.inner.page_size;
+            let fit = limit.saturating_sub(others) / self.inner.page_size;
+            let keep = state
+                .free
+                .len()
+                .min(usize::try_from(fit).unwrap_or(usize::MAX));
+            let released = state.free.split_off(keep);
+            state.released_total += released.len() as u64;
+            released
+        };
+        drop(released); // driver calls outside the lock
     }
 }
 
@@ -429,7 +463,7 @@ impl Drop for PagePool {
 impl Inner {
     /// Checks that `extra` more pages fit under the limit.
     fn admit(&self, state: &State, extra: usize) -> Result<()> {
-        let Some(limit) = self.config.limit else {
+        let Some(limit) = state.limit else {
             return Ok(());
         };
         let held = (state.free.len() + state.in_use + state.pending) as u64 * self.page_size;
@@ -471,7 +505,10 @@ impl Inner {
                 return;
             }
             let free = state.free.len();
-            if free < self.config.low_watermark && !state.refill_blocked {
+            if free < self.config.low_watermark
+                && !state.refill_blocked
+                && !state.refill_after_demand
+            {
                 let want = self.config.high_watermark - free;
                 let want = (0..=want)
                     .rev()
@@ -484,6 +521,15 @@ impl Inner {
                     state = self.state.lock();
                     state.pending -= want;
                     match created {
+                        // A trim while these were created asked for an empty pool: release.
+                        Ok(pages) if state.refill_after_demand => {
+                            state.created_total += pages.len() as u64;
+                            state.released_total += pages.len() as u64;
+                            drop(state);
+                            drop(pages);
+                            state = self.state.lock();
+                            continue;
+                        }
                         Ok(pages) => {
                             state.created_total += pages.len() as u64;
                             state.free.extend(pages);

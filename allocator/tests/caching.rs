@@ -6,11 +6,12 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use strata_allocator::{
     CachingAllocator, CachingConfig, Error, MemoryResource, PagePool, PoolConfig,
 };
 use strata_kernels::pattern;
-use strata_vmm::host::{self, FaultOp, Link, LinkModel, OpGate};
+use strata_vmm::host::{FaultOp, Link, LinkModel, OpGate};
 use strata_vmm::{Backend, CopyDesc, HostBackend, HostConfig, StreamHandle};
 
 const MIB: u64 = 1 << 20;
@@ -24,7 +25,7 @@ struct Env {
 }
 
 fn host_backend(device_bytes: u64, link: Option<LinkModel>) -> Arc<dyn Backend> {
-    host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: vec![device_bytes],
         granularity: PAGE,
         strict: true,
@@ -792,11 +793,10 @@ fn peak_reserved_tracks_peak_allocated_for_large_sizes() {
         }
     }
     let st = a.stats();
-    let ratio = st.peak_reserved_bytes as f64 / st.peak_allocated_block_bytes as f64;
-    assert!(
-        ratio <= 1.0 + 1e-9,
-        "peak reserved / peak allocated (blocks) = {ratio}"
-    );
+    // Large blocks are rounded to 512 bytes, not to pages (issue 17): the rest of a block's
+    // last page serves other blocks, so reserved may exceed the block bytes by partly used
+    // pages, and the block bytes exceed the requests by under 512 bytes each.
+    assert!(st.peak_allocated_block_bytes < st.peak_allocated_bytes + 40 * 512);
     let ratio = st.peak_reserved_bytes as f64 / st.peak_allocated_bytes as f64;
     assert!(
         ratio <= 1.05,
@@ -1152,6 +1152,81 @@ fn a_failed_unlocked_growth_rolls_back() {
 
 // ------------------------------------------------------------------ random walk
 
+#[test]
+fn large_sizes_share_pages() {
+    let e = env();
+    let a = &e.alloc;
+    // Four 1 MiB blocks (the small threshold: large) and four of a page and a bit: before
+    // issue 17 each held whole pages of its own (4 + 8 pages); now they share them.
+    let mut live = Vec::new();
+    for i in 0..4u64 {
+        let p = a.allocate(MIB, S0).unwrap();
+        fill(&e.backend, p, MIB, i);
+        live.push((p, MIB, i));
+    }
+    assert_eq!(a.stats().reserved_bytes, 2 * PAGE);
+    for i in 4..8u64 {
+        let size = PAGE + 100 * 1024;
+        let p = a.allocate(size, S0).unwrap();
+        fill(&e.backend, p, size, i);
+        live.push((p, size, i));
+    }
+    let st = a.stats();
+    assert!(
+        st.reserved_bytes <= 2 * PAGE + 6 * PAGE,
+        "{} reserved",
+        st.reserved_bytes
+    );
+    ok(a);
+    // Free every other block: extents merge, and whole free pages inside segments go back
+    // to the driver on empty_cache while their neighbours stay live.
+    let mut kept = Vec::new();
+    for (i, l) in live.into_iter().enumerate() {
+        if i % 2 == 0 {
+            check_and_free(a, &e.backend, l);
+        } else {
+            kept.push(l);
+        }
+    }
+    ok(a);
+    let before = a.stats().reserved_bytes;
+    a.empty_cache().unwrap();
+    ok(a);
+    let after = a.stats().reserved_bytes;
+    assert_eq!(after % PAGE, 0);
+    assert!(after < before, "{before} -> {after}");
+    for l in kept {
+        check_and_free(a, &e.backend, l);
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes, 0);
+    ok(a);
+}
+
+#[test]
+fn emptied_small_runs_serve_other_classes() {
+    let e = env();
+    let a = &e.alloc;
+    // Fill a shared page with runs of one class, free them all, then ask for another class:
+    // before issue 17 the runs stayed carved for their class and a new page was mapped.
+    let blocks: Vec<u64> = (0..64).map(|_| a.allocate(30_000, S0).unwrap()).collect();
+    let pages = a.stats().reserved_bytes / PAGE;
+    for p in blocks {
+        a.deallocate(p, S0).unwrap();
+    }
+    let keep = a.allocate(100, S0).unwrap(); // a page stays in use
+    let created = a.stats().counts.segments_created;
+    let other: Vec<u64> = (0..24).map(|_| a.allocate(60_000, S0).unwrap()).collect();
+    assert_eq!(a.stats().counts.segments_created, created);
+    assert!(a.stats().reserved_bytes / PAGE <= pages);
+    ok(a);
+    for p in other {
+        a.deallocate(p, S0).unwrap();
+    }
+    a.deallocate(keep, S0).unwrap();
+    ok(a);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Alloc { size: u64, tag: u32, stream: usize },
@@ -1168,6 +1243,21 @@ fn op() -> impl Strategy<Value = Op> {
         3 => 4096u64..(1 << 20),
         3 => (1u64 << 20)..(6 << 20),
     ];
+    ops_of(size.boxed())
+}
+
+/// Mostly large sizes that are not page multiples (blocks sharing pages, free extents, pages
+/// cut out of segments), some small ones (runs returned to their page).
+fn large_op() -> impl Strategy<Value = Op> {
+    let size = prop_oneof![
+        2 => 1u64..(1 << 20),
+        5 => (1u64 << 20)..(3 * PAGE),
+        1 => (3 * PAGE)..(6 * PAGE),
+    ];
+    ops_of(size.boxed())
+}
+
+fn ops_of(size: BoxedStrategy<u64>) -> impl Strategy<Value = Op> {
     prop_oneof![
         10 => (size, 0u32..3, 0usize..2).prop_map(|(size, tag, stream)| Op::Alloc { size, tag, stream }),
         7 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::Free { pick, stream }),
@@ -1191,7 +1281,27 @@ proptest! {
 
     #[test]
     fn random_walk_against_a_model(ops in proptest::collection::vec(op(), 1..50)) {
-        let e = env_with(256 * MIB, CachingConfig { report_leaks: false, ..CachingConfig::default() }, None);
+        random_walk(ops)?;
+    }
+
+    #[test]
+    fn random_walk_of_large_blocks_sharing_pages(ops in proptest::collection::vec(large_op(), 1..60)) {
+        random_walk(ops)?;
+    }
+}
+
+/// Applies `ops` to a fresh allocator and a model of it, with the invariant checker after
+/// every step.
+fn random_walk(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    {
+        let e = env_with(
+            256 * MIB,
+            CachingConfig {
+                report_leaks: false,
+                ..CachingConfig::default()
+            },
+            None,
+        );
         let a = &e.alloc;
         let extra = e.backend.stream_create(0).unwrap();
         let streams = [S0, extra];
@@ -1211,7 +1321,12 @@ proptest! {
                             // Ordered after the stream it was allocated on.
                             e.backend.stream_synchronize(streams[stream]).unwrap();
                             fill(&e.backend, p, size, next_seed);
-                            live.push(Live { ptr: p, size, tag, seed: Some(next_seed) });
+                            live.push(Live {
+                                ptr: p,
+                                size,
+                                tag,
+                                seed: Some(next_seed),
+                            });
                             next_seed += 1;
                         }
                         Err(Error::InvalidState(_)) => prop_assert!(asleep.contains_key(&tag)),
@@ -1223,14 +1338,17 @@ proptest! {
                     if !asleep.contains_key(&l.tag) {
                         match l.seed {
                             Some(seed) => check(&e.backend, l.ptr, l.size, seed),
-                            None => prop_assert!(read_all(&e.backend, l.ptr, l.size).iter().all(|&b| b == 0)),
+                            None => prop_assert!(read_all(&e.backend, l.ptr, l.size)
+                                .iter()
+                                .all(|&b| b == 0)),
                         }
                     }
                     a.deallocate(l.ptr, streams[stream]).unwrap();
                     prop_assert!(a.deallocate(l.ptr, streams[stream]).is_err());
                 }
                 Op::Record { pick, stream } if !live.is_empty() => {
-                    a.record_stream(live[pick % live.len()].ptr, streams[stream]).unwrap();
+                    a.record_stream(live[pick % live.len()].ptr, streams[stream])
+                        .unwrap();
                 }
                 Op::Free { .. } | Op::Record { .. } => {}
                 Op::Sleep { tag, keep } => {
@@ -1283,4 +1401,5 @@ proptest! {
         drop(e.alloc);
         e.backend.stream_destroy(extra).unwrap();
     }
+    Ok(())
 }

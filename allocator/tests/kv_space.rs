@@ -488,7 +488,7 @@ fn host_rig(limit_pages: Option<u64>, granularity: u64) -> Option<Rig> {
         strict: true,
         link: None,
     };
-    let backend = match strata_vmm::host::open(config) {
+    let backend = match strata_vmm::host_or_cuda(config) {
         Ok(b) => b,
         Err(Error::Unsupported(why)) => {
             eprintln!("host backend unavailable ({why}); fake backend only");

@@ -235,6 +235,55 @@ fn bad_configuration_is_an_error() {
     ));
 }
 
+/// Issue 15, item 8: an explicit trim (empty_cache) is not undone by the background refill
+/// while nothing asks for pages; the next take restarts it.
+#[test]
+fn refill_waits_for_demand_after_a_trim() {
+    let b = backend(64);
+    let pool = PagePool::new(
+        Arc::clone(&b),
+        0,
+        PoolConfig {
+            low_watermark: 4,
+            high_watermark: 8,
+            limit: None,
+            idle_trim_after: None,
+            background: true,
+        },
+    )
+    .unwrap();
+    assert!(eventually(|| pool.stats().free >= 4));
+    pool.trim(0);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(pool.stats().free, 0, "refilled with no demand");
+    assert_eq!(free_pages(&b), 64);
+    let page = pool.take(1).unwrap();
+    assert!(
+        eventually(|| pool.stats().free >= 4),
+        "demand restarts the refill"
+    );
+    pool.give(page);
+}
+
+/// Issue 15, item 8: `set_limit` covers the free pages too, and lowering it releases them.
+#[test]
+fn set_limit_covers_free_pages() {
+    let b = backend(64);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let pages = pool.take(10).unwrap();
+    pool.give(pages);
+    let held = pool.take(2).unwrap();
+    assert_eq!(pool.stats().held_bytes(), 10 * PAGE);
+    pool.set_limit(Some(5 * PAGE));
+    let s = pool.stats();
+    assert_eq!((s.free, s.in_use, s.limit), (3, 2, Some(5 * PAGE)));
+    let more = pool.take(3).unwrap();
+    assert!(matches!(pool.take(1), Err(Error::LimitExceeded { .. })));
+    pool.set_limit(None);
+    assert!(pool.take(4).is_ok());
+    drop((held, more));
+}
+
 // PageLease and MappedRun: all or nothing under injected faults, pages and pool counters back
 // on drop, one set_access per run.
 

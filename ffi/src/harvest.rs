@@ -63,6 +63,12 @@ fn to_c(h: &HarvestHandle) -> strata_harvest_handle_t {
 unsafe fn from_c(handle: *const strata_harvest_handle_t) -> Result<HarvestHandle> {
     // SAFETY: the caller's contract; NULL is refused by `as_ref`.
     let h = unsafe { handle.as_ref() }.ok_or(Error::InvalidArgument("handle is NULL".into()))?;
+    if h.reserved != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "handle's reserved field is {} (must be zero: not a handle from strata_harvest_alloc?)",
+            h.reserved
+        )));
+    }
     let device = u32::try_from(h.device)
         .map_err(|_| Error::InvalidArgument(format!("device {}", h.device)))?;
     Ok(HarvestHandle {
@@ -198,6 +204,45 @@ pub unsafe extern "C" fn strata_harvest_reclaim(
     })
 }
 
+/// Most bytes of host staging one Harvest read or write holds at once: longer transfers go in
+/// chunks, so the staging never grows with the caller's length.
+const STAGING_CHUNK: u64 = 8 << 20;
+
+/// Runs `step(controller, staging, at, n)` over `offset..offset+len` of the allocation in
+/// pieces of at most [`STAGING_CHUNK`] bytes (`at`: the piece's start, relative to `offset`),
+/// with one staging buffer. The range is checked against the handle before anything is
+/// allocated (the controller checks the handle itself on each copy).
+fn in_chunks(
+    h: &HarvestHandle,
+    offset: u64,
+    len: usize,
+    mut step: impl FnMut(&HarvestController, &HostBuffer, usize, usize) -> Result<()>,
+) -> Result<()> {
+    let total = len as u64;
+    if offset.checked_add(total).is_none_or(|end| end > h.size) {
+        return Err(Error::InvalidArgument(format!(
+            "range {offset:#x}+{total:#x} beyond the allocation's {:#x} bytes",
+            h.size
+        )));
+    }
+    let c = controller()?;
+    let staging = HostBuffer::new(c.backend(), total.min(STAGING_CHUNK))?;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(STAGING_CHUNK as usize);
+        step(c, &staging, at, n)?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn host(staging: &HostBuffer) -> Endpoint<'_> {
+    Endpoint::Host {
+        buffer: staging,
+        offset: 0,
+    }
+}
+
 /// Copies `len` host bytes at `src` into the allocation at `offset` and waits.
 ///
 /// # Safety
@@ -216,22 +261,15 @@ pub unsafe extern "C" fn strata_harvest_write(
         if src.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL src or zero length".into()));
         }
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), len as u64)?;
-        // SAFETY: `src` is readable for `len` bytes (the caller's contract).
-        staging.write_at(0, unsafe {
-            std::slice::from_raw_parts(src.cast::<u8>(), len)
-        })?;
-        c.copy_in(
-            &h,
-            offset,
-            Endpoint::Host {
-                buffer: &staging,
-                offset: 0,
-            },
-            len as u64,
-        )?
-        .synchronize()
+        in_chunks(&h, offset, len, |c, staging, at, n| {
+            // SAFETY: `src` is readable for `len` bytes (the caller's contract), and
+            // `at + n <= len`.
+            staging.write_at(0, unsafe {
+                std::slice::from_raw_parts(src.cast::<u8>().add(at), n)
+            })?;
+            c.copy_in(&h, offset + at as u64, host(staging), n as u64)?
+                .synchronize()
+        })
     })
 }
 
@@ -253,21 +291,14 @@ pub unsafe extern "C" fn strata_harvest_read(
         if dst.is_null() || len == 0 {
             return Err(Error::InvalidArgument("NULL dst or zero length".into()));
         }
-        let c = controller()?;
-        let staging = HostBuffer::new(c.backend(), len as u64)?;
-        c.copy_out(
-            &h,
-            offset,
-            Endpoint::Host {
-                buffer: &staging,
-                offset: 0,
-            },
-            len as u64,
-        )?
-        .synchronize()?;
-        // SAFETY: `dst` is writable for `len` bytes (the caller's contract).
-        staging.read_at(0, unsafe {
-            std::slice::from_raw_parts_mut(dst.cast::<u8>(), len)
+        in_chunks(&h, offset, len, |c, staging, at, n| {
+            c.copy_out(&h, offset + at as u64, host(staging), n as u64)?
+                .synchronize()?;
+            // SAFETY: `dst` is writable for `len` bytes (the caller's contract), and
+            // `at + n <= len`.
+            staging.read_at(0, unsafe {
+                std::slice::from_raw_parts_mut(dst.cast::<u8>().add(at), n)
+            })
         })
     })
 }

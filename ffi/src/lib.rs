@@ -27,7 +27,9 @@ mod harvest;
 mod kv;
 mod params;
 mod sleep;
+mod sleeping;
 mod status;
+mod tags;
 #[cfg(test)]
 mod tests;
 
@@ -65,7 +67,7 @@ pub struct strata_stats_t {
     pub page_size: u64,
     /// Requested bytes of live allocations.
     pub allocated_bytes: u64,
-    /// Bytes of the blocks holding live allocations (size classes or whole pages).
+    /// Bytes of the blocks holding live allocations (size classes, or 512-byte multiples).
     pub allocated_block_bytes: u64,
     /// Bytes of pages the allocator holds mapped (live blocks, small segments, cache).
     pub reserved_bytes: u64,
@@ -81,7 +83,7 @@ pub struct strata_stats_t {
     pub live_allocations: u64,
     /// Freed blocks waiting for work on other streams before reuse.
     pub pending_blocks: u64,
-    /// Cap on reserved bytes (`strata_set_memory_fraction`); 0 when none.
+    /// Cap on reserved bytes (`strata_set_memory_fraction`); 0 when none (see `limit_set`).
     pub limit_bytes: u64,
     pub allocs: u64,
     pub frees: u64,
@@ -97,8 +99,10 @@ pub struct strata_stats_t {
     pub lent_bytes: u64,
     /// Bytes of peers' pages this device borrowed (its Harvest placements elsewhere).
     pub borrowed_bytes: u64,
+    /// 1 when a cap is set (`limit_bytes` is then the cap, possibly 0), else 0.
+    pub limit_set: u64,
     /// Zero; room to grow without changing the struct's size.
-    pub spare: [u64; 5],
+    pub spare: [u64; 4],
 }
 
 /// Per-tag statistics on one device (`strata_tag_stats_t`).
@@ -106,7 +110,8 @@ pub struct strata_stats_t {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub struct strata_tag_stats_t {
-    /// The tag's numeric id (1, 2, ...: in order of first `strata_tag_push`).
+    /// The tag's numeric id (1, 2, ...: in order of first `strata_tag_push`; the id of a
+    /// released name is reused).
     pub tag_id: u32,
     /// 1 while the tag sleeps on this device.
     pub asleep: i32,
@@ -171,7 +176,8 @@ impl strata_stats_t {
             pool_in_use_bytes: 0,
             lent_bytes: 0,
             borrowed_bytes: 0,
-            spare: [0; 5],
+            limit_set: u64::from(s.limit.is_some()),
+            spare: [0; 4],
         }
     }
 }
@@ -244,11 +250,29 @@ pub extern "C" fn strata_device_count() -> c_int {
 #[no_mangle]
 pub extern "C" fn strata_malloc(size: usize, device: c_int, stream: CudaStream) -> *mut c_void {
     boundary::value("strata_malloc", std::ptr::null_mut(), || {
-        let allocator = global()?.allocator(device)?;
-        let ptr =
-            allocator.allocate_tagged(size as u64, stream_of(stream), global::current_tag())?;
+        let allocator = global::allocator(global()?, device)?;
+        let tag = tags::current();
+        let ptr = allocator
+            .allocate_tagged(size as u64, stream_of(stream), tag)
+            .map_err(|e| explain_tag(e, allocator, tag))?;
         Ok(ptr as usize as *mut c_void)
     })
+}
+
+/// Names the tag (the allocator only knows its id) when allocating under it was refused.
+#[cold]
+#[inline(never)]
+fn explain_tag(
+    e: Error,
+    allocator: &strata_allocator::CachingAllocator,
+    tag: strata_allocator::TagId,
+) -> Error {
+    match (&e, tags::name_of(tag)) {
+        (Error::InvalidState(_), Some(name)) if allocator.is_asleep(tag) => Error::InvalidState(
+            format!("tag {name:?} is asleep (strata_wake it before allocating under it)"),
+        ),
+        _ => e,
+    }
 }
 
 /// Frees `ptr` (from `strata_malloc` on `device`) on `stream`: reusable at once on `stream`,
@@ -310,14 +334,15 @@ pub extern "C" fn strata_init(device_count: c_int) {
             )));
         }
         for d in 0..device_count {
-            g.allocator(d)?;
+            global::allocator(g, d)?;
         }
         Ok(())
     })
 }
 
 /// PyTorch's reset hook (`torch.cuda.empty_cache`): unmaps every cached page of every device
-/// and returns it, and the page pools' free pages, to the driver. Live allocations stay.
+/// and returns it, and the page pools' free pages, to the driver. Live allocations stay. The
+/// pools refill again only once allocations ask for pages.
 #[no_mangle]
 pub extern "C" fn strata_empty_cache() {
     boundary::void("strata_empty_cache", || {
@@ -333,9 +358,10 @@ pub extern "C" fn strata_empty_cache() {
     })
 }
 
-/// PyTorch's memory-fraction hook: caps the bytes `device`'s allocator holds mapped at
-/// `fraction` of the device's memory (0 ≤ fraction ≤ 1; 1 lifts the cap). Beyond the cap,
-/// `strata_malloc` returns NULL (`STRATA_LIMIT_EXCEEDED`).
+/// PyTorch's memory-fraction hook: caps what strata holds on `device` (pages mapped for
+/// allocations and cache, and the page pool's free pages) at `fraction` of the device's memory
+/// (0 ≤ fraction ≤ 1; 1 lifts the cap). Beyond the cap, `strata_malloc` returns NULL
+/// (`STRATA_LIMIT_EXCEEDED`).
 #[no_mangle]
 pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) {
     boundary::void("strata_set_memory_fraction", || {
@@ -345,10 +371,13 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
             )));
         }
         let g = global()?;
-        let a = g.allocator(device)?;
+        let a = global::allocator(g, device)?;
         let total = g.backend().device_info(device as u32)?.total_memory;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        a.set_limit(limit)
+        a.set_limit(limit)?;
+        // The cap covers the pool's free pages too: all that strata holds on the device.
+        a.pool().set_limit(limit);
+        Ok(())
     })
 }
 
@@ -410,7 +439,8 @@ pub unsafe extern "C" fn strata_tag_stats(
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let id = global::tag_id(name)?;
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
         let d = g.ordinal(device)?;
         let stats = match g.existing(d) {
@@ -427,7 +457,8 @@ pub unsafe extern "C" fn strata_tag_stats(
 // Tags, sleep and wake
 
 /// Pushes tag `name` on the calling thread's tag stack: this thread's allocations get it until
-/// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...).
+/// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...); with
+/// 65,536 registered, names no longer in use are released (see `include/strata.h`).
 ///
 /// # Safety
 ///
@@ -437,29 +468,33 @@ pub unsafe extern "C" fn strata_tag_push(name: *const c_char) -> c_int {
     boundary::status("strata_tag_push", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag name", name) }?;
-        global::push_tag(global::tag_id_or_register(name)?)
+        tags::push(name)
     })
 }
 
 /// Pops the calling thread's tag stack (`STRATA_INVALID_STATE` when it is empty).
 #[no_mangle]
 pub extern "C" fn strata_tag_pop() -> c_int {
-    boundary::status("strata_tag_pop", global::pop_tag)
+    boundary::status("strata_tag_pop", tags::pop)
 }
 
 /// Depth of the calling thread's tag stack.
 #[no_mangle]
 pub extern "C" fn strata_tag_depth() -> c_int {
     boundary::value("strata_tag_depth", 0, || {
-        Ok(c_int::try_from(global::tag_depth()).unwrap_or(c_int::MAX))
+        Ok(c_int::try_from(tags::depth()).unwrap_or(c_int::MAX))
     })
 }
 
 /// Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
 /// live allocations to host memory when `keep_host_copy` is non-zero, then unmaps and releases
 /// its pages; pointers keep their addresses. Allocating under a sleeping tag fails
-/// (`STRATA_INVALID_STATE`); freeing its pointers works. If one device fails, those already put
-/// to sleep by this call are woken again.
+/// (`STRATA_INVALID_STATE`); freeing its pointers works. A device first used while the tag
+/// sleeps starts with it asleep. All or nothing: a tag already asleep on some device is
+/// refused before anything changes, and if one device fails, those already put to sleep by
+/// this call are woken again; should that wake fail too, the status is
+/// `STRATA_INVALID_STATE` and the message names the devices left asleep (`strata_wake` wakes
+/// them).
 ///
 /// # Safety
 ///
@@ -469,21 +504,71 @@ pub unsafe extern "C" fn strata_sleep(tag: *const c_char, keep_host_copy: c_int)
     boundary::status("strata_sleep", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let id = global::tag_id(name)?;
-        let g = global()?;
-        let mut slept: Vec<&strata_allocator::CachingAllocator> = Vec::new();
-        for (_, a) in g.existing_all() {
-            if let Err(e) = a.sleep(id, keep_host_copy != 0) {
-                for b in &slept {
-                    // The wake error is secondary: the sleep error is what the caller sees.
-                    let _ = b.wake(id);
-                }
-                return Err(e);
-            }
-            slept.push(a);
-        }
-        Ok(())
+        sleep_tag(name, |a, id| a.sleep(id, keep_host_copy != 0))
     })
+}
+
+/// Puts tag `name` to sleep on every device with `put` (host copies, none, or a file), all or
+/// nothing: a tag already asleep anywhere is refused before anything changes, and a device's
+/// failure wakes the devices this call put to sleep (see [`roll_back_sleep`]).
+pub(crate) fn sleep_tag(
+    name: &str,
+    put: impl Fn(&strata_allocator::CachingAllocator, strata_allocator::TagId) -> Result<()>,
+) -> Result<()> {
+    let lease = tags::lease(name)?;
+    let id = lease.id();
+    let g = global()?;
+    let mut sleeping = sleeping::lock();
+    let asleep_on: Vec<String> = g
+        .existing_all()
+        .filter(|(_, a)| a.is_asleep(id))
+        .map(|(d, _)| d.to_string())
+        .collect();
+    if sleeping.contains(&id) || !asleep_on.is_empty() {
+        let place = match asleep_on.len() {
+            0 => String::new(),
+            1 => format!(" on device {}", asleep_on[0]),
+            _ => format!(" on devices {}", asleep_on.join(", ")),
+        };
+        return Err(Error::InvalidState(format!(
+            "tag {name:?} is already asleep{place}"
+        )));
+    }
+    let mut slept: Vec<(usize, &strata_allocator::CachingAllocator)> = Vec::new();
+    for (d, a) in g.existing_all() {
+        if let Err(e) = put(a, id) {
+            return Err(roll_back_sleep(name, id, d, e, &slept));
+        }
+        slept.push((d, a));
+    }
+    sleeping.insert(id);
+    Ok(())
+}
+
+/// Wakes the devices a failed `strata_sleep` already put to sleep. The sleep's error is what
+/// the caller sees, unless a wake fails too: then the state no longer matches that error, and
+/// the caller is told which devices stay asleep.
+#[cold]
+#[inline(never)]
+fn roll_back_sleep(
+    name: &str,
+    id: strata_allocator::TagId,
+    failed_on: usize,
+    error: Error,
+    slept: &[(usize, &strata_allocator::CachingAllocator)],
+) -> Error {
+    let stuck: Vec<String> = slept
+        .iter()
+        .filter_map(|(d, a)| a.wake(id).err().map(|e| format!("device {d} ({e})")))
+        .collect();
+    if stuck.is_empty() {
+        return error;
+    }
+    Error::InvalidState(format!(
+        "putting tag {name:?} to sleep failed on device {failed_on} ({error}), and waking it \
+         back failed on {}: the tag stays asleep there; strata_wake wakes it",
+        stuck.join(", ")
+    ))
 }
 
 /// Wakes tag `tag` on every device where it sleeps: maps fresh pages at the same addresses and
@@ -498,18 +583,21 @@ pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
     boundary::status("strata_wake", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let id = global::tag_id(name)?;
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
-        let mut woke = 0;
+        let mut sleeping = sleeping::lock();
+        let mut woke = sleeping.contains(&id);
         for (_, a) in g.existing_all() {
             if a.is_asleep(id) {
                 a.wake(id)?;
-                woke += 1;
+                woke = true;
             }
         }
-        if woke == 0 {
+        if !woke {
             return Err(Error::InvalidState(format!("tag {name:?} is not asleep")));
         }
+        sleeping.remove(&id);
         Ok(())
     })
 }
@@ -560,6 +648,22 @@ pub extern "C" fn strata_stream_synchronize(stream: CudaStream) -> c_int {
     })
 }
 
+/// A copy that touched memory that is not mapped and accessible is the caller's mistake (freed,
+/// out of range, asleep), not a broken mapping rule inside strata.
+#[cold]
+#[inline(never)]
+fn explain_copy(e: Error, va: DevicePtr, len: usize) -> Error {
+    match e {
+        Error::NotMapped { .. } | Error::IllegalAccess { .. } | Error::NotReserved { .. } => {
+            Error::InvalidArgument(format!(
+                "{va:#x}+{len:#x} is not inside live, awake memory from strata_malloc (freed, \
+                 out of range, or its tag asleep): {e}"
+            ))
+        }
+        e => e,
+    }
+}
+
 /// Checks that `ptr..ptr+len` starts inside memory strata hands out (the backend then checks
 /// the rest: mapped, accessible).
 fn device_range(g: &strata_runtime::Runtime, ptr: *const c_void, len: usize) -> Result<DevicePtr> {
@@ -602,8 +706,9 @@ pub unsafe extern "C" fn strata_memcpy_htod(
         };
         // SAFETY: `src` is valid for `len` bytes for the whole call (this function's contract)
         // and the stream is synchronized before returning.
-        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }?;
-        g.backend().stream_synchronize(StreamHandle::DEFAULT)
+        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend().stream_synchronize(StreamHandle::DEFAULT))
+            .map_err(|e| explain_copy(e, dst, len))
     })
 }
 
@@ -636,7 +741,8 @@ pub unsafe extern "C" fn strata_memcpy_dtoh(
         };
         // SAFETY: `dst` is valid and exclusively ours for `len` bytes for the whole call (this
         // function's contract) and the stream is synchronized before returning.
-        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }?;
-        g.backend().stream_synchronize(StreamHandle::DEFAULT)
+        unsafe { g.backend().copy_async(StreamHandle::DEFAULT, &[copy]) }
+            .and_then(|()| g.backend().stream_synchronize(StreamHandle::DEFAULT))
+            .map_err(|e| explain_copy(e, src, len))
     })
 }

@@ -5,10 +5,7 @@
 use std::ffi::{c_char, c_int};
 use std::path::Path;
 
-use strata_allocator::CachingAllocator;
-
 use crate::boundary;
-use crate::global::{self, global};
 
 /// Puts tag `tag` to sleep on every device in use, its live allocations copied into an unlinked
 /// file in directory `dir`. All or nothing across devices. See `include/strata.h`.
@@ -23,18 +20,6 @@ pub unsafe extern "C" fn strata_sleep_to_disk(tag: *const c_char, dir: *const c_
         let name = unsafe { boundary::c_str("tag", tag) }?;
         // SAFETY: as above.
         let dir = Path::new(unsafe { boundary::c_str("dir", dir) }?);
-        let id = global::tag_id(name)?;
-        let mut slept: Vec<&CachingAllocator> = Vec::new();
-        for (_, a) in global()?.existing_all() {
-            if let Err(e) = a.sleep_to_disk(id, dir) {
-                for b in &slept {
-                    // The wake error is secondary: the sleep error is what the caller sees.
-                    let _ = b.wake(id);
-                }
-                return Err(e);
-            }
-            slept.push(a);
-        }
-        Ok(())
+        crate::sleep_tag(name, |a, id| a.sleep_to_disk(id, dir))
     })
 }

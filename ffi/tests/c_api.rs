@@ -44,7 +44,7 @@ fn asan_works(cc: &str, out_dir: &Path) -> bool {
 }
 
 /// Compiles `name.c` (with `-fsanitize` when `asan`) and returns the executable.
-fn build(cc: &str, name: &str, asan: bool) -> PathBuf {
+fn build(cc: &str, name: &str, asan: bool, defines: &[&str]) -> PathBuf {
     let out_dir = profile_dir().join("strata-c-tests");
     std::fs::create_dir_all(&out_dir).expect("create output folder");
     let exe = out_dir.join(if asan {
@@ -56,6 +56,7 @@ fn build(cc: &str, name: &str, asan: bool) -> PathBuf {
     let lib_dir = lib.parent().expect("library folder");
     let mut cmd = Command::new(cc);
     cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
+        .args(defines.iter().map(|d| format!("-D{d}")))
         .arg("-I")
         .arg(repo().join("include"))
         .arg(repo().join(format!("ffi/tests/c/{name}.c")))
@@ -82,8 +83,9 @@ fn build(cc: &str, name: &str, asan: bool) -> PathBuf {
     exe
 }
 
-fn run(exe: &Path, name: &str) {
+fn run(exe: &Path, name: &str, env: &[(&str, &str)], args: &[&str]) {
     let mut cmd = Command::new(exe);
+    cmd.args(args);
     if name == "dlopen" {
         cmd.arg(library());
     }
@@ -97,9 +99,11 @@ fn run(exe: &Path, name: &str) {
         // protect_shadow_gap=0: the CUDA driver maps memory inside ASan's shadow gap.
         .env(
             "ASAN_OPTIONS",
-            "detect_leaks=0:abort_on_error=0:protect_shadow_gap=0",
+            // allocator_may_return_null=1: a failed malloc is an outcome some tests provoke.
+            "detect_leaks=0:abort_on_error=0:protect_shadow_gap=0:allocator_may_return_null=1",
         )
-        .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1");
+        .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1")
+        .envs(env.iter().copied());
     let out = cmd.output().expect("run the C test");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -113,16 +117,26 @@ fn run(exe: &Path, name: &str) {
 }
 
 fn c_test(name: &str) {
+    c_test_with(name, &[]);
+}
+
+/// [`c_test`] with extra environment variables for the program.
+fn c_test_with(name: &str, env: &[(&str, &str)]) {
+    c_program(name, env, &[], &[]);
+}
+
+/// Builds `name.c` with `defines`, runs it with `env` and `args`, plainly and under ASan.
+fn c_program(name: &str, env: &[(&str, &str)], defines: &[&str], args: &[&str]) {
     library();
     let Some(cc) = compiler() else {
         eprintln!("skipping C test {name}: no C compiler ($CC or cc)");
         return;
     };
-    run(&build(&cc, name, false), name);
+    run(&build(&cc, name, false, defines), name, env, args);
     let out_dir = profile_dir().join("strata-c-tests");
     std::fs::create_dir_all(&out_dir).expect("create output folder");
     if asan_works(&cc, &out_dir) {
-        run(&build(&cc, name, true), name);
+        run(&build(&cc, name, true, defines), name, env, args);
     } else {
         eprintln!("C test {name}: AddressSanitizer not available, plain run only");
     }
@@ -159,6 +173,43 @@ fn c_sleep_wake() {
 }
 
 #[test]
+fn c_sleep_without_host_memory_is_out_of_memory() {
+    c_test("sleep_host_oom");
+}
+
+#[test]
+fn c_forked_child_is_refused() {
+    c_test("fork");
+}
+
+#[test]
+fn c_sleep_is_all_or_nothing_and_holds_before_first_use() {
+    c_test("sleep_contract");
+}
+
+#[test]
+fn c_small_host_granularities_allocate() {
+    for granularity in ["4KiB", "16KiB", "32KiB"] {
+        c_test_with("small_pages", &[("STRATA_HOST_GRANULARITY", granularity)]);
+    }
+}
+
+#[test]
+fn c_empty_cache_sticks_and_the_cap_covers_the_pool() {
+    c_test("limits");
+}
+
+#[test]
+fn c_statuses_and_messages_name_the_mistake() {
+    c_test("messages");
+}
+
+#[test]
+fn c_tag_names_no_longer_in_use_are_released() {
+    c_test("tag_names");
+}
+
+#[test]
 fn c_sleep_to_disk() {
     c_test("sleep_disk");
 }
@@ -186,6 +237,37 @@ fn c_kv_random_walk() {
 #[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
+}
+
+/// The fuzz target `fuzz.c` (libFuzzer's entry point over a byte-coded call sequence with a
+/// model) driven without libFuzzer: the committed corpus `ffi/tests/fuzz/corpus/`, then random
+/// mutations of it for `STRATA_FUZZ_SECONDS` (default 20) per build, plain and under ASan.
+/// `STRATA_FUZZ_SEED` repeats a run (the seed is printed); a failing input is saved as
+/// `fuzz-failure.bin` in the test's output folder.
+#[test]
+fn c_fuzz_call_sequences() {
+    let seconds = std::env::var("STRATA_FUZZ_SECONDS").unwrap_or_else(|_| "20".into());
+    let seed = std::env::var("STRATA_FUZZ_SEED").unwrap_or_else(|_| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(1, |d| d.as_secs()).to_string()
+    });
+    let corpus = repo().join("ffi/tests/fuzz/corpus");
+    let artifacts = profile_dir().join("strata-c-tests");
+    let corpus = corpus.to_string_lossy();
+    let artifacts = artifacts.to_string_lossy();
+    c_program(
+        "fuzz",
+        &[("STRATA_FUZZ_ARTIFACTS", &artifacts)],
+        &["STRATA_FUZZ_DRIVER"],
+        &[&corpus, &seconds, &seed],
+    );
+}
+
+/// A bounded soak (`soak.c`): threads running every kind of call at once, contents checked,
+/// accounting back to zero; `STRATA_SOAK_SECONDS` (default 15) per build, plain and under ASan.
+#[test]
+fn c_soak_threads_all_calls() {
+    c_test("soak");
 }
 
 /// The header and the library agree: every function `include/strata.h` declares is exported,
@@ -246,7 +328,7 @@ fn c_backend_errors_keep_their_status() {
         eprintln!("skipping C test backend_errors: no C compiler ($CC or cc)");
         return;
     };
-    let exe = build(&cc, "backend_errors", false);
+    let exe = build(&cc, "backend_errors", false, &[]);
     let host = ("STRATA_BACKEND", "host");
     let mut cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
         (vec![("STRATA_BACKEND", "gpu")], "STRATA_CONFIG"),

@@ -103,7 +103,8 @@ class Stats(ctypes.Structure):
         ("pool_in_use_bytes", ctypes.c_uint64),
         ("lent_bytes", ctypes.c_uint64),
         ("borrowed_bytes", ctypes.c_uint64),
-        ("spare", ctypes.c_uint64 * 5),
+        ("limit_set", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 4),
     ]
 
 
@@ -253,8 +254,12 @@ def check(status):
 
 
 def encode(name):
+    """A tag name as the C API takes it. A NUL inside would cut the name short in C (another
+    tag's name), so it is refused."""
     if not isinstance(name, str):
         raise TypeError(f"tag names are str, not {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError(f"tag name {name!r} contains a NUL character")
     return name.encode("utf-8")
 
 

@@ -162,6 +162,48 @@ class TagSleepWakeTest(unittest.TestCase):
         self.assertEqual(ctx.exception.status_name, "STRATA_INVALID_STATE")
         _lib.free(p)
 
+    def test_tag_names_with_nul_are_refused(self):
+        # Issue 15, item 11: "weights\0x" used to put "weights" to sleep.
+        with strata.tag("py-nul"):
+            p = _lib.malloc(1000)
+        for call in (
+            lambda: strata.sleep("py-nul\0x"),
+            lambda: strata.wake("py-nul\0x"),
+            lambda: strata.tag("py-nul\0x").__enter__(),
+            lambda: strata.tag_stats("py-nul\0x"),
+        ):
+            with self.assertRaises(ValueError):
+                call()
+        self.assertEqual(strata.tag_stats("py-nul")["asleep"], 0)
+        self.assertEqual(_lib.lib().strata_tag_depth(), 0)
+        _lib.free(p)
+
+    @unittest.skipUnless(sys.platform.startswith("linux"), "RLIMIT_AS as on Linux")
+    def test_sleep_without_host_memory_raises_and_keeps_the_tag_awake(self):
+        # Issue 15, item 1: the host copy's allocation failing aborted the process.
+        import resource
+
+        size = 256 << 20
+        with strata.tag("py-oom"):
+            p = _lib.malloc(size)
+        _lib.memcpy_htod(p, pattern(5, 4096))
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        old = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (64 << 20), old[1]))
+        try:
+            with self.assertRaises(strata.StrataError) as ctx:
+                strata.sleep("py-oom", keep_host_copy=True)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, old)
+        self.assertEqual(ctx.exception.status_name, "STRATA_OUT_OF_MEMORY")
+        self.assertEqual(strata.tag_stats("py-oom")["asleep"], 0)
+        self.assertEqual(_lib.memcpy_dtoh(p, 4096), pattern(5, 4096))
+        strata.sleep("py-oom", keep_host_copy=True)
+        strata.wake("py-oom")
+        self.assertEqual(_lib.memcpy_dtoh(p, 4096), pattern(5, 4096))
+        _lib.free(p)
+
     def test_tag_stacks_are_per_thread(self):
         depth = []
         with strata.tag("py-outer"):

@@ -167,7 +167,12 @@ static GLOBAL_INIT: Mutex<()> = Mutex::new(());
 #[inline]
 pub fn global(config: impl FnOnce() -> RuntimeConfig) -> Result<&'static Runtime> {
     match GLOBAL.get() {
-        Some(rt) => Ok(rt),
+        Some(rt) => {
+            // In a child forked after this, nothing of the runtime is usable (see
+            // `strata_vmm::fork`).
+            strata_vmm::fork::check()?;
+            Ok(rt)
+        }
         None => init_global(config),
     }
 }
@@ -177,8 +182,10 @@ pub fn global(config: impl FnOnce() -> RuntimeConfig) -> Result<&'static Runtime
 fn init_global(config: impl FnOnce() -> RuntimeConfig) -> Result<&'static Runtime> {
     let _guard = GLOBAL_INIT.lock();
     if let Some(rt) = GLOBAL.get() {
+        strata_vmm::fork::check()?;
         return Ok(rt);
     }
+    strata_vmm::fork::arm();
     let backend = strata_vmm::global()?;
     Ok(GLOBAL.get_or_init(|| Runtime::new(backend, config())))
 }

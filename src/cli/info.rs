@@ -22,8 +22,11 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<ExitCode, strata::Error> {
-    let backend = vmm::from_env()?;
+    let (backend, fallback) = vmm::from_env_explained()?;
     println!("backend: {}", backend.kind());
+    if let Some(why) = fallback {
+        println!("cuda: not used ({why}); auto selected the host emulation");
+    }
     println!("devices: {}", backend.device_count());
     let mut table = Table::new();
     table.set_header(["device", "name", "total", "free", "granularity"]);

@@ -570,7 +570,7 @@ impl KvBlockManager {
         let tensor = (layer as usize) * 2 + usize::from(kind == Kind::V);
         let block = self.store.block_size();
         let mut slowest = Tier::Hbm;
-        let mut chunk = vec![0u8; block as usize];
+        let mut chunk = strata_vmm::try_host_vec(block)?;
         let mut at = range.start;
         while at < range.end {
             let p = (at / self.page) as usize;

@@ -488,8 +488,7 @@ impl DeviceKv {
     /// Waits for [`Self::ready`] and reads K and V back with backend copies (tests, checks).
     pub fn read_back(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         self.ready.synchronize()?;
-        let len = usize::try_from(f32_len(self.cells)?).map_err(|_| Error::Overflow("KV bytes"))?;
-        let mut bytes = vec![0u8; len];
+        let mut bytes = strata_vmm::try_host_vec(f32_len(self.cells)?)?;
         self.backend.read(self.k, &mut bytes)?;
         let k = f32_values(&bytes);
         self.backend.read(self.v, &mut bytes)?;

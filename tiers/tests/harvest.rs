@@ -19,7 +19,7 @@ use strata_vmm::{Access, Backend, Error, HostBuffer, HostConfig, Location, Mappi
 const MIB: u64 = 1 << 20;
 
 fn backend(devices: &[u64], link: Option<LinkModel>) -> Arc<dyn Backend> {
-    strata_vmm::host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: devices.to_vec(),
         granularity: 2 * MIB,
         strict: true,

@@ -19,7 +19,7 @@ const MODE: &str = "STRATA_HARVEST_IPC_MODE";
 const T: Duration = Duration::from_secs(10);
 
 fn backend() -> Arc<dyn Backend> {
-    strata_vmm::host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: vec![64 << 20],
         granularity: PAGE,
         strict: true,

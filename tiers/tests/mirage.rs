@@ -17,7 +17,7 @@ use strata_vmm::{
 const PAGE: u64 = 64 << 10;
 
 fn backend(link: Option<LinkModel>) -> Arc<dyn Backend> {
-    strata_vmm::host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: vec![64 << 20],
         granularity: PAGE,
         strict: true,

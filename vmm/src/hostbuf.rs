@@ -16,12 +16,51 @@ use crate::error::{Error, Result};
 use parking_lot::Mutex;
 
 use crate::raii::{process_is_exiting, record_deferred, Event, Reservation};
-use crate::types::{CopyDesc, DevicePtr, StreamHandle};
+use crate::types::{CopyDesc, DevicePtr, Location, StreamHandle};
 use crate::work::DeviceWork;
 
 /// Most bytes one [`Backend::host_alloc`] call takes: pinning (`cudaHostRegister`) of 512 GiB or
 /// more in one call fails; vLLM registers in chunks of at most 64 GiB (REFERENCE.md §6).
 pub const MAX_HOST_CHUNK: u64 = 64 << 30;
+
+/// A zeroed `Vec<u8>` of `len` bytes whose allocation may fail: exhaustion of host memory is
+/// [`Error::OutOfMemory`] on [`Location::Host`], never an abort. For buffers sized by a caller
+/// (host copies, staging), where `vec![0; len]` would kill the process.
+pub fn try_host_vec(len: u64) -> Result<Vec<u8>> {
+    let n = usize::try_from(len).map_err(|_| Error::Overflow("host buffer size"))?;
+    let mut v = Vec::new();
+    if v.try_reserve_exact(n).is_err() {
+        return Err(host_out_of_memory(len));
+    }
+    v.resize(n, 0);
+    Ok(v)
+}
+
+/// [`Error::OutOfMemory`] on the host for a request of `requested` bytes.
+#[cold]
+pub(crate) fn host_out_of_memory(requested: u64) -> Error {
+    Error::OutOfMemory {
+        location: Location::Host,
+        requested,
+        available: available_host_memory(),
+    }
+}
+
+/// Free host memory in bytes (`_SC_AVPHYS_PAGES`), 0 when unknown.
+fn available_host_memory() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_AVPHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    u64::try_from(pages)
+        .ok()
+        .zip(u64::try_from(page).ok())
+        .and_then(|(n, p)| n.checked_mul(p))
+        .unwrap_or(0)
+}
 
 /// An owned host allocation of one backend; freed on drop.
 pub struct HostBuffer {

@@ -9,6 +9,7 @@ mod backend;
 pub mod cuda;
 mod devbuf;
 mod error;
+pub mod fork;
 pub mod host;
 mod hostbuf;
 pub mod ipc;
@@ -23,12 +24,14 @@ pub use cuda::CudaBackend;
 pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
 pub use host::{HostBackend, HostConfig};
-pub use hostbuf::{copy_async_in, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
+pub use hostbuf::{copy_async_in, try_host_vec, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{
     check_deferred, process_is_exiting, record_deferred, Event, Mapping, PhysicalMemory,
     Reservation, Stream,
 };
-pub use select::{from_env, global, open, open_with, Choice};
+pub use select::{
+    from_env, from_env_explained, global, host_or_cuda, open, open_explained, open_with, Choice,
+};
 pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,

@@ -46,12 +46,27 @@ pub fn open_with(
     choice: Choice,
     host: impl FnOnce() -> Result<HostConfig>,
 ) -> Result<Arc<dyn Backend>> {
+    open_explained_with(choice, host).map(|(backend, _)| backend)
+}
+
+/// As [`open`], and for `Auto` falling back to the host emulation, why CUDA was not taken
+/// (the typed error's message: no driver library, no device, ...). `None` otherwise.
+pub fn open_explained(choice: Choice) -> Result<(Arc<dyn Backend>, Option<String>)> {
+    open_explained_with(choice, HostConfig::from_env)
+}
+
+fn open_explained_with(
+    choice: Choice,
+    host: impl FnOnce() -> Result<HostConfig>,
+) -> Result<(Arc<dyn Backend>, Option<String>)> {
     match choice {
-        Choice::Cuda => crate::cuda::open(),
-        Choice::Host => crate::host::open(host()?),
+        Choice::Cuda => crate::cuda::open().map(|b| (b, None)),
+        Choice::Host => crate::host::open(host()?).map(|b| (b, None)),
         Choice::Auto => match crate::cuda::open() {
-            Ok(cuda) => Ok(cuda),
-            Err(Error::NoDriver(_) | Error::NoDevice(_)) => crate::host::open(host()?),
+            Ok(cuda) => Ok((cuda, None)),
+            Err(e @ (Error::NoDriver(_) | Error::NoDevice(_))) => {
+                crate::host::open(host()?).map(|b| (b, Some(e.to_string())))
+            }
             Err(other) => Err(other),
         },
     }
@@ -60,6 +75,21 @@ pub fn open_with(
 /// Builds the backend the environment selects.
 pub fn from_env() -> Result<Arc<dyn Backend>> {
     open(Choice::from_env()?)
+}
+
+/// The host backend `config` describes or, with `STRATA_BACKEND=cuda`, the CUDA backend (its
+/// devices, sizes and granularity come from the driver, not from `config`). For the test suites,
+/// which run on both (CI: over the emulated driver).
+pub fn host_or_cuda(config: HostConfig) -> Result<Arc<dyn Backend>> {
+    match Choice::from_env()? {
+        Choice::Cuda => crate::cuda::open(),
+        _ => crate::host::open(config),
+    }
+}
+
+/// [`open_explained`] for the backend the environment selects.
+pub fn from_env_explained() -> Result<(Arc<dyn Backend>, Option<String>)> {
+    open_explained(Choice::from_env()?)
 }
 
 /// The process-wide backend, opened from the environment on first use. A failure is returned

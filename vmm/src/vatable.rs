@@ -170,6 +170,19 @@ struct Reserved {
     mappings: BTreeMap<DevicePtr, MapEntry>,
 }
 
+impl Reserved {
+    /// The mappings that overlap `va..end`, in address order.
+    fn mappings_over(&self, va: DevicePtr, end: DevicePtr) -> impl Iterator<Item = &MapEntry> {
+        let first = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .filter(|(_, m)| m.end() > va);
+        let rest = self.mappings.range(va.saturating_add(1)..end);
+        first.into_iter().chain(rest).map(|(_, m)| m)
+    }
+}
+
 /// All reservations of a backend and the mappings inside them.
 #[derive(Debug, Default)]
 pub(crate) struct VaTable {
@@ -445,13 +458,7 @@ impl VaTable {
             return Err(Error::NotReserved { va, size });
         };
         let mut cursor = va;
-        let first = r
-            .mappings
-            .range(..=va)
-            .next_back()
-            .filter(|(_, m)| m.end() > va);
-        let rest = r.mappings.range(va.saturating_add(1)..end);
-        for (_, m) in first.into_iter().chain(rest) {
+        for m in r.mappings_over(va, end) {
             if m.va > cursor {
                 break;
             }
@@ -461,6 +468,35 @@ impl VaTable {
             }
         }
         Err(Error::NotMapped { va, size })
+    }
+
+    /// Host access can be granted only over host memory: the CUDA driver refuses
+    /// `CU_MEM_LOCATION_TYPE_HOST_NUMA` grants for allocations of another location type
+    /// (`cuMemSetAccess`), and both backends follow it. `location_of` names each mapped
+    /// handle's memory. Call after [`check_set_access`](Self::check_set_access).
+    pub(crate) fn check_host_grants(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        grants: &[(Location, Access)],
+        location_of: impl Fn(PhysHandle) -> Option<Location>,
+    ) -> Result<()> {
+        if !grants.iter().any(|&(l, _)| l == Location::Host) {
+            return Ok(());
+        }
+        let end = range_end(va, size, "address + size")?;
+        let Some((_, r)) = self.reservation_of(va, end) else {
+            return Err(Error::NotReserved { va, size });
+        };
+        for m in r.mappings_over(va, end) {
+            if location_of(m.handle) != Some(Location::Host) {
+                return Err(Error::InvalidArgument(format!(
+                    "host access over device memory at {:#x}: only host memory can be granted to the host",
+                    m.va
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Applies `grants` over `va..va+size` (after validating like

@@ -1065,3 +1065,31 @@ fn selection_opens_the_host_backend() {
     assert!(b.as_any().downcast_ref::<HostBackend>().is_some());
     assert!(b.device_count() >= 1);
 }
+
+/// The CUDA driver refuses host (`CU_MEM_LOCATION_TYPE_HOST_NUMA`) access over memory of
+/// another location (`cuMemSetAccess`); the host backend follows it (it accepted it before).
+#[test]
+fn host_access_is_granted_only_over_host_memory() {
+    let b = backend();
+    let va = b.reserve(2 * G, 0).unwrap();
+    let dh = b.create(D0, G, CreateFlags::empty()).unwrap();
+    let hh = b.create(Location::Host, G, CreateFlags::empty()).unwrap();
+    b.map(va, G, dh, 0).unwrap();
+    b.map(va + G, G, hh, 0).unwrap();
+    let host_rw = [(Location::Host, RW)];
+    assert!(matches!(
+        b.set_access(va, G, &host_rw),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        b.set_access(va, 2 * G, &host_rw),
+        Err(Error::InvalidArgument(_))
+    ));
+    b.set_access(va + G, G, &[(Location::Host, RW), (D0, RW)])
+        .unwrap();
+    b.set_access(va, G, &[(D0, RW)]).unwrap();
+    b.unmap(va, 2 * G).unwrap();
+    b.release(dh).unwrap();
+    b.release(hh).unwrap();
+    b.free_va(va, 2 * G).unwrap();
+}

@@ -12,7 +12,7 @@ use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
 use super::{
     internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, Segment,
-    State, TagId, LARGE, NO_SEGMENT,
+    State, TagId,
 };
 use crate::mapped::{MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
@@ -59,7 +59,7 @@ impl Supply {
     /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
     /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
     /// old ranges are the caller's to free.
-    fn gather(self, pool: &PagePool, calls: &mut DriverCalls) -> Result<Vec<Page>> {
+    fn gather(self, pool: &PagePool, calls: &mut DriverCalls, requested: u64) -> Result<Vec<Page>> {
         let mut pages = self.ready;
         let unmapped = unmap_pages(self.mapped, &mut pages, calls);
         let fresh = unmapped.and_then(|()| match self.fresh {
@@ -76,9 +76,27 @@ impl Supply {
             }
             Err(e) => {
                 pool.give(pages);
-                Err(e)
+                Err(for_request(e, requested))
             }
         }
+    }
+}
+
+/// The pool's out-of-memory error (about the page it failed to create) restated for the
+/// caller's whole request.
+#[cold]
+fn for_request(e: Error, requested: u64) -> Error {
+    match e {
+        Error::OutOfMemory {
+            location,
+            available,
+            ..
+        } => Error::OutOfMemory {
+            location,
+            requested,
+            available,
+        },
+        e => e,
     }
 }
 
@@ -162,7 +180,13 @@ impl CachingAllocator {
         let (seg_id, offset, len) = match self.classes.run_chunks(class) {
             Some(chunks) => {
                 let len = chunks * self.classes.chunk_size();
-                match self.find_room(guard, ti, len) {
+                let room = match self.find_room(guard, ti, len) {
+                    None if self.reclaim_empty_runs(guard, ti, stream)? > 0 => {
+                        self.find_room(guard, ti, len)
+                    }
+                    room => room,
+                };
+                match room {
                     Some((id, offset)) => (id, offset, len),
                     None => (self.new_segment(guard, ti, 1, true, requested)?, 0, len),
                 }
@@ -175,6 +199,83 @@ impl CachingAllocator {
         };
         self.carve(guard, seg_id, offset, len, class, stream);
         Ok(())
+    }
+
+    /// Returns to their shared pages the runs of tag index `ti` whose blocks are all free, of
+    /// any class, so that their chunks can serve another class. Their blocks leave the bins
+    /// and the table; streams that freed them are ordered before `stream`, which the chunks'
+    /// next blocks are carved for. Returns the runs removed.
+    fn reclaim_empty_runs(&self, st: &mut State, ti: usize, stream: StreamHandle) -> Result<usize> {
+        let mut doomed: Vec<(u32, usize)> = Vec::new();
+        for (id, seg) in st.iter_segments() {
+            if !seg.shared || seg.tag as usize != ti || seg.mapped.is_empty() {
+                continue;
+            }
+            if seg.live as usize == seg.blocks.len() {
+                continue;
+            }
+            let base = self.va_of(seg.start);
+            let mut busy = vec![false; seg.runs.len()];
+            for &b in &seg.blocks {
+                let blk = &st.blocks[b as usize];
+                if blk.state != BlockState::Free {
+                    let off = blk.ptr - base;
+                    let r = seg.runs.partition_point(|r| r.offset <= off);
+                    if let Some(flag) = r.checked_sub(1).and_then(|r| busy.get_mut(r)) {
+                        *flag = true;
+                    }
+                }
+            }
+            doomed.extend((0..seg.runs.len()).filter(|&r| !busy[r]).map(|r| (id, r)));
+        }
+        if doomed.is_empty() {
+            return Ok(0);
+        }
+        let mut streams = Vec::new();
+        for &(id, r) in &doomed {
+            let Some(seg) = st.segments[id as usize].as_ref() else {
+                continue;
+            };
+            let run = seg.runs[r];
+            let lo = self.va_of(seg.start) + run.offset;
+            for &b in &seg.blocks {
+                let blk = &st.blocks[b as usize];
+                if blk.ptr >= lo && blk.ptr < lo + run.len && blk.stream != stream {
+                    streams.push(blk.stream);
+                }
+            }
+        }
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            self.order_after(st, s, stream)?;
+        }
+        // Highest run index first, so the indexes of the runs still to remove hold.
+        doomed.sort_unstable_by(|a, b| b.cmp(a));
+        for &(id, r) in &doomed {
+            let Some(seg) = st.segments[id as usize].as_mut() else {
+                continue;
+            };
+            let run = seg.runs.remove(r);
+            let lo = self.va_of(seg.start) + run.offset;
+            let blocks = &st.blocks;
+            let (gone, kept): (Vec<u32>, Vec<u32>) = seg.blocks.iter().partition(|&&b| {
+                let p = blocks[b as usize].ptr;
+                p >= lo && p < lo + run.len
+            });
+            seg.blocks = kept;
+            let class_bytes = self.classes.size(run.class as usize);
+            st.tags[ti].bins[run.class as usize].retain(|b| !gone.contains(&b));
+            for b in gone {
+                let blk = &mut st.blocks[b as usize];
+                st.by_ptr.remove(&blk.ptr);
+                blk.state = BlockState::Dead;
+                blk.used_on = Vec::new();
+                st.free_ids.push(b);
+            }
+            st.freed.record(lo, run.len, class_bytes);
+        }
+        Ok(doomed.len())
     }
 
     /// The first shared page of tag index `ti` with `len` free bytes: (segment, offset).
@@ -258,7 +359,6 @@ impl CachingAllocator {
                 state: BlockState::Free,
                 stream,
                 used_on: Vec::new(),
-                pages: Vec::new(),
             });
             st.by_ptr.insert(ptr, id);
             ids.push(id);
@@ -279,95 +379,6 @@ impl CachingAllocator {
         }
     }
 
-    /// Whole pages: a cached run (split to size), else pages from the cache and the pool
-    /// mapped behind a new VA range.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn allocate_large(
-        &self,
-        size: u64,
-        stream: StreamHandle,
-        tag: TagId,
-    ) -> Result<DevicePtr> {
-        let pages = size / self.page + u64::from(size % self.page != 0);
-        let mut guard = self.state.lock();
-        let st = &mut *guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
-        if st.tags[ti].asleep {
-            return Err(Error::InvalidState(format!("tag {tag} is asleep")));
-        }
-        if let Some(limit) = st.limit {
-            if pages.checked_mul(self.page).is_none_or(|b| b > limit) {
-                st.totals.counts.ooms += 1;
-                return Err(Error::LimitExceeded {
-                    requested: size,
-                    used: st.totals.mapped_pages * self.page,
-                    limit,
-                });
-            }
-        }
-        if pages > self.arena_pages {
-            return Err(self.oom(st, size));
-        }
-        if !st.pending.is_empty() {
-            self.poll_pending(st)?;
-        }
-        if let Some(start) = st.cache.best_fit(ti as u32, pages) {
-            let run = st
-                .cache
-                .take_head(start, pages)
-                .ok_or_else(|| Error::InvalidState("cache best fit vanished".into()))?;
-            if run.stream != stream {
-                if let Err(e) = self.order_after(st, run.stream, stream) {
-                    st.cache.insert(start, run);
-                    return Err(e);
-                }
-            }
-            st.totals.counts.cache_hits += 1;
-            return Ok(self.install_large(st, ti, start, pages, size, stream, run.payload));
-        }
-        let (start, mapped) = self.grow_run(&mut guard, ti, pages, size)?;
-        let st = &mut *guard;
-        st.totals.add_pages(pages);
-        st.tags[ti].totals.mapped_pages += pages;
-        st.totals.counts.cache_misses += 1;
-        st.totals.counts.mappings_created += 1;
-        Ok(self.install_large(st, ti, start, pages, size, stream, mapped))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn install_large(
-        &self,
-        st: &mut State,
-        ti: usize,
-        start: u64,
-        pages: u64,
-        requested: u64,
-        stream: StreamHandle,
-        mapped: Vec<MappedPage>,
-    ) -> DevicePtr {
-        let ptr = self.va_of(start);
-        let size = pages * self.page;
-        st.freed.invalidate(ptr, size);
-        let id = st.new_block(Block {
-            ptr,
-            size,
-            requested,
-            tag: ti as u32,
-            segment: NO_SEGMENT,
-            class: LARGE,
-            state: BlockState::Live,
-            stream,
-            used_on: Vec::new(),
-            pages: mapped,
-        });
-        st.by_ptr.insert(ptr, id);
-        st.tags[ti].totals.on_alloc(requested, size);
-        st.totals.on_alloc(requested, size);
-        st.totals.counts.large_allocs += 1;
-        ptr
-    }
-
     /// Maps `pages` new pages for tag index `ti` behind a new arena range and returns the
     /// range's first page and its mappings, for the caller to publish under the lock it holds
     /// again. The driver calls (unmapping recycled cached pages, creating pool pages, map,
@@ -375,7 +386,7 @@ impl CachingAllocator {
     /// pages; on failure the record is rolled back and the pages return to the pool.
     #[cold]
     #[inline(never)]
-    fn grow_run(
+    pub(super) fn grow_run(
         &self,
         guard: &mut Guard<'_>,
         ti: usize,
@@ -417,7 +428,7 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let got = supply.gather(&self.pool, &mut calls)?;
+                let got = supply.gather(&self.pool, &mut calls, requested)?;
                 self.map_run(start, got, &mut calls)
             }))
         });
@@ -476,7 +487,7 @@ impl CachingAllocator {
             .filter_map(|&i| st.segments[i as usize].as_ref())
             .map(|s| s.pages)
             .sum();
-        let reclaimable = st.cache.pages() + empty;
+        let reclaimable = st.cache.pages() + empty + self.cuttable_pages(st, None);
         let fresh = n.saturating_sub(reclaimable);
         if let Some(limit) = st.limit {
             let held = st.totals.mapped_pages + st.inflight.pages();
@@ -512,10 +523,21 @@ impl CachingAllocator {
     }
 
     /// Takes at least `need` cached pages (smallest cached runs first, then empty small
-    /// segments) out of the tables into `supply`, after synchronizing the streams that may
+    /// segments; whole free pages are cut out of large segments first if those are short)
+    /// out of the tables into `supply`, after synchronizing the streams that may
     /// touch them (under the lock: a failure leaves everything in place). They stay mapped,
     /// their ranges held, until the supply is gathered.
     fn take_cached(&self, st: &mut State, need: u64, supply: &mut Supply) -> Result<()> {
+        let empty: u64 = st
+            .empty_segments(true)
+            .iter()
+            .filter_map(|&i| st.segments[i as usize].as_ref())
+            .map(|s| s.pages)
+            .sum();
+        let short = need.saturating_sub(st.cache.pages() + empty);
+        if short > 0 {
+            self.cut_free_pages(st, Some(short), None);
+        }
         let mut remaining = need;
         let mut runs = Vec::new();
         for start in st.cache.starts_smallest_first() {
@@ -582,7 +604,7 @@ impl CachingAllocator {
         let mut supply = self.reserve_supply(st, n, requested)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, &mut calls);
+        let got = supply.gather(&self.pool, &mut calls, requested);
         calls.add_to(&mut st.totals.counts);
         for (start, len) in ranges {
             st.va.free(start, len).map_err(internal)?;
@@ -685,7 +707,8 @@ impl CachingAllocator {
     }
 
     /// Empties the cache (see [`CachingAllocator::empty_cache`]). Under the lock: completed
-    /// pending frees are recycled, the streams that may touch cached pages synchronized, and
+    /// pending frees are recycled, whole free pages cut out of large segments into the cache,
+    /// the streams that may touch cached pages synchronized, and
     /// every cached run and empty segment taken out of the tables (their blocks out of the
     /// bins), their ranges held in flight. With the lock dropped: unmap and release. Under the
     /// lock again: the ranges return to the arena. Pages an in-flight grower will publish are
@@ -693,6 +716,7 @@ impl CachingAllocator {
     pub(super) fn release_cached(&self, guard: &mut Guard<'_>) -> Result<u64> {
         let st = &mut **guard;
         self.poll_pending(st)?;
+        self.cut_free_pages(st, None, None);
         let runs: Vec<(u64, CachedRun<Vec<MappedPage>>)> = st
             .cache
             .starts_smallest_first()

@@ -2,7 +2,7 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{BlockState, CachingAllocator, State, LARGE, NO_SEGMENT};
+use super::{BlockState, CachingAllocator, State, LARGE, LARGE_ALIGN, NO_SEGMENT};
 
 impl CachingAllocator {
     /// Checks every structural invariant and returns the first violation:
@@ -10,6 +10,9 @@ impl CachingAllocator {
     /// - the arena's free VA ranges, small segments, large blocks, cached runs and the ranges
     ///   of in-flight growth and shrinking tile the arena exactly (no overlap; live + cached +
     ///   in flight + free = arena), and the in-flight records' pages add up to their total;
+    /// - every large segment is tiled exactly by its blocks (live or pending, of its tag and
+    ///   stream, 512-byte aligned) and its free extents (filed under its tag and stream, merged
+    ///   with free neighbours), and is never wholly free; every extent lies in a segment;
     /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
     ///   tag has nothing mapped while an awake one has everything mapped;
     /// - the pointer table, the bins and the pending list agree with the block table;
@@ -23,6 +26,8 @@ impl CachingAllocator {
     fn check_state(&self, st: &State) -> Result<(), String> {
         st.va.check()?;
         st.cache.check()?;
+        st.extents.check()?;
+        self.check_large(st)?;
         let page = self.page;
 
         // 1. Tiling of the arena, in pages.
@@ -34,23 +39,8 @@ impl CachingAllocator {
         for (id, seg) in st.iter_segments() {
             regions.push((seg.start, seg.pages, format!("segment {id}")));
         }
-        for (id, b) in st.blocks.iter().enumerate() {
-            if b.class == LARGE && b.state != BlockState::Dead {
-                if b.ptr < self.arena.ptr()
-                    || (b.ptr - self.arena.ptr()) % page != 0
-                    || b.size % page != 0
-                {
-                    return Err(format!(
-                        "large block {id} at {:#x} is not page-aligned in the arena",
-                        b.ptr
-                    ));
-                }
-                regions.push((
-                    self.page_of(b.ptr),
-                    b.size / page,
-                    format!("large block {id}"),
-                ));
-            }
+        for (&s, seg) in &st.large {
+            regions.push((s, seg.pages, format!("large segment at page {s}")));
         }
         for (s, r) in st.cache.iter() {
             regions.push((s, r.pages, format!("cached run at page {s}")));
@@ -135,18 +125,14 @@ impl CachingAllocator {
                 &format!("segment {id}"),
             )?;
         }
-        for (id, b) in st.blocks.iter().enumerate() {
-            if b.class == LARGE && b.state != BlockState::Dead {
-                check_run(
-                    self.page_of(b.ptr),
-                    b.size / page,
-                    &b.pages,
-                    b.tag,
-                    &format!("large block {id}"),
-                )?;
-            } else if !b.pages.is_empty() {
-                return Err(format!("block {id} holds pages but is not a large block"));
-            }
+        for (&s, seg) in &st.large {
+            check_run(
+                s,
+                seg.pages,
+                &seg.mapped,
+                seg.tag,
+                &format!("large segment at page {s}"),
+            )?;
         }
         for (s, r) in st.cache.iter() {
             if st.tags[r.tag as usize].asleep {
@@ -375,6 +361,77 @@ impl CachingAllocator {
         }
         if t.peak_allocated < t.allocated || t.peak_allocated_blocks < t.allocated_blocks {
             return Err("peak allocated below allocated".into());
+        }
+        Ok(())
+    }
+
+    /// Large segments: blocks and extents tile each one; see [`Self::check_invariants`].
+    fn check_large(&self, st: &State) -> Result<(), String> {
+        let mut pieces: FxHashMap<u64, Vec<(u64, u64, &'static str)>> = FxHashMap::default();
+        for (id, b) in st.blocks.iter().enumerate() {
+            if b.class != LARGE || b.state == BlockState::Dead {
+                continue;
+            }
+            let (start, seg) = self
+                .segment_at(st, b.ptr)
+                .ok_or_else(|| format!("large block {id} at {:#x} has no segment", b.ptr))?;
+            if b.ptr % LARGE_ALIGN != 0 || b.size % LARGE_ALIGN != 0 || b.size == 0 {
+                return Err(format!(
+                    "large block {id} at {:#x}+{:#x} misaligned",
+                    b.ptr, b.size
+                ));
+            }
+            if b.tag != seg.tag || b.stream != seg.stream {
+                return Err(format!(
+                    "large block {id} (tag {}, {:?}) in a segment of tag {}, {:?}",
+                    b.tag, b.stream, seg.tag, seg.stream
+                ));
+            }
+            pieces
+                .entry(start)
+                .or_default()
+                .push((b.ptr, b.size, "block"));
+        }
+        let mut extents = 0usize;
+        for (&start, seg) in &st.large {
+            let (lo, hi) = (self.va_of(start), self.va_of(start + seg.pages));
+            let mut v = pieces.remove(&start).unwrap_or_default();
+            for (s, l) in st.extents.within(lo, hi) {
+                if st.extents.owner(s) != Some((seg.tag, seg.stream)) {
+                    return Err(format!("extent {s:#x} filed under another tag or stream"));
+                }
+                v.push((s, l, "extent"));
+                extents += 1;
+            }
+            v.sort_unstable();
+            let mut at = lo;
+            let mut prev = "start";
+            for &(s, l, what) in &v {
+                if s != at {
+                    return Err(format!(
+                        "large segment at page {start}: {what} at {s:#x}, expected {at:#x}"
+                    ));
+                }
+                if what == "extent" && prev == "extent" {
+                    return Err(format!("large segment at page {start}: extents not merged"));
+                }
+                at = s + l;
+                prev = what;
+            }
+            if at != hi {
+                return Err(format!(
+                    "large segment at page {start}: pieces end at {at:#x}, segment at {hi:#x}"
+                ));
+            }
+            if v.len() == 1 && v[0].2 == "extent" {
+                return Err(format!("large segment at page {start} is wholly free"));
+            }
+        }
+        if extents != st.extents.len() {
+            return Err(format!(
+                "{} extents, {extents} inside segments",
+                st.extents.len()
+            ));
         }
         Ok(())
     }

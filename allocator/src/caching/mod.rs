@@ -3,14 +3,20 @@
 //! - **Small sizes** (below [`CachingConfig::small_threshold`], 1 MiB by default) are rounded to
 //!   a size class (multiples of 256 B, four geometric sub-steps per power of two) and carved from
 //!   runs of a few 1/32-page chunks inside pages shared by all classes of a tag (classes larger
-//!   than a page: segments of their own). Freed blocks go back to their class's free list. Pages
+//!   than a page: segments of their own). Freed blocks go back to their class's free list;
+//!   when a tag's pages have no room for a new run, runs whose blocks are all free return to
+//!   their page for any class before a page is mapped. Pages
 //!   and bins are per tag, so blocks of two tags never share a page.
-//! - **Large sizes** are rounded to whole pages and mapped, page by page, behind a range of one
-//!   VA arena reserved once; access is set over the whole run in one call. Physical pages need
-//!   not be contiguous. Freed large blocks stay mapped in a cache and are reused by splitting
-//!   (best fit), so reuse never wastes pages. When no cached run is big enough, cached pages are
-//!   unmapped and mapped again, with pool pages if needed, behind a new VA range: a request that
-//!   fits in the free pages (cached + pool) never fails for want of a contiguous range.
+//! - **Large sizes** are rounded to 512 bytes and placed in *large segments*: runs of whole
+//!   pages mapped, page by page, behind a range of one VA arena reserved once (access set over
+//!   the whole run in one call; physical pages need not be contiguous), one tag and one stream
+//!   each. The rest of a segment's last page serves the next large allocation of its stream
+//!   (best fit over free extents, `large.rs`), so a size just above a page multiple does not
+//!   hold a whole extra page. A segment whose blocks are all free joins a cache of free page
+//!   runs, reused by splitting (best fit). When no free extent or cached run is big enough,
+//!   cached pages (and whole free pages cut out of segments) are unmapped and mapped again,
+//!   with pool pages if needed, behind a new VA range: a request that fits in the free pages
+//!   (cached + pool) never fails for want of a contiguous range.
 //! - **Streams.** A block freed on stream S is reusable at once on S. Another stream T takes it
 //!   only after an event recorded on S is waited on by T (`stream_wait_event`, no host block).
 //!   A block used on other streams ([`CachingAllocator::record_stream`]), or freed on a stream
@@ -36,6 +42,8 @@ mod cache;
 mod grow;
 mod inflight;
 mod invariants;
+mod large;
+mod large_path;
 mod sleep;
 mod stats;
 mod streams;
@@ -60,6 +68,7 @@ pub use bins::{
     class_index, class_size, ClassBin, SizeClasses, CHUNKS_PER_PAGE, MAX_SEGMENT_PAGES, MIN_ALIGN,
 };
 pub use cache::{CachedRun, RangeCache, Run};
+pub use large::{Extents, LargeSegment, LARGE_ALIGN};
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
@@ -83,7 +92,8 @@ pub struct CachingConfig {
     /// Bytes of VA reserved once for the arena (rounded up to the page size). `None`: four
     /// times the device memory, at least 1 TiB.
     pub arena_size: Option<u64>,
-    /// Requests below this many bytes are small (size classes in shared pages).
+    /// Requests below this many bytes are small (size classes in shared pages). Capped at
+    /// [`MAX_SEGMENT_PAGES`] pages, so small page sizes lower it.
     pub small_threshold: u64,
     /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
     pub limit: Option<u64>,
@@ -113,12 +123,12 @@ pub struct LiveAllocation {
     pub ptr: DevicePtr,
     /// Requested bytes.
     pub size: u64,
-    /// Bytes of the block that holds it (size class or whole pages).
+    /// Bytes of the block that holds it (size class, or the request rounded to 512 bytes).
     pub block_size: u64,
     pub tag: TagId,
     /// The stream it was allocated on.
     pub stream: StreamHandle,
-    /// Whether it is a large (whole-page) block.
+    /// Whether it is a large block (in a large segment).
     pub large: bool,
 }
 
@@ -136,7 +146,7 @@ enum BlockState {
 
 struct Block {
     ptr: DevicePtr,
-    /// Class size or whole pages.
+    /// Class size, or the request rounded to [`LARGE_ALIGN`].
     size: u64,
     requested: u64,
     /// Index into `State::tags`.
@@ -148,8 +158,6 @@ struct Block {
     stream: StreamHandle,
     /// Other streams that used it (`record_stream`).
     used_on: Vec<StreamHandle>,
-    /// Large blocks: their mapped pages (empty while the tag sleeps).
-    pages: Vec<MappedPage>,
 }
 
 /// Blocks of one class carved from `len` bytes at `offset` in a segment.
@@ -248,6 +256,10 @@ struct State {
     segments: Vec<Option<Segment>>,
     free_segments: Vec<u32>,
     cache: RangeCache<Vec<MappedPage>>,
+    /// Large segments by first page.
+    large: BTreeMap<u64, LargeSegment<Vec<MappedPage>>>,
+    /// Free ranges of large segments.
+    extents: Extents,
     va: VaArena,
     pending: Vec<PendingFree>,
     idle_events: Vec<Event>,
@@ -358,6 +370,11 @@ impl State {
             .collect()
     }
 
+    fn tag_is_idle(&self, ti: usize) -> bool {
+        let t = &self.tags[ti];
+        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+    }
+
     fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
         self.segments
             .iter()
@@ -415,7 +432,12 @@ impl CachingAllocator {
         if arena_size == 0 {
             return Err(Error::InvalidArgument("arena size 0".into()));
         }
-        let classes = SizeClasses::new(config.small_threshold, page);
+        // Small classes live in segments of at most MAX_SEGMENT_PAGES pages: with small pages
+        // (a 4 KiB host granularity) the threshold shrinks to fit instead of failing.
+        let threshold = config
+            .small_threshold
+            .min(MAX_SEGMENT_PAGES.saturating_mul(page));
+        let classes = SizeClasses::new(threshold, page);
         if let Some(last) = classes.len().checked_sub(1) {
             if classes.size(last) > bins::MAX_SEGMENT_PAGES * page {
                 return Err(Error::InvalidArgument(format!(
@@ -436,6 +458,8 @@ impl CachingAllocator {
             segments: Vec::new(),
             free_segments: Vec::new(),
             cache: RangeCache::default(),
+            large: BTreeMap::new(),
+            extents: Extents::default(),
             va: VaArena::new(arena_pages),
             pending: Vec::new(),
             idle_events: Vec::new(),
@@ -489,7 +513,7 @@ impl CachingAllocator {
     }
 
     /// Allocates `size` bytes under `tag` for use on `stream`. The pointer is aligned to at
-    /// least 256 bytes (a page for large sizes). Allocating under a sleeping tag is
+    /// least 256 bytes (512 for large sizes). Allocating under a sleeping tag is
     /// [`Error::InvalidState`]; exhaustion is [`Error::OutOfMemory`] or
     /// [`Error::LimitExceeded`], after which the allocator is still fully usable.
     #[inline]
@@ -597,6 +621,30 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// Lets the caller reuse `tag`'s id for another name: succeeds (and restarts the tag's
+    /// counters) only while nothing of it is live, asleep or growing. Its cached pages stay
+    /// (blocks of one id never share a page with another id, whoever names it).
+    pub fn retire_tag(&self, tag: TagId) -> bool {
+        let mut st = self.state.lock();
+        let Some(ti) = st.tag_slot(tag) else {
+            return true;
+        };
+        if !st.tag_is_idle(ti) {
+            return false;
+        }
+        let totals = &mut st.tags[ti].totals;
+        totals.allocs = 0;
+        totals.frees = 0;
+        totals.peak_allocated = totals.allocated;
+        true
+    }
+
+    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
+    pub fn tag_is_idle(&self, tag: TagId) -> bool {
+        let st = self.state.lock();
+        st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
+    }
+
     /// The cap on reserved bytes.
     pub fn limit(&self) -> Option<u64> {
         self.state.lock().limit
@@ -633,6 +681,13 @@ impl CachingAllocator {
             reserved_bytes: st.totals.mapped_pages * page,
             mapped_pages: st.totals.mapped_pages,
             cached_large_bytes: st.cache.pages() * page,
+            large_segment_bytes: st.large.values().map(|s| s.pages).sum::<u64>() * page,
+            large_free_bytes: st.extents.bytes(),
+            cached_small_bytes: st
+                .iter_segments()
+                .filter(|(_, s)| s.live == 0 && !s.mapped.is_empty())
+                .map(|(_, s)| s.pages * page)
+                .sum(),
             peak_allocated_bytes: st.totals.peak_allocated,
             peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
             peak_reserved_bytes: st.totals.peak_mapped_pages * page,
@@ -784,6 +839,7 @@ impl Drop for CachingAllocator {
             .collect();
         streams.extend(st.blocks.iter().flat_map(|b| b.used_on.iter().copied()));
         streams.extend(st.cache.iter().map(|(_, r)| r.stream));
+        streams.extend(st.large.values().map(|s| s.stream));
         streams.sort_unstable();
         streams.dedup();
         for s in streams {
@@ -794,8 +850,8 @@ impl Drop for CachingAllocator {
         for seg in st.segments.iter_mut().flatten() {
             mapped.append(&mut seg.mapped);
         }
-        for b in &mut st.blocks {
-            mapped.append(&mut b.pages);
+        for seg in st.large.values_mut() {
+            mapped.append(&mut seg.mapped);
         }
         for s in st.cache.starts_smallest_first() {
             if let Some(mut r) = st.cache.remove(s) {

@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use super::grow::DriverCalls;
-use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId, LARGE};
+use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
 use crate::pool::Page;
 
 /// Bytes moved per step of the disk pipelines (and the host memory each of its buffers holds).
@@ -112,7 +112,8 @@ fn buffer(returned: &Receiver<Vec<u8>>, made: &mut usize) -> Vec<u8> {
 #[derive(Clone, Copy)]
 enum Target {
     Segment(u32),
-    Block(u32),
+    /// A large segment, by first page.
+    Large(u64),
 }
 
 impl CachingAllocator {
@@ -167,6 +168,7 @@ impl CachingAllocator {
         for start in st.cache.starts_of_tag(t32) {
             streams.extend(st.cache.get(start).map(|r| r.stream));
         }
+        streams.extend(st.large.values().filter(|s| s.tag == t32).map(|s| s.stream));
         self.sync_streams(st, streams)?;
 
         let live: Vec<(u32, DevicePtr, u64)> = st
@@ -182,9 +184,8 @@ impl CachingAllocator {
             Keep::Nothing => {}
             Keep::Host => {
                 for &(id, ptr, requested) in &live {
-                    let len = usize::try_from(requested)
-                        .map_err(|_| Error::Overflow("host copy size"))?;
-                    let mut buf = vec![0u8; len];
+                    // Host memory may run out: an error, with the tag still awake and intact.
+                    let mut buf = strata_vmm::try_host_vec(requested)?;
                     self.backend.read(ptr, &mut buf)?;
                     copies.insert(id, buf);
                 }
@@ -194,6 +195,7 @@ impl CachingAllocator {
 
         let mut pages: Vec<Page> = Vec::new();
         let mut first_err = None;
+        self.cut_free_pages(st, None, Some(t32));
         for start in st.cache.starts_of_tag(t32) {
             if let Some(run) = st.cache.remove(start) {
                 st.totals.sub_pages(run.pages);
@@ -225,14 +227,17 @@ impl CachingAllocator {
             };
             self.unmap_into(st, mapped, &mut pages, &mut first_err);
         }
-        let large: Vec<usize> = (0..st.blocks.len())
-            .filter(|&i| {
-                let b = &st.blocks[i];
-                b.tag == t32 && b.class == LARGE && b.state == BlockState::Live
-            })
+        let large: Vec<u64> = st
+            .large
+            .iter()
+            .filter(|(_, s)| s.tag == t32)
+            .map(|(&start, _)| start)
             .collect();
-        for id in large {
-            let mapped = std::mem::take(&mut st.blocks[id].pages);
+        for start in large {
+            let Some(seg) = st.large.get_mut(&start) else {
+                continue;
+            };
+            let mapped = std::mem::take(&mut seg.mapped);
             let n = mapped.len() as u64;
             st.totals.sub_pages(n);
             st.tags[ti].totals.mapped_pages -= n;
@@ -279,13 +284,9 @@ impl CachingAllocator {
             .filter(|(_, s)| s.tag == t32)
             .map(|(i, s)| (Target::Segment(i), s.start, s.pages))
             .collect();
-        for (i, b) in st.blocks.iter().enumerate() {
-            if b.tag == t32 && b.class == LARGE && b.state == BlockState::Live {
-                targets.push((
-                    Target::Block(i as u32),
-                    self.page_of(b.ptr),
-                    b.size / self.page,
-                ));
+        for (&start, seg) in &st.large {
+            if seg.tag == t32 {
+                targets.push((Target::Large(start), start, seg.pages));
             }
         }
         let total: u64 = targets.iter().map(|t| t.2).sum();
@@ -329,7 +330,11 @@ impl CachingAllocator {
                         seg.mapped = m;
                     }
                 }
-                Target::Block(id) => st.blocks[id as usize].pages = m,
+                Target::Large(start) => {
+                    if let Some(seg) = st.large.get_mut(&start) {
+                        seg.mapped = m;
+                    }
+                }
             }
         }
         st.totals.add_pages(total);

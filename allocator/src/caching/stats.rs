@@ -11,7 +11,7 @@ pub struct AllocatorCounts {
     pub allocs: u64,
     /// Successful deallocations.
     pub frees: u64,
-    /// Allocations served by the small bins / by whole pages.
+    /// Allocations served by the small bins / by large segments.
     pub small_allocs: u64,
     pub large_allocs: u64,
     /// Allocations served from freed blocks (small bins, cached large runs).
@@ -71,7 +71,7 @@ pub struct AllocatorStats {
     pub free_va_bytes: u64,
     /// Requested bytes of live allocations.
     pub allocated_bytes: u64,
-    /// Block-rounded bytes of live allocations (class size or whole pages).
+    /// Block-rounded bytes of live allocations (class size, or 512-byte multiples if large).
     pub allocated_block_bytes: u64,
     /// Bytes of pages this allocator holds mapped: live blocks, small segments and cache.
     pub reserved_bytes: u64,
@@ -79,6 +79,12 @@ pub struct AllocatorStats {
     pub mapped_pages: u64,
     /// Bytes of freed large runs kept mapped for reuse.
     pub cached_large_bytes: u64,
+    /// Bytes of pages held by large segments (live large blocks and the free room between
+    /// and after them), and the free part of them.
+    pub large_segment_bytes: u64,
+    pub large_free_bytes: u64,
+    /// Bytes of small segments with no live block, kept mapped for reuse.
+    pub cached_small_bytes: u64,
     pub peak_allocated_bytes: u64,
     pub peak_allocated_block_bytes: u64,
     pub peak_reserved_bytes: u64,

@@ -3,9 +3,7 @@
 
 use strata_vmm::{Error, Event, Result, StreamHandle};
 
-use super::{
-    internal, BlockState, CachedRun, CachingAllocator, PendingFree, State, IDLE_EVENTS, LARGE,
-};
+use super::{BlockState, CachingAllocator, PendingFree, State, IDLE_EVENTS, LARGE};
 
 impl CachingAllocator {
     /// Frees that are not a plain bin push: large blocks, blocks used on other streams, and
@@ -15,10 +13,14 @@ impl CachingAllocator {
     pub(super) fn free_slow(&self, st: &mut State, id: u32, stream: StreamHandle) -> Result<()> {
         let b = &st.blocks[id as usize];
         let asleep = st.tags[b.tag as usize].asleep;
+        // Where the block is reusable once free: a small block on the freeing stream's list, a
+        // large one in its segment, whose stream is the one it was allocated on.
+        let home = if b.class == LARGE { b.stream } else { stream };
         let mut wait: Vec<StreamHandle> = b.used_on.clone();
         wait.push(b.stream);
+        wait.push(stream);
         // A sleeping block has no pages (sleep synchronized its streams): nothing to wait for.
-        wait.retain(|&s| s != stream && !asleep);
+        wait.retain(|&s| s != home && !asleep);
         wait.sort_unstable();
         wait.dedup();
         let mut events = Vec::with_capacity(wait.len());
@@ -38,7 +40,7 @@ impl CachingAllocator {
             st.tags[ti].sleep.forget(id);
         }
         let b = &mut st.blocks[id as usize];
-        b.stream = stream;
+        b.stream = home;
         b.used_on.clear();
         if events.is_empty() {
             return self.recycle(st, id);
@@ -50,7 +52,7 @@ impl CachingAllocator {
     }
 
     /// A freed (accounted) block becomes reusable: small ones go to their bin, large ones to
-    /// the cache (or, while their tag sleeps, their VA goes back to the arena).
+    /// their segment's free extents (see `large_path.rs`).
     pub(super) fn recycle(&self, st: &mut State, id: u32) -> Result<()> {
         let b = &mut st.blocks[id as usize];
         let (ptr, stream, ti) = (b.ptr, b.stream, b.tag);
@@ -63,27 +65,13 @@ impl CachingAllocator {
             st.tags[ti as usize].bins[class].push(stream, id);
             return Ok(());
         }
-        let pages = b.size / self.page;
-        let mapped = std::mem::take(&mut b.pages);
+        let len = b.size;
         b.state = BlockState::Dead;
+        b.used_on = Vec::new();
         st.by_ptr.remove(&ptr);
         st.free_ids.push(id);
         st.freed.record(ptr, 1, 1);
-        let start = self.page_of(ptr);
-        if mapped.is_empty() {
-            st.va.free(start, pages).map_err(internal)?;
-        } else {
-            st.cache.insert(
-                start,
-                CachedRun {
-                    pages,
-                    tag: ti,
-                    stream,
-                    payload: mapped,
-                },
-            );
-        }
-        Ok(())
+        self.free_large(st, ptr, len)
     }
 
     /// Moves pending frees whose events all completed to their bins or the cache.

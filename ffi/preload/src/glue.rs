@@ -44,9 +44,12 @@ pub fn inside() -> bool {
     DEPTH.with(|d| d.get() > 0)
 }
 
-/// True when hooks should serve from strata on this thread.
+/// True when hooks should serve from strata on this thread. In a child forked after the shim
+/// opened its backend, never: the child's hooks pass through to the real driver, which answers
+/// as it does after fork (CUDA refuses a context inherited over fork), and the parent's pools
+/// are never served to the child (that would alias the parent's memory).
 pub fn active() -> bool {
-    !config::get().disable && !inside()
+    !config::get().disable && !inside() && !strata_vmm::fork::forked()
 }
 
 struct Shim {
@@ -207,9 +210,13 @@ pub fn free(ptr: DevicePtr, sync: impl FnOnce() -> i32) -> Free {
     }
 }
 
-/// `(free, total)` of `device` as strata serves it: total is the device's memory; free is the
-/// device's free memory plus what strata holds unused (its cache and pool), capped by the limit
-/// less what is live. It only falls while allocations are made and rises when they are freed.
+/// `(free, total)` of `device` as strata serves it: total is the device's memory; free is what
+/// one large allocation can get: the device's free memory plus the pages strata holds that a
+/// large allocation can take (cached large runs, empty small segments and the pool's free
+/// pages), capped under the
+/// limit by what is left of it. Free room inside pages of small blocks is not counted (a
+/// large allocation cannot use it). It only falls while allocations are made and rises when
+/// they are freed.
 pub fn mem_info(device: u32) -> Option<(u64, u64)> {
     let shim = shim()?;
     let _inside = Inside::enter();
@@ -217,19 +224,20 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
     let info = backend.device_info(device).ok()?;
     let device_free = backend.mem_info(device).ok()?.free;
     let total = info.total_memory;
-    let (held_unused, live) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
+    let (takeable, held) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
         Some(Some(a)) => {
             let s = a.stats();
             let pool = a.pool().stats();
-            let unused = s.reserved_bytes.saturating_sub(s.allocated_block_bytes)
-                + pool.free as u64 * pool.page_size;
-            (unused, s.allocated_block_bytes)
+            let pool_free = pool.free as u64 * pool.page_size;
+            // What strata holds: mapped pages plus the pool's free ones.
+            let cached = s.cached_large_bytes + s.cached_small_bytes;
+            (cached + pool_free, s.reserved_bytes + pool_free)
         }
         _ => (0, 0),
     };
-    let mut free = device_free.saturating_add(held_unused);
+    let mut free = device_free.saturating_add(takeable);
     if let Some(limit) = config::get().limit {
-        free = free.min(limit.saturating_sub(live));
+        free = free.min(limit.saturating_sub(held).saturating_add(takeable));
     }
     Some((free.min(total), total))
 }

@@ -12,23 +12,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+mod common;
+
+use common::{cc, shim};
+
 const DEVICE_BYTES: u64 = 1 << 30;
 
 fn fake_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake")
-}
-
-fn cc(args: &[&str]) {
-    let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .args(["-O1", "-g", "-Wall", "-Wextra", "-Werror"])
-        .args(args)
-        .output()
-        .expect("a C compiler (cc) is needed to build the fake driver");
-    assert!(
-        out.status.success(),
-        "cc {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Builds the fakes once per test binary; returns their directory.
@@ -78,37 +69,6 @@ fn build() -> &'static Path {
         ]);
         dir
     })
-}
-
-/// `target/<profile>/libstrata_preload.so`, built once per test run: cargo does not build a
-/// cdylib for its own package's integration tests, and a stale one must never be tested.
-fn shim() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let exe = std::env::current_exe().expect("current_exe");
-            let profile_dir = exe
-                .parent()
-                .and_then(Path::parent)
-                .expect("target/<profile>/deps/<test>")
-                .to_path_buf();
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--quiet", "-p", "strata-preload", "--lib"]);
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build for the shim");
-            assert!(status.success(), "building libstrata_preload.so failed");
-            let path = profile_dir.join("libstrata_preload.so");
-            assert!(
-                path.exists(),
-                "libstrata_preload.so not found at {}",
-                path.display()
-            );
-            path
-        })
-        .clone()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -221,6 +181,11 @@ fn threads_allocate_and_free_concurrently() {
 }
 
 #[test]
+fn a_forked_child_passes_through_to_the_driver() {
+    served_by_strata("fork");
+}
+
+#[test]
 fn limit_caps_what_strata_serves() {
     let limit = 32u64 << 20;
     let bytes = limit.to_string();
@@ -230,6 +195,18 @@ fn limit_caps_what_strata_serves() {
     ];
     let (ok, out) = run("limit", Mode::Preloaded, &env);
     assert!(ok, "limit under LD_PRELOAD:\n{out}");
+}
+
+#[test]
+fn mem_get_info_reports_what_a_large_allocation_gets() {
+    let limit = 64u64 << 20;
+    let bytes = limit.to_string();
+    let env = [
+        ("STRATA_PRELOAD_LIMIT", "64MiB"),
+        ("STRATA_PRELOAD_LIMIT_BYTES", bytes.as_str()),
+    ];
+    let (ok, out) = run("meminfo_small", Mode::Preloaded, &env);
+    assert!(ok, "meminfo_small under LD_PRELOAD:\n{out}");
 }
 
 /// The checks can fail: the shim serving where the fake driver should is caught, and so is

@@ -43,6 +43,7 @@ static void basics(void) {
     CHECK(during.reserved_bytes == during.mapped_pages * during.page_size);
     CHECK(during.peak_allocated_bytes >= during.allocated_bytes);
     for (size_t i = 0; i < sizeof during.spare / sizeof during.spare[0]; i++) CHECK(during.spare[i] == 0);
+    CHECK(during.limit_set == 0);
     for (int i = 0; i < N; i++) {
         size_t len = sizes[i] < 65536 ? sizes[i] : 65536;
         CHECK(has_pattern(ptrs[i], len, 100 + i));

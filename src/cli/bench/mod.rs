@@ -19,6 +19,8 @@ pub enum BenchCommand {
     /// A mapped run moved to host-memory pages and back at the same VA, against one bulk copy
     /// of the same bytes between a host buffer and HBM, alternated round by round.
     Migrate(MigrateArgs),
+    /// Replays recorded allocation traces: peak reserved ÷ peak allocated, time per operation.
+    Replay(super::replay::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -56,6 +58,7 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode, strata::Error> {
     match cmd {
         BenchCommand::Copy(args) => run_copy(args),
         BenchCommand::Migrate(args) => run_migrate(args),
+        BenchCommand::Replay(args) => super::replay::run(args),
     }
 }
 

@@ -157,7 +157,7 @@ impl ParamRegistry {
         let ppl = (layer_bytes / self.page) as usize;
         let mut out = Vec::with_capacity(layers as usize);
         let mut spent = Duration::ZERO;
-        let mut scratch = vec![0u8; layer_bytes as usize];
+        let mut scratch = strata_vmm::try_host_vec(layer_bytes)?;
         for l in 0..layers {
             let host = HostBuffer::new(&self.backend, layer_bytes)?;
             scratch.fill(0);

@@ -13,7 +13,7 @@ use strata_vmm::{Backend, HostConfig};
 pub const BLOCK: u64 = 64 << 10;
 
 pub fn backend(link: Option<strata_vmm::host::LinkModel>) -> Arc<dyn Backend> {
-    strata_vmm::host::open(HostConfig {
+    strata_vmm::host_or_cuda(HostConfig {
         devices: vec![64 << 20],
         granularity: 2 << 20,
         strict: true,

@@ -61,6 +61,14 @@ pub(crate) fn targets(cc: u32, supported: &[u32]) -> Vec<(Image, u32)> {
         .unwrap_or_default()
 }
 
+/// The program name NVRTC compiles the kernel under.
+const PROGRAM_NAME: &std::ffi::CStr = c"strata_blockcopy.cu";
+
+/// Compiles the block-copy kernel for `arch` into `image`, with NVRTC's log (its warnings).
+pub(crate) fn compile_kernel(arch: u32, image: Image) -> Result<(Vec<u8>, String)> {
+    nvrtc::compile_logged(CUDA_SOURCE, PROGRAM_NAME, arch, image)
+}
+
 /// Pairs per launch: what one slot stages, within the device's grid limit.
 pub(crate) fn chunk_pairs(granularity: u64, max_grid: u32) -> usize {
     let per_slot = granularity / PAIR_BYTES;
@@ -290,12 +298,11 @@ impl Launcher {
             )));
         }
         let supported = nvrtc::supported_archs()?;
-        let name = c"strata_blockcopy.cu";
         let kernel = std::ffi::CString::new(KERNEL_NAME)
             .map_err(|_| Error::Unsupported("kernel name contains NUL".into()))?;
         let mut failures = Vec::new();
         for (image, arch) in targets(cc, &supported) {
-            let loaded = nvrtc::compile(CUDA_SOURCE, name, arch, image).and_then(|bytes| {
+            let loaded = compile_kernel(arch, image).and_then(|(bytes, _log)| {
                 // SAFETY: `bytes` is NVRTC's complete output (PTX NUL-terminated by `compile`);
                 // the device's context is current (this fn's contract).
                 let module = Module(unsafe { result::module::load_data(&bytes)? } as usize as u64);

@@ -21,8 +21,14 @@
 //! an event can only be recorded on a stream of its own context).
 
 mod blas;
+#[cfg(test)]
+mod child;
+#[cfg(test)]
+mod emulated;
 mod launch;
 pub mod nvrtc;
+#[cfg(test)]
+mod real_libs;
 pub mod result;
 mod work;
 
@@ -853,6 +859,9 @@ impl Backend for CudaBackend {
         state
             .table
             .check_set_access(va, size, grants, granularity)?;
+        state.table.check_host_grants(va, size, grants, |h| {
+            state.handles.get(&h.0).map(|info| info.location)
+        })?;
         let descs = grants
             .iter()
             .map(|&(l, a)| self.access_desc(l, a))
@@ -1160,7 +1169,14 @@ impl Backend for CudaBackend {
             )));
         }
         self.enter(0)?;
-        let ptr = result::host::alloc(size)?;
+        let ptr = match result::host::alloc(size) {
+            Ok(ptr) => ptr,
+            // Pinned host memory exhausted: out of memory on the host, like the host backend.
+            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
+                return Err(crate::hostbuf::host_out_of_memory(size));
+            }
+            Err(e) => return Err(e),
+        };
         self.state.lock().pinned.insert(ptr, size);
         Ok(ptr)
     }

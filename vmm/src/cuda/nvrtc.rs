@@ -148,6 +148,17 @@ impl Program {
 /// `image`. PTX comes back NUL-terminated, ready for [`module::load_data`](super::result::module::load_data). Call
 /// [`check_present`] first. A compile error carries NVRTC's log.
 pub fn compile(source: &str, name: &CStr, arch: u32, image: Image) -> Result<Vec<u8>> {
+    compile_logged(source, name, arch, image).map(|(image, _)| image)
+}
+
+/// [`compile`], also returning NVRTC's log of a successful compile (its warnings; empty
+/// when there are none).
+pub fn compile_logged(
+    source: &str,
+    name: &CStr,
+    arch: u32,
+    image: Image,
+) -> Result<(Vec<u8>, String)> {
     let source = CString::new(source).map_err(|_| unsupported("source contains NUL"))?;
     let option = match image {
         Image::Cubin => format!("--gpu-architecture=sm_{arch}"),
@@ -174,19 +185,20 @@ pub fn compile(source: &str, name: &CStr, arch: u32, image: Image) -> Result<Vec
     let compiled = call_nv("nvrtcCompileProgram", || unsafe {
         nv::nvrtcCompileProgram(program.0, 1, options.as_ptr())
     });
+    let log = program
+        .output(
+            ("nvrtcGetProgramLogSize", "nvrtcGetProgramLog"),
+            nv::nvrtcGetProgramLogSize,
+            nv::nvrtcGetProgramLog,
+        )
+        .map(|l| {
+            String::from_utf8_lossy(&l)
+                .trim_end_matches('\0')
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_default();
     if let Err(e) = compiled {
-        let log = program
-            .output(
-                ("nvrtcGetProgramLogSize", "nvrtcGetProgramLog"),
-                nv::nvrtcGetProgramLogSize,
-                nv::nvrtcGetProgramLog,
-            )
-            .map(|l| {
-                String::from_utf8_lossy(&l)
-                    .trim_end_matches('\0')
-                    .to_string()
-            })
-            .unwrap_or_default();
         return Err(unsupported(format_args!("{e}; log: {log}")));
     }
     let mut out = match image {
@@ -207,5 +219,5 @@ pub fn compile(source: &str, name: &CStr, arch: u32, image: Image) -> Result<Vec
     if image == Image::Ptx && out.last() != Some(&0) {
         out.push(0);
     }
-    Ok(out)
+    Ok((out, log))
 }

@@ -654,6 +654,11 @@ impl Backend for HostBackend {
         }
         let g = self.inner.config.granularity;
         let mut st = self.inner.state.lock();
+        let st = &mut *st;
+        st.va.check_set_access(va, size, grants, g)?;
+        st.va.check_host_grants(va, size, grants, |h| {
+            st.handles.get(&h.0).map(|e| e.location)
+        })?;
         let runs = st.va.set_access(va, size, grants, g)?;
         if !self.inner.config.strict {
             for (start, len, access) in runs {

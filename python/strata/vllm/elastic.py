@@ -1,0 +1,321 @@
+"""Elastic KV for vLLM: the model runner's KV tensors live in one strata KV space at fixed
+addresses; pages are mapped when the scheduler's block pool hands blocks out and returned when
+whole groups of blocks fall free.
+
+Geometry. vLLM views every attention layer's cache as ``[B, H, N, C]`` bytes where a block ``B``
+is one dense page of ``block_bytes``. Each vLLM layer gets one strata tensor (strata layer
+``i // 2``, K for even ``i``, V for odd ``i``: a strata "K/V" is just a second tensor here), and a
+strata *token* is ``token_bytes`` = the smaller of the block and the strata page. A strata request
+is a *group*: one slot of ``blocks_per_group`` consecutive vLLM blocks (one page or one block,
+whichever is larger), mapped in every layer at once by ``append``. vLLM block ``b`` lives in
+group ``b // blocks_per_group``; the slot strata gives an admitted request is the group it maps.
+
+Unmapped groups read as zeros (the space's zero page). Returning a group to the pool goes through
+``spill`` + ``release`` because ``release`` alone keeps a slot's pages mapped for reuse
+(deferred reclamation): the spill copies the group's (dead) bytes to a host tier sized to one group.
+"""
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+
+import strata
+import strata.kv
+
+# A child of vLLM's logger: its lines go wherever vLLM sends its own.
+log = logging.getLogger("vllm.strata")
+
+_SPACES = []  # ElasticKv instances of this process, newest last (the block pool takes the newest)
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a non-negative integer") from None
+    if n < 0:
+        raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+    return n
+
+
+class ElasticKv:
+    """One KV space behind all of a model runner's attention layers, and its group map."""
+
+    def __init__(self, num_layers, num_blocks, block_bytes, device=0, spare_groups=None):
+        self.device = device
+        page = strata.stats(device)["page_size"]
+        if block_bytes % page and page % block_bytes:
+            raise strata.InvalidArgument(
+                f"strata.vllm: a KV block of {block_bytes} B and the strata page of {page} B "
+                "must divide one another (change the block size or STRATA_HOST_GRANULARITY)"
+            )
+        self.page_size = page
+        self.block_bytes = block_bytes
+        self.token_bytes = min(block_bytes, page)
+        group_bytes = max(block_bytes, page)
+        self.blocks_per_group = group_bytes // block_bytes
+        self.tokens_per_group = group_bytes // self.token_bytes
+        self.num_blocks = num_blocks
+        self.num_groups = math.ceil(num_blocks / self.blocks_per_group)
+        self.num_layers = num_layers
+        self.tensors_per_group = 2 * math.ceil(num_layers / 2)
+        self.group_bytes = group_bytes * self.tensors_per_group
+        self.spare_groups = (
+            _env_int("STRATA_VLLM_SPARE_GROUPS", 2) if spare_groups is None else spare_groups
+        )
+        self.space = strata.kv.KvSpace(
+            layers=self.tensors_per_group // 2,
+            kv_heads=1,
+            head_dim=self.token_bytes,
+            dtype="int8",
+            max_requests=self.num_groups,
+            max_tokens=self.tokens_per_group,
+            zero_page=True,
+            host_bytes=self.group_bytes,
+            device=device,
+        )
+        self._lock = threading.Lock()
+        # Every slot is held by a request for the space's life (slot i = group i), so the slot a
+        # group lands in never depends on strata's choice; a group is mapped when its request
+        # holds tokens_per_group tokens and empty otherwise.
+        self._requests = [self._admit(g) for g in range(self.num_groups)]
+        self._groups = set()  # mapped groups
+        self._mapped_blocks = 0  # blocks of the mapped groups
+        self._free_groups = set()  # mapped groups whose blocks are all free
+        self._pinned = {0}  # vLLM's null block lives in group 0
+        self.block_pool = None  # the scheduler's BlockPool, once it exists
+        self.maps = 0
+        self.unmaps = 0
+        self.peak_mapped_groups = 0
+        self._last_log = None  # the first allocation logs at once
+        _SPACES.append(self)
+
+    def layer_tensor(self, index):
+        """Layer ``index``'s raw bytes: a flat int8 CPU/CUDA tensor over its strata tensor."""
+        import torch
+
+        kind = "k" if index % 2 == 0 else "v"
+        t = torch.from_dlpack(self.space.tensor(index // 2, kind))
+        return t.view(-1)
+
+    # ---- the block pool's side ------------------------------------------------------------
+
+    def group_of(self, block_id):
+        return block_id // self.blocks_per_group
+
+    def group_blocks(self, group):
+        first = group * self.blocks_per_group
+        return range(first, min(first + self.blocks_per_group, self.num_blocks))
+
+    def map_groups(self, block_ids):
+        """Maps the groups of ``block_ids`` not mapped yet (every layer at once). Returns the
+        groups the pool had no pages for (out of memory is an outcome, not an error)."""
+        failed = set()
+        with self._lock:
+            for g in sorted({self.group_of(b) for b in block_ids}):
+                self._free_groups.discard(g)
+                if g in self._groups:
+                    continue
+                try:
+                    self._map(g)
+                except strata.OutOfMemory:
+                    failed.add(g)
+        return failed
+
+    def is_mapped(self, block_id):
+        return self.group_of(block_id) in self._groups
+
+    def free_blocks(self, queued, blocks_out):
+        """The blocks vLLM may take now: free blocks on mapped groups plus those the pool's free
+        pages could map (never more than the ``queued`` free blocks). ``blocks_out`` counts the
+        blocks not in the free queue (in use, and the null block), all on mapped groups."""
+        on_mapped = self._mapped_blocks - blocks_out
+        st = strata.stats(self.device)
+        # Two pages of slack: the zero page and rounding in the pool's own accounting.
+        room = st["total_bytes"] - st["pool_in_use_bytes"] - 2 * self.page_size
+        mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
+        return min(queued, on_mapped + mappable * self.blocks_per_group)
+
+    def _admit(self, group):
+        r = self.space.admit()
+        if r.slot != group:
+            # Only one slot is free whenever this runs (every other one is held).
+            r.release()
+            raise strata.InvalidState(f"strata.vllm: strata gave slot {r.slot} for group {group}")
+        return r
+
+    def _map(self, group):
+        self._requests[group].append(self.tokens_per_group)
+        self._groups.add(group)
+        self._mapped_blocks += len(self.group_blocks(group))
+        self.maps += 1
+        self.peak_mapped_groups = max(self.peak_mapped_groups, len(self._groups))
+
+    def used(self, block_ids):
+        """Blocks taken out of the free state without get_new_blocks (prefix-cache hits)."""
+        with self._lock:
+            for b in block_ids:
+                self._free_groups.discard(self.group_of(b))
+
+    def maybe_free(self, blocks_by_id):
+        """Called after blocks were freed: the groups all of whose blocks are free become
+        candidates; beyond ``spare_groups`` of them, the highest groups are unmapped. Returns
+        the groups to unmap (the caller takes their blocks out of the prefix cache first)."""
+        with self._lock:
+            for g, blocks in blocks_by_id.items():
+                if g in self._groups and g not in self._pinned and all(
+                    b.ref_cnt == 0 for b in blocks
+                ):
+                    self._free_groups.add(g)
+            excess = len(self._free_groups) - self.spare_groups
+            if excess <= 0:
+                return []
+            return sorted(self._free_groups, reverse=True)[:excess]
+
+    def still_free(self, group, blocks):
+        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free; forgets it if not."""
+        with self._lock:
+            if all(b.ref_cnt == 0 for b in blocks):
+                return True
+            self._free_groups.discard(group)
+            return False
+
+    def unmap(self, group):
+        with self._lock:
+            r = self._requests[group]
+            r.spill("host")  # a failure here leaves the group mapped and counted
+            r.release()
+            self._groups.discard(group)
+            self._free_groups.discard(group)
+            self._mapped_blocks -= len(self.group_blocks(group))
+            self._requests[group] = self._admit(group)
+            self.unmaps += 1
+
+    # ---- operator view ---------------------------------------------------------------------
+
+    def mapped_group_list(self):
+        with self._lock:
+            return sorted(self._groups)
+
+    def mapped_groups(self):
+        with self._lock:
+            return len(self._groups)
+
+    def stats(self):
+        """Groups and bytes mapped, with the KV space's own figures (tiers, bytes moved)."""
+        s = self.space.stats()
+        with self._lock:
+            mapped = len(self._groups)
+        return {
+            "virtual_blocks": self.num_blocks,
+            "blocks_per_group": self.blocks_per_group,
+            "groups_total": self.num_groups,
+            "groups_mapped": mapped,
+            "groups_spare": len(self._free_groups),
+            "mapped_bytes": mapped * self.group_bytes,
+            "virtual_bytes": self.num_groups * self.group_bytes,
+            "peak_mapped_bytes": self.peak_mapped_groups * self.group_bytes,
+            "maps": self.maps,
+            "unmaps": self.unmaps,
+            "pool_in_use_bytes": s["pool_in_use_pages"] * s["page_size"],
+            "host_used_bytes": s["host_used_bytes"],
+            "disk_used_bytes": s["disk_used_bytes"],
+            "bytes_to_device": s["bytes_to_device"],
+            "bytes_from_device": s["bytes_from_device"],
+            "prefetch_hits": s["prefetch_hits"],
+        }
+
+    def maybe_log(self):
+        """One INFO line at the first allocation, then at most one per STRATA_VLLM_LOG_INTERVAL
+        seconds (default 10; 0: never)."""
+        interval = _env_int("STRATA_VLLM_LOG_INTERVAL", 10)
+        now = time.monotonic()
+        if interval == 0 or (self._last_log is not None and now - self._last_log < interval):
+            return
+        self._last_log = now
+        s = self.stats()
+        log.info(
+            "strata KV: %d/%d groups mapped (%.1f MiB of %.1f MiB virtual), %d spare, "
+            "%d maps, %d unmaps, pool %.1f MiB in use, host tier %.1f MiB, moved %.1f MiB",
+            s["groups_mapped"],
+            s["groups_total"],
+            s["mapped_bytes"] / 2**20,
+            s["virtual_bytes"] / 2**20,
+            s["groups_spare"],
+            s["maps"],
+            s["unmaps"],
+            s["pool_in_use_bytes"] / 2**20,
+            s["host_used_bytes"] / 2**20,
+            (s["bytes_to_device"] + s["bytes_from_device"]) / 2**20,
+        )
+
+
+def newest():
+    return _SPACES[-1] if _SPACES else None
+
+
+def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims, device=0):
+    """The per-layer views vLLM's ``allocate_kv_cache`` would return, over a new ElasticKv.
+
+    ``views_fn`` is vLLM's ``create_kv_cache_views`` and ``shape_fn`` its
+    ``compute_layer_kv_cache_shape_bytes``; ``dims`` = (_DIM_B, _DIM_H, _DIM_N, _DIM_C);
+    ``device`` the strata device (vLLM's device index)."""
+    order = layout.value
+    b, rest = dims[0], dims[1:]
+    if any(order.index(b) > order.index(d) for d in rest):
+        raise strata.Unsupported(
+            f"strata.vllm: KV layout {layout.name} does not keep a block's bytes together; "
+            "set VLLM_KV_CACHE_LAYOUT to a layout with B before H, N and C (e.g. LBHNC)"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    entries = []  # (tensor, layer name, spec, kernel block size)
+    for tensor in kv_cache_config.kv_cache_tensors:
+        gid = next(i for i, g in enumerate(groups) if tensor.layers[0] in g.layer_names)
+        spec = groups[gid].kv_cache_spec
+        if hasattr(spec, "kv_cache_specs"):
+            spec = spec.kv_cache_specs[tensor.layers[0]]
+        if not spec.has_layer_views or getattr(spec, "page_size_padded", None) is not None:
+            raise strata.Unsupported(
+                f"strata.vllm: KV spec {type(spec).__name__} of {tensor.layers[0]} is not a "
+                "plain attention cache (raw or padded pages)"
+            )
+        kbs = None
+        if kernel_block_sizes and gid < len(kernel_block_sizes):
+            kbs = kernel_block_sizes[gid]
+        for name in tensor.layers:
+            entries.append((tensor, name, spec, kbs))
+    num_blocks = {kv_cache_config.num_blocks_of(t) for t, *_ in entries}
+    block_bytes = {math.prod(shape_fn(spec, 1, kbs)) for _, _, spec, kbs in entries}
+    if len(num_blocks) != 1 or len(block_bytes) != 1:
+        raise strata.Unsupported(
+            "strata.vllm: layers with different block counts or page sizes "
+            f"({sorted(num_blocks)} blocks, {sorted(block_bytes)} B)"
+        )
+    (blocks,), (page,) = num_blocks, block_bytes
+    kv = ElasticKv(len(entries), blocks, page, device=device)
+    views = {}
+    for index, (tensor, name, spec, kbs) in enumerate(entries):
+        raw = kv.layer_tensor(index)
+        one = dataclasses.replace(
+            tensor, layers=[name], offset=0, layer_stride=raw.numel(), block_stride=page
+        )
+        (views[name],) = views_fn(raw, spec, blocks, layout, one, kernel_block_size=kbs)
+    # Block 0 is vLLM's null block: its group stays mapped (padding may read or write it).
+    if kv.map_groups([0]):
+        raise strata.OutOfMemory("strata.vllm: no pages for the null block's group")
+    log.info(
+        "strata.vllm: %d layers, %d blocks of %d B in %d groups of %d blocks (%.1f MiB virtual)",
+        len(entries),
+        blocks,
+        page,
+        kv.num_groups,
+        kv.blocks_per_group,
+        kv.num_groups * kv.group_bytes / 2**20,
+    )
+    return kv, views

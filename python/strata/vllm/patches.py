@@ -1,0 +1,349 @@
+"""The patches strata.vllm applies to vLLM. Each names the vLLM versions it was written against
+and checks, before touching anything, that its targets exist with the signatures it expects: on
+any other version, or a target that changed, it refuses with UnsupportedVllm instead of patching
+something it does not understand.
+
+Patches (all in the process that runs the model runner and the scheduler):
+  kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
+              one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer.
+  block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, get_num_free_blocks,
+              reset_prefix_cache, touch, free_blocks, unpin_blocks): blocks handed out map
+              their group's pages; groups whose blocks all fell free are unmapped beyond
+              STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks leaving the prefix cache and
+              moving to the back of the free queue; the free count vLLM schedules by is bounded
+              by the pages the pool can still map, and blocks of groups it could not map are
+              swapped for free blocks of mapped groups, so a small pool makes vLLM queue and
+              preempt instead of failing (reset_prefix_cache still sees the plain count).
+  cpu-sleep   vllm.v1.worker.cpu_worker.CPUWorker.sleep (a no-op in vLLM's CPU build): level >= 1
+              unmaps every KV group whose blocks are free; wake needs nothing.
+"""
+
+import importlib
+import inspect
+import re
+
+import strata
+
+from . import elastic
+
+
+class UnsupportedVllm(RuntimeError):
+    """vLLM's version, or a patched function, is not the one strata.vllm was written for."""
+
+
+def parse_version(text):
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not m:
+        raise UnsupportedVllm(f"strata.vllm: cannot read vLLM version {text!r}")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def _fmt(v):
+    return ".".join(map(str, v))
+
+
+class Patch:
+    """One patch: ``targets`` = {"module:attr": [parameter names expected]}."""
+
+    def __init__(self, name, first, end, targets, apply):
+        self.name, self.first, self.end = name, first, end
+        self.targets, self._apply = targets, apply
+
+    @property
+    def versions(self):
+        return f">={_fmt(self.first)},<{_fmt(self.end)}"
+
+    def check(self, version):
+        v = parse_version(version)
+        if not self.first <= v < self.end:
+            raise UnsupportedVllm(
+                f"strata.vllm: patch {self.name!r} supports vLLM {self.versions}, "
+                f"this is vLLM {version}; refusing to patch (unset STRATA_VLLM to run stock vLLM)"
+            )
+        for target, params in self.targets.items():
+            obj = _resolve(target)
+            got = list(inspect.signature(obj).parameters)
+            if got[: len(params)] != params:
+                raise UnsupportedVllm(
+                    f"strata.vllm: patch {self.name!r}: {target} takes {got}, expected {params} "
+                    f"(vLLM {version}); refusing to patch"
+                )
+
+    def apply(self):
+        self._apply()
+
+
+def _resolve(target):
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- kv-tensors -----------------------------------------------------------------------------
+
+
+def _apply_kv_tensors():
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1 import kv_cache_interface as kci
+    from vllm.v1 import kv_cache_layout as layout_mod
+
+    stock = runner.allocate_kv_cache
+    if getattr(stock, "_strata", False):
+        return
+    dims = (layout_mod._DIM_B, layout_mod._DIM_H, layout_mod._DIM_N, layout_mod._DIM_C)
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        if not kv_cache_config.kv_cache_tensors:
+            return stock(kv_cache_config, device, layout, kernel_block_sizes)
+        kv, views = elastic.layer_views(
+            kv_cache_config,
+            layout,
+            kernel_block_sizes,
+            kci.create_kv_cache_views,
+            kci.compute_layer_kv_cache_shape_bytes,
+            dims,
+            device=device.index or 0,
+        )
+        got = next(iter(views.values())).device
+        if got.type != device.type:
+            raise UnsupportedVllm(
+                f"strata.vllm: the KV space's tensors are {got.type} tensors, vLLM runs on "
+                f"{device} (strata's backend and vLLM's device must agree)"
+            )
+        return views
+
+    allocate_kv_cache._strata = True
+    runner.allocate_kv_cache = allocate_kv_cache
+
+
+# ---- block-pool -----------------------------------------------------------------------------
+
+
+def unmap_free_group(pool, group):
+    """Unmaps ``group`` if all its blocks are free: they leave the prefix cache and move to the
+    back of the free queue (reused after every block of a mapped group). Returns whether it did."""
+    kv = pool._strata_kv
+    members = [pool.blocks[i] for i in kv.group_blocks(group)]
+    if not kv.still_free(group, members):
+        return False
+    for b in members:
+        pool.free_block_queue.remove(b)
+        pool._maybe_evict_cached_block(b)
+    if pool._reuse_watchers:
+        pool._notify_reuse(members)
+    try:
+        kv.unmap(group)
+    finally:
+        pool.free_block_queue.append_n(members)
+    return True
+
+
+def _apply_block_pool():
+    from vllm.v1.core.block_pool import BlockPool
+
+    if getattr(BlockPool, "_strata", False):
+        return
+    init, get_new, touch, free, unpin, reset = (
+        BlockPool.__init__,
+        BlockPool.get_new_blocks,
+        BlockPool.touch,
+        BlockPool.free_blocks,
+        BlockPool.unpin_blocks,
+        BlockPool.reset_prefix_cache,
+    )
+
+    def __init__(self, num_gpu_blocks, *args, **kwargs):
+        init(self, num_gpu_blocks, *args, **kwargs)
+        kv = elastic.newest()
+        if kv is None or kv.num_blocks != num_gpu_blocks:
+            raise UnsupportedVllm(
+                "strata.vllm: the scheduler's block pool has no strata KV space of "
+                f"{num_gpu_blocks} blocks in this process (the model runner must run in the "
+                "scheduler's process: one worker, no multiprocessing executor)"
+            )
+        self._strata_kv = kv
+        kv.block_pool = self
+        self._strata_all_free_check = False
+
+    def get_num_free_blocks(self):
+        queued = self.free_block_queue.num_free_blocks
+        if self._strata_all_free_check:
+            return queued
+        return self._strata_kv.free_blocks(queued, self.num_gpu_blocks - queued)
+
+    def reset_prefix_cache(self):
+        # It asks get_num_free_blocks whether every block is free, not how many it may take.
+        self._strata_all_free_check = True
+        try:
+            return reset(self)
+        finally:
+            self._strata_all_free_check = False
+
+    def get_new_blocks(self, num_blocks):
+        blocks = get_new(self, num_blocks)
+        kv = self._strata_kv
+        try:
+            failed = kv.map_groups([b.block_id for b in blocks])
+            if failed:
+                blocks = _swap_for_mapped(self, blocks, failed)
+        except BaseException:
+            free(self, blocks)
+            raise
+        kv.maybe_log()
+        return blocks
+
+    def _swap_for_mapped(self, blocks, failed):
+        """The pool ran out of pages: blocks of groups it could not map go back to the free
+        queue, replaced by free blocks of mapped groups (get_num_free_blocks promised enough;
+        cached ones leave the prefix cache)."""
+        kv = self._strata_kv
+        bad = [b for b in blocks if kv.group_of(b.block_id) in failed]
+        queue = self.free_block_queue
+        spare, block = [], queue.fake_free_list_head.next_free_block
+        while block is not queue.fake_free_list_tail and len(spare) < len(bad):
+            if kv.is_mapped(block.block_id):
+                spare.append(block)
+            block = block.next_free_block
+        if len(spare) < len(bad):
+            raise strata.OutOfMemory(
+                f"strata.vllm: {len(bad)} KV blocks need pages the pool does not have"
+            )
+        kv.used([b.block_id for b in spare])
+        for b in spare:
+            queue.remove(b)
+            self._maybe_evict_cached_block(b)
+            b.ref_cnt += 1
+        for b in bad:
+            b.ref_cnt -= 1
+        queue.append_n(bad)
+        swap = dict(zip((b.block_id for b in bad), spare))
+        return [swap.get(b.block_id, b) for b in blocks]
+
+    def _touch(self, blocks):
+        touch(self, blocks)
+        self._strata_kv.used([b.block_id for b in blocks])
+
+    def _after_free(self, blocks):
+        kv = self._strata_kv
+        groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
+        candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
+        for g in kv.maybe_free(candidates):
+            unmap_free_group(self, g)
+
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        free(self, blocks)
+        _after_free(self, blocks)
+
+    def unpin_blocks(self, blocks, on_reuse):
+        blocks = list(blocks)
+        unpin(self, blocks, on_reuse)
+        _after_free(self, blocks)
+
+    BlockPool.__init__ = __init__
+    BlockPool.get_new_blocks = get_new_blocks
+    BlockPool.get_num_free_blocks = get_num_free_blocks
+    BlockPool.reset_prefix_cache = reset_prefix_cache
+    BlockPool.touch = _touch
+    BlockPool.free_blocks = free_blocks
+    BlockPool.unpin_blocks = unpin_blocks
+    BlockPool._strata = True
+
+
+# ---- cpu-sleep ------------------------------------------------------------------------------
+
+
+def _apply_cpu_sleep():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if getattr(CPUWorker, "_strata", False):
+        return
+    stock = CPUWorker.sleep
+
+    def sleep(self, level=1):
+        """vLLM's CPU worker ignores sleep; with strata, level >= 1 (which discards the KV
+        cache: the engine paused and cleared the prefix cache first) unmaps every KV group
+        whose blocks are free. Wake needs nothing: groups map again as blocks are handed out."""
+        kv = elastic.newest()
+        pool = getattr(kv, "block_pool", None)
+        if level < 1 or pool is None:
+            return stock(self, level)
+        released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
+        elastic.log.info("strata.vllm: sleep level %d unmapped %d KV groups", level, released)
+
+    CPUWorker.sleep = sleep
+    CPUWorker._strata = True
+
+
+V0_32 = (0, 32, 0)
+V0_33 = (0, 33, 0)
+
+PATCHES = [
+    Patch(
+        "kv-tensors",
+        V0_32,
+        V0_33,
+        {
+            "vllm.v1.worker.gpu_model_runner:allocate_kv_cache": [
+                "kv_cache_config",
+                "device",
+                "layout",
+                "kernel_block_sizes",
+            ],
+            "vllm.v1.kv_cache_interface:create_kv_cache_views": [
+                "raw",
+                "spec",
+                "num_blocks",
+                "layout",
+                "kv_cache_tensor",
+                "kernel_block_size",
+            ],
+            "vllm.v1.kv_cache_interface:compute_layer_kv_cache_shape_bytes": [
+                "spec",
+                "num_blocks",
+                "kernel_block_size",
+            ],
+        },
+        _apply_kv_tensors,
+    ),
+    Patch(
+        "block-pool",
+        V0_32,
+        V0_33,
+        {
+            "vllm.v1.core.block_pool:BlockPool.__init__": ["self", "num_gpu_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.touch": ["self", "blocks"],
+            "vllm.v1.core.block_pool:BlockPool.free_blocks": ["self", "ordered_blocks"],
+            "vllm.v1.core.block_pool:BlockPool.unpin_blocks": ["self", "blocks", "on_reuse"],
+            "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block": ["self", "block"],
+            "vllm.v1.core.block_pool:BlockPool._notify_reuse": ["self", "blocks"],
+            "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": ["self"],
+            "vllm.v1.core.block_pool:BlockPool.reset_prefix_cache": ["self"],
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.remove": ["self", "block"],
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.append_n": ["self", "blocks"],
+        },
+        _apply_block_pool,
+    ),
+]
+
+
+PATCHES.append(
+    Patch(
+        "cpu-sleep",
+        V0_32,
+        V0_33,
+        {"vllm.v1.worker.cpu_worker:CPUWorker.sleep": ["self", "level"]},
+        _apply_cpu_sleep,
+    )
+)
+
+
+def install(version):
+    """Checks every patch against ``version`` first, then applies them all (idempotent)."""
+    for p in PATCHES:
+        p.check(version)
+    for p in PATCHES:
+        p.apply()

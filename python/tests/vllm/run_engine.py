@@ -1,0 +1,147 @@
+"""Runs a tiny random-initialised Llama in vLLM (CPU build) on a fixed batch of token-id prompts
+and prints one JSON line: the greedy outputs, and per engine step the blocks in use and (with
+strata.vllm on) the KV bytes mapped. test_vllm.py runs it with STRATA_VLLM=1 and without.
+
+    python run_engine.py MODEL_DIR [--requests N] [--max-tokens N] [--bench]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# A small Llama: GQA (4 query heads, 2 KV heads), head_dim 64, two layers.
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_model(path):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(LLAMA, f)
+
+
+def prompts(n):
+    """n prompts of different lengths (17, 40, 63, ... tokens), deterministic token ids."""
+    out = []
+    for i in range(n):
+        length = 17 + 23 * i
+        out.append([(7 * i + 13 * t) % 1000 + 3 for t in range(length)])
+    return out
+
+
+def block_pool(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager.block_pool
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    args = ap.parse_args()
+
+    write_model(args.model)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=512,
+        max_num_seqs=args.requests,
+        kv_cache_memory_bytes=args.kv_bytes,
+        seed=0,
+    )
+    plugin = os.environ.get("STRATA_VLLM", "0") not in ("", "0")
+    if plugin:
+        import strata.vllm
+
+    pool = block_pool(llm)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def in_use():
+        return pool.num_gpu_blocks - pool.get_num_free_blocks() - 1  # less the null block
+
+    def mapped():
+        return strata.vllm.stats()["mapped_bytes"] if plugin else None
+
+    steps = [{"blocks": in_use(), "mapped": mapped()}]
+    outputs = {}
+    first_token = {}
+
+    def run_wave(prefix):
+        wave_start = time.perf_counter()
+        for i, p in enumerate(prompts(args.requests)):
+            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                rid = out.request_id
+                if rid not in first_token and out.outputs and out.outputs[0].token_ids:
+                    first_token[rid] = time.perf_counter() - wave_start
+                if out.finished:
+                    outputs[rid] = list(out.outputs[0].token_ids)
+            steps.append({"blocks": in_use(), "mapped": mapped()})
+
+    start = time.perf_counter()
+    run_wave("a")
+    elapsed = time.perf_counter() - start
+    generated = sum(len(v) for v in outputs.values())
+    ttft = sum(first_token.values()) / max(len(first_token), 1)
+    # The same prompts again: prefix-cache hits on blocks whose groups stayed mapped, recompute
+    # for the others (their hashes left the cache when their group was unmapped).
+    run_wave("b")
+    # Sleep (strata: KV groups back to the pool), wake, and the same prompts once more.
+    llm.sleep(level=1)
+    asleep = mapped()
+    llm.wake_up()
+    run_wave("c")
+    result = {
+        "plugin": plugin,
+        "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
+        "outputs_again": [outputs[f"b{i}"] for i in range(args.requests)],
+        "outputs_after_sleep": [outputs[f"c{i}"] for i in range(args.requests)],
+        "mapped_asleep": asleep,
+        "steps": steps,
+        "tokens_per_s": generated / elapsed,
+        "mean_ttft_s": ttft,
+        "stats": strata.vllm.stats() if plugin else None,
+        "block_bytes_all_layers": None,
+    }
+    if plugin:
+        kv = strata.vllm.elastic.newest()
+        result["block_bytes_all_layers"] = kv.group_bytes // kv.blocks_per_group
+        result["group_bytes"] = kv.group_bytes
+        result["blocks_per_group"] = kv.blocks_per_group
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's interpreter-exit teardown (slow on CPU); nothing is left to flush
+
+
+if __name__ == "__main__":
+    main()
