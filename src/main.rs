@@ -21,7 +21,7 @@ enum Command {
     /// The main job: an oversubscribed KV-serving workload across HBM, host memory and disk
     /// (`--classic`: the single-tier KvSpace and caching-allocator workload).
     Demo(cli::demo::DemoArgs),
-    /// Benchmarks (`strata bench copy`).
+    /// Benchmarks (`strata bench copy`, `strata bench migrate`, `strata bench replay`).
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
     /// The discrete-event simulator: `strata sim tierkv|kvpr|pie`.

@@ -20,6 +20,10 @@ use strata_vmm::{Access, DevicePtr, Error, Location, Mapping, Reservation, Resul
 
 use crate::pool::{Page, PagePool};
 
+mod migrate;
+
+pub use migrate::Migrated;
+
 /// Where leased pages go when their owner drops them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Return {

@@ -131,6 +131,8 @@ struct State {
 struct Inner {
     backend: Arc<dyn Backend>,
     device: u32,
+    /// Where the pages' memory lives: `Device(device)`, or `Host` for a host-memory pool.
+    location: Location,
     page_size: u64,
     config: PoolConfig,
     state: Mutex<State>,
@@ -150,6 +152,28 @@ impl PagePool {
         device: u32,
         config: PoolConfig,
     ) -> Result<Arc<PagePool>> {
+        PagePool::new_at(backend, device, Location::Device(device), config)
+    }
+
+    /// A pool of pages in host memory (host-NUMA VMM memory on CUDA) for `device` to map: the
+    /// memory is accounted to the host, not to the device. Its pages have the device's page
+    /// size, so they can stand in for the device's own pages behind a mapped run
+    /// ([`MappedRun::migrate`](crate::MappedRun::migrate)); a host granularity that does not
+    /// divide it is [`Error::Unsupported`].
+    pub fn new_host(
+        backend: Arc<dyn Backend>,
+        device: u32,
+        config: PoolConfig,
+    ) -> Result<Arc<PagePool>> {
+        PagePool::new_at(backend, device, Location::Host, config)
+    }
+
+    fn new_at(
+        backend: Arc<dyn Backend>,
+        device: u32,
+        location: Location,
+        config: PoolConfig,
+    ) -> Result<Arc<PagePool>> {
         if config.low_watermark > config.high_watermark {
             return Err(Error::InvalidArgument(format!(
                 "low watermark {} above high watermark {}",
@@ -160,9 +184,16 @@ impl PagePool {
             return Err(Error::NoDevice(device.into()));
         }
         let page_size = backend.granularity(Location::Device(device))?;
+        let own = backend.granularity(location)?;
+        if own == 0 || page_size % own != 0 {
+            return Err(Error::Unsupported(format!(
+                "{location} granularity {own} does not divide device {device}'s page of {page_size}"
+            )));
+        }
         let inner = Arc::new(Inner {
             backend,
             device,
+            location,
             page_size,
             state: Mutex::new(State {
                 free: Vec::new(),
@@ -206,8 +237,14 @@ impl PagePool {
         self.inner.page_size
     }
 
+    /// The device that maps these pages (whose pool this is).
     pub fn device(&self) -> u32 {
         self.inner.device
+    }
+
+    /// Where the pages' memory lives.
+    pub fn location(&self) -> Location {
+        self.inner.location
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
@@ -442,7 +479,7 @@ impl Inner {
     }
 
     fn create_pages(&self, n: usize) -> Result<Vec<Page>> {
-        let location = Location::Device(self.device);
+        let location = self.location;
         let mut pages = Vec::with_capacity(n);
         for _ in 0..n {
             // On failure the pages created so far drop here and are released.

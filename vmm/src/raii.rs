@@ -256,6 +256,28 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// Unmaps now and hands back the physical memory; when the driver refuses, hands back the
+    /// mapping itself (still mapped, still owned) with the error, so the caller can undo
+    /// around it.
+    pub fn try_unmap(self) -> std::result::Result<Arc<PhysicalMemory>, (Mapping, Error)> {
+        if let Err(e) = self.reservation.backend().unmap(self.va, self.size) {
+            return Err((self, e));
+        }
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never used or dropped again after these reads; each field is moved
+        // out exactly once, so no double drop happens.
+        let (reservation, phys) = unsafe {
+            (
+                std::ptr::read(&this.reservation),
+                std::ptr::read(&this.phys),
+            )
+        };
+        drop(reservation);
+        Ok(phys)
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         undo(|| self.reservation.backend().unmap(self.va, self.size));

@@ -272,6 +272,14 @@ impl CudaBackend {
 
     fn host_granularity(&self) -> Result<u64> {
         let got = self.host_granularity.get_or_init(|| {
+            if self.driver_version < HOST_NUMA_DRIVER {
+                return Err(format!(
+                    "host VMM memory (CU_MEM_LOCATION_TYPE_HOST_NUMA) needs a CUDA 12.2+ driver; \
+                     this one is {}.{}",
+                    self.driver_version / 1000,
+                    self.driver_version % 1000 / 10
+                ));
+            }
             let query = || -> Result<u64> {
                 self.enter(0)?;
                 let prop = result::phys::prop(host_location(), false);
@@ -590,6 +598,10 @@ fn device_location(device: u32) -> result::CUmemLocation {
         device as i32,
     )
 }
+
+/// First driver version (`cuDriverGetVersion`) with `CU_MEM_LOCATION_TYPE_HOST_NUMA` in
+/// `cuMemCreate` (12.2).
+const HOST_NUMA_DRIVER: i32 = 12020;
 
 fn host_location() -> result::CUmemLocation {
     result::phys::location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, 0)

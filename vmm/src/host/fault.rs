@@ -19,14 +19,17 @@ pub enum FaultOp {
     SetAccess,
     /// `copy_async` and `memset_async` (at submission).
     Copy,
+    /// `unmap` (the range stays mapped).
+    Unmap,
 }
 
 impl FaultOp {
-    const ALL: [FaultOp; 4] = [
+    const ALL: [FaultOp; 5] = [
         FaultOp::Create,
         FaultOp::Map,
         FaultOp::SetAccess,
         FaultOp::Copy,
+        FaultOp::Unmap,
     ];
 
     /// The name carried by [`Error::InjectedFault`].
@@ -36,6 +39,7 @@ impl FaultOp {
             FaultOp::Map => "map",
             FaultOp::SetAccess => "set_access",
             FaultOp::Copy => "copy",
+            FaultOp::Unmap => "unmap",
         }
     }
 
@@ -45,6 +49,7 @@ impl FaultOp {
             FaultOp::Map => 1,
             FaultOp::SetAccess => 2,
             FaultOp::Copy => 3,
+            FaultOp::Unmap => 4,
         }
     }
 }

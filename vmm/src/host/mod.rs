@@ -627,6 +627,7 @@ impl Backend for HostBackend {
     }
 
     fn unmap(&self, va: DevicePtr, size: u64) -> Result<()> {
+        self.inner.faults.check(FaultOp::Unmap)?;
         let g = self.inner.config.granularity;
         let mut st = self.inner.state.lock();
         st.va.check_unmap(va, size, g)?;
