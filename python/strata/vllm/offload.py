@@ -283,13 +283,13 @@ def _make_manager(spec):
             worker = _WORKERS.get(self._engine_id)
             if worker is None or not context.preempted_req_ids:
                 return
-            chunks = []
+            chunks = {}  # ordered, without repeats
             for req_id in context.preempted_req_ids:
                 for key in self._offered.get(req_id, ()):
                     chunk = self._policy.get(key)
                     if chunk is not None:
-                        chunks.append(chunk.chunk_id)
-            worker.hint(chunks)
+                        chunks[chunk.chunk_id] = None
+            worker.hint(list(chunks))
 
         def on_request_finished(self, req_context):
             self._offered.pop(req_context.req_id, None)

@@ -24,6 +24,7 @@ from strata._lib import error
 import strata.kv
 
 from .elastic import _env_int, log
+from .offload import _WORKERS
 
 
 class StrataOffloadWorker:
@@ -70,16 +71,21 @@ class StrataOffloadWorker:
         )
         try:
             self.rows = [self._rows_of(i, spec.num_chunks) for i in range(len(self.src))]
+            if self.rows[0].device.type != device.type:
+                raise error(
+                    Status.UNSUPPORTED,
+                    f"strata.vllm.offload: strata's KV tensors are {self.rows[0].device.type} "
+                    f"tensors, vLLM's are on {device} (strata's backend and vLLM's device must "
+                    "agree)",
+                )
         except BaseException:
             self.rows = []
             self.space.close()
             raise
-        if self.rows[0].device.type != device.type:
-            raise error(
-                Status.UNSUPPORTED,
-                f"strata.vllm.offload: strata's KV tensors are {self.rows[0].device.type} "
-                f"tensors, vLLM's are on {device} (strata's backend and vLLM's device must agree)"
-            )
+        from vllm.v1.kv_offload.base import TransferResult
+
+        self._result = TransferResult
+        self._engine_id = spec.config.engine_id
         self._slots = {}  # chunk id -> (strata request, slot)
         self._done = []  # TransferResults not reported yet
         self._hinted = []  # chunk ids to hint at the next get_finished
@@ -156,6 +162,8 @@ class StrataOffloadWorker:
         """Every submitted transfer has completed already."""
 
     def shutdown(self):
+        if _WORKERS.get(self._engine_id) is self:
+            del _WORKERS[self._engine_id]
         self.rows = []
         for r, _ in self._slots.values():
             r.release()
@@ -209,10 +217,8 @@ class StrataOffloadWorker:
             self._torch.cuda.current_stream().synchronize()
 
     def _finish(self, job_id, blocks, start):
-        from vllm.v1.kv_offload.base import TransferResult
-
         self._done.append(
-            TransferResult(
+            self._result(
                 job_id=job_id,
                 success=True,
                 transfer_size=blocks * self.page_bytes * len(self.src),

@@ -15,6 +15,8 @@ import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_engine import write_model  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 BLOCKS = 12  # vLLM KV blocks of 32 tokens: 8 requests of up to 242 tokens must preempt
 MAX_TOKENS = 64
@@ -233,7 +235,8 @@ class Worker(unittest.TestCase):
             )
 
 
-def run_offload(model_dir, offload, disk_dir=None):
+def start_offload(model_dir, offload, disk_dir=None):
+    """Starts run_offload.py (stock vLLM, or strata's offload with ``disk_dir``)."""
     env = dict(os.environ)
     env.update(
         STRATA_HOST_GRANULARITY="32KiB",  # one block of one layer: chunks of one block
@@ -254,14 +257,31 @@ def run_offload(model_dir, offload, disk_dir=None):
     if offload:
         cmd += ["--offload", "--blocks-per-chunk", "1", "--host-bytes", str(HOST_BYTES)]
         cmd += ["--disk-bytes", str(DISK_BYTES), "--disk-dir", disk_dir]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.offload = offload
+    return proc
+
+
+def result_of(proc):
+    """run_offload.py's RESULT line, once it exits."""
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(
-            f"run_offload (offload={offload}) failed, rc {proc.returncode}:\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"run_offload (offload={proc.offload}) failed, rc {proc.returncode}:\n"
+            f"{out[-3000:]}\n{err[-6000:]}"
         )
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_offload(model_dir, offload, disk_dir=None):
+    return result_of(start_offload(model_dir, offload, disk_dir))
 
 
 @unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
@@ -269,11 +289,20 @@ class Engine(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(cls.tmp.cleanup)
         model = os.path.join(cls.tmp.name, "llama")
         disk = os.path.join(cls.tmp.name, "disk")
         os.makedirs(disk)
-        cls.stock = run_offload(model, False)
-        cls.strata = run_offload(model, True, disk)
+        write_model(model)  # before both runs start: they would race to write it
+        # Side by side: the engines' start-up mostly waits, so two at once take little longer.
+        runs = [start_offload(model, False), start_offload(model, True, disk)]
+        try:
+            cls.stock, cls.strata = [result_of(p) for p in runs]
+        finally:
+            for p in runs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
         for name, r in (("stock recompute", cls.stock), ("strata offload", cls.strata)):
             print(
                 f"\n{name}: {r['recomputed_tokens']} recomputed tokens "
@@ -282,10 +311,6 @@ class Engine(unittest.TestCase):
                 file=sys.stderr,
             )
         print(f"strata offload figures: {json.dumps(cls.strata['strata'])}", file=sys.stderr)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
 
     def test_the_budget_forces_preemption(self):
         self.assertGreater(self.stock["preemptions"], 0)
