@@ -127,7 +127,9 @@ def kv_transfer_config(
     the disk tier is a file in ``disk_dir``). ``blocks_per_chunk``: vLLM blocks per offloaded
     chunk (one chunk of one layer must fill whole strata pages). Decode blocks are offloaded
     too (``offload_prompt_only`` off), so a preempted request gets all its blocks back.
-    ``extra`` goes to ``kv_connector_extra_config`` as is (e.g. ``eviction_policy="arc"``)."""
+    ``extra`` goes to ``kv_connector_extra_config`` as is (e.g. ``eviction_policy="arc"``, or
+    ``strata_prefetch_steps``: engine steps a prefetched chunk may wait for its load before it
+    goes back to the host tier, default 8)."""
     cfg = {
         "spec_name": SPEC_NAME,
         "spec_module_path": __name__,
@@ -153,12 +155,13 @@ def stats():
     return None if worker is None else worker.stats()
 
 
-def _size(extra, key):
-    value = extra.get(key, 0) or 0
+def _count(extra, key, default=0):
+    value = extra.get(key, default)
+    value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise error(
             Status.INVALID_ARGUMENT,
-            f"strata.vllm.offload: {key}={value!r}: expected a byte count (int >= 0)"
+            f"strata.vllm.offload: {key}={value!r}: expected an integer >= 0"
         )
     return value
 
@@ -186,8 +189,8 @@ def _make_spec_class():
             check()
             super().__init__(config)
             x = self.extra_config
-            self.host_bytes = _size(x, "strata_host_bytes")
-            self.disk_bytes = _size(x, "strata_disk_bytes")
+            self.host_bytes = _count(x, "strata_host_bytes")
+            self.disk_bytes = _count(x, "strata_disk_bytes")
             self.disk_dir = x.get("strata_disk_dir")
             self.device = int(x.get("strata_device", 0))
             if self.host_bytes == 0:
@@ -237,6 +240,7 @@ def _make_spec_class():
                     f"{self.disk_bytes} B disk) hold no chunk of {chunk_bytes} B"
                 )
             self.eviction_policy = x.get("eviction_policy", "lru")
+            self.prefetch_steps = _count(x, "strata_prefetch_steps", default=8)
             self._manager = None
             self._worker = None
 

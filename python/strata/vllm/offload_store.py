@@ -89,9 +89,16 @@ class StrataOffloadWorker:
         self._slots = {}  # chunk id -> (strata request, slot)
         self._done = []  # TransferResults not reported yet
         self._hinted = []  # chunk ids to hint at the next get_finished
+        self._prefetched = {}  # hinted chunk id -> step of the hint, until loaded or dropped
+        self.prefetch_steps = spec.prefetch_steps
         self._step = 0
         self._last_log = None
-        self.counts = {"stored_chunks": 0, "loaded_chunks": 0, "hinted_chunks": 0}
+        self.counts = {
+            "stored_chunks": 0,
+            "loaded_chunks": 0,
+            "hinted_chunks": 0,
+            "prefetches_dropped": 0,
+        }
         log.info(
             "strata.vllm.offload: %d layers, chunks of %d blocks (%d B per layer), %d chunks "
             "in %.1f MiB host + %.1f MiB disk",
@@ -135,6 +142,8 @@ class StrataOffloadWorker:
             )
         requests = [self._slots[c][0] for c in chunks]
         self.space.make_resident(requests, self._stream())
+        for c in chunks:
+            self._prefetched.pop(c, None)
         gpu, rows = self._pairs(dst_spec, chunks)
         for src, dst in zip(self.src, self.rows):
             src.index_copy_(0, gpu, dst.index_select(0, rows))
@@ -150,10 +159,12 @@ class StrataOffloadWorker:
         self.space.advance(self._step)
         if self._hinted:
             hinted, self._hinted = self._hinted, []
-            requests = [self._slots[c][0] for c in hinted if c in self._slots]
-            if requests:
-                self.space.hint([requests], self._stream())
-                self.counts["hinted_chunks"] += len(requests)
+            hinted = [c for c in hinted if c in self._slots]
+            if hinted:
+                self.space.hint([[self._slots[c][0] for c in hinted]], self._stream())
+                self.counts["hinted_chunks"] += len(hinted)
+                self._prefetched.update((c, self._step) for c in hinted)
+        self._drop_stale_prefetches()
         done, self._done = self._done, []
         self._maybe_log()
         return done
@@ -179,10 +190,21 @@ class StrataOffloadWorker:
 
     # ---- helpers -------------------------------------------------------------------------
 
+    def _drop_stale_prefetches(self):
+        """Hinted chunks not loaded within ``prefetch_steps`` steps go back to the host tier
+        (their clean copy is still there: nothing is copied), so device memory holds only
+        chunks about to load."""
+        stale = [c for c, s in self._prefetched.items() if s + self.prefetch_steps < self._step]
+        for c in stale:
+            del self._prefetched[c]
+            self._slots[c][0].spill("host")
+        self.counts["prefetches_dropped"] += len(stale)
+
     def _fresh(self, chunk):
         """An empty request for ``chunk`` (the previous contents of a reused chunk id are stale:
         vLLM evicted them)."""
         old = self._slots.pop(chunk, None)
+        self._prefetched.pop(chunk, None)
         if old is not None:
             old[0].release()
         r = self.space.admit()

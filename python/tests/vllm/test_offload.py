@@ -211,6 +211,21 @@ class Worker(unittest.TestCase):
         self.assert_blocks([8, 9, 10, 11], stored)
         self.assertEqual(w.stats()["prefetch_misses"], 0)
 
+    def test_prefetched_chunks_never_loaded_go_back_to_the_host_tier(self):
+        _, w = self.worker(host_chunks=4)
+        stored = self.snapshot([0, 1])
+        self.store(w, 1, [0, 1], [0])
+        w.hint([0])
+        w.get_finished()
+        self.assertGreater(w.stats()["blocks_resident"], 0)
+        for _ in range(w.prefetch_steps + 1):
+            w.get_finished()
+        s = w.stats()
+        self.assertEqual(s["blocks_resident"], 0)
+        self.assertEqual(s["prefetches_dropped"], 1)
+        self.load(w, 2, [0], [5, 6])
+        self.assert_blocks([5, 6], stored)
+
     def test_a_load_of_a_chunk_never_stored_is_a_typed_error(self):
         import strata
 
