@@ -192,7 +192,7 @@ def _make_spec_class():
             self.host_bytes = _count(x, "strata_host_bytes")
             self.disk_bytes = _count(x, "strata_disk_bytes")
             self.disk_dir = x.get("strata_disk_dir")
-            self.device = int(x.get("strata_device", 0))
+            self.device = _count(x, "strata_device")
             if self.host_bytes == 0:
                 raise error(
                     Status.INVALID_ARGUMENT,
@@ -274,6 +274,11 @@ def _make_manager(spec):
                 cache_policy_module_path=spec.extra_config.get("cache_policy_module_path"),
                 enable_events=spec.kv_events_config.enable_kv_cache_events,
             )
+            if not callable(getattr(getattr(self, "_policy", None), "get", None)):
+                raise UnsupportedVllm(
+                    "strata.vllm.offload: vLLM's CPUOffloadingManager has no _policy.get "
+                    "(chunk lookup by key); refusing to offload"
+                )
             self._engine_id = spec.config.engine_id
             self._offered = {}  # req_id -> keys offered for storing, in order
 
@@ -291,7 +296,7 @@ def _make_manager(spec):
             for req_id in context.preempted_req_ids:
                 for key in self._offered.get(req_id, ()):
                     chunk = self._policy.get(key)
-                    if chunk is not None:
+                    if chunk is not None and chunk.is_ready:
                         chunks[chunk.chunk_id] = None
             worker.hint(list(chunks))
 
