@@ -144,7 +144,7 @@ class OffloadedStrataCache(StrataCache):
 
     def __init__(self, config, max_cache_len, device_budget, device=0, host_bytes=None, expand=False):
         if isinstance(device_budget, bool) or not isinstance(device_budget, int) or device_budget <= 0:
-            raise _lib.error(3, f"device_budget {device_budget!r}: a positive number of bytes")
+            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"device_budget {device_budget!r}: a positive number of bytes")
         super().__init__(config, max_cache_len, device=device)
         self.device_budget = device_budget
         self._host_bytes = host_bytes
@@ -206,7 +206,7 @@ class OffloadedStrataCache(StrataCache):
         end = layer.length + key_states.shape[-2]
         if end > self.max_cache_len:
             raise _lib.error(
-                3,
+                _lib.Status.INVALID_ARGUMENT,
                 f"{end} tokens do not fit: this StrataCache was reserved for max_cache_len = "
                 f"{self.max_cache_len} per sequence",
             )
@@ -226,7 +226,7 @@ class OffloadedStrataCache(StrataCache):
         super().reset()
 
     def reorder_cache(self, beam_idx):
-        raise _lib.error(9, "OffloadedStrataCache does not support beam search (reorder_cache)")
+        raise _lib.error(_lib.Status.UNSUPPORTED, "OffloadedStrataCache does not support beam search (reorder_cache)")
 
     # ---- strata -----------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class _Swapper:
         self.page_size = self.spaces[0].stats()["page_size"]
         n = len(self.spaces)
         self.requests = [[] for _ in range(n)]
-        self.held = [0] * n  # tokens mapped per row, per layer (whole pages)
+        self.held = [0] * n  # tokens appended per row, per layer
         self.pool_in = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-in")
         self.pool_out = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-out")
         self.inflight = {}  # True (swap-in) / False (swap-out) -> (layer, future)
@@ -341,7 +341,7 @@ class _Swapper:
         fits = self.cache.device_budget // layer_bytes
         if fits == 0:
             raise _lib.error(
-                8,
+                _lib.Status.OUT_OF_MEMORY,
                 f"device_budget {self.cache.device_budget} bytes is smaller than one layer's KV "
                 f"({layer_bytes} bytes for {tokens} tokens of {self.cache._shape[0]} rows): "
                 "OffloadedStrataCache needs room for at least one layer",
@@ -369,10 +369,13 @@ class _Swapper:
             self._protocol(layer)
         if not self.requests[layer]:
             self.requests[layer] = self._admit(layer)
-        if upto > self.held[layer]:
+        # Exactly the tokens written, never a page ahead: a page whose tokens are all appended
+        # counts as full, and a full page keeps its clean copy in the host tier when it comes
+        # back, so the next swap-out copies nothing of it.
+        if tokens > self.held[layer]:
             for r in self.requests[layer]:
-                r.append(upto - self.held[layer])
-            self.held[layer] = upto
+                r.append(tokens - self.held[layer])
+            self.held[layer] = tokens
 
     def _on_device(self):
         return sum(self.pie.state(l) != CPU for l in range(len(self.spaces)))
@@ -386,7 +389,7 @@ class _Swapper:
             if self.pie.state(layer) == GPU and (not self.shedding or self._on_device() <= self.fits):
                 break
             if not self.inflight:
-                raise _lib.error(7, f"Pie's controller left layer {layer} off the device with no transfer running")
+                raise _lib.error(_lib.Status.INVALID_STATE, f"Pie's controller left layer {layer} off the device with no transfer running")
             waited_since = waited_since or time.perf_counter()
             self._reap(block=True)
         self.shedding = False
@@ -435,14 +438,14 @@ class _Swapper:
         self.step_start = None
 
     def truncate(self, tokens):
+        """Every layer keeps its first `tokens` tokens (the pages past them go back; the clean
+        copies of the pages cut go too)."""
         self.drain()
-        page = self.cache._tokens_per_page
-        upto = min(-(-tokens // page) * page, self.cache.max_cache_len)
         for layer, requests in enumerate(self.requests):
-            if self.held[layer] > upto:
+            if self.held[layer] > tokens:
                 for r in requests:
-                    r.truncate(upto)
-                self.held[layer] = upto
+                    r.truncate(tokens)
+                self.held[layer] = tokens
 
     def stats(self):
         out = dict(self.counts)
