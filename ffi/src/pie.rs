@@ -89,7 +89,11 @@ fn layer_or_none(l: Option<usize>) -> i32 {
 ///
 /// `out` is NULL (an error) or writable.
 #[no_mangle]
-pub unsafe extern "C" fn strata_pie_create(layers: u32, max_cpu_layers: u32, out: *mut u64) -> c_int {
+pub unsafe extern "C" fn strata_pie_create(
+    layers: u32,
+    max_cpu_layers: u32,
+    out: *mut u64,
+) -> c_int {
     boundary::status("strata_pie_create", || {
         let out = out_ref("out", out)?;
         if layers == 0 || layers > 1 << 16 || max_cpu_layers >= layers {
@@ -294,12 +298,18 @@ mod tests {
             let p = create(4, 0);
             assert_eq!(strata_pie_set_floor(p, 4, std::ptr::null_mut()), bad);
             assert_eq!(strata_pie_layer_start(p, 4, &mut d), bad);
-            assert_eq!(strata_pie_observe(p, 0, f64::NAN, std::ptr::null_mut()), bad);
+            assert_eq!(
+                strata_pie_observe(p, 0, f64::NAN, std::ptr::null_mut()),
+                bad
+            );
             assert_eq!(strata_pie_swap_done(p, 2), bad);
             assert_eq!(strata_pie_swap_done(p, 0), Status::InvalidState as c_int);
             assert_eq!(strata_pie_destroy(p), 0);
             assert_eq!(strata_pie_destroy(p), Status::InvalidHandle as c_int);
-            assert_eq!(strata_pie_layer_start(p, 0, &mut d), Status::InvalidHandle as c_int);
+            assert_eq!(
+                strata_pie_layer_start(p, 0, &mut d),
+                Status::InvalidHandle as c_int
+            );
         }
     }
 
@@ -314,7 +324,11 @@ mod tests {
         assert_eq!(m, 2);
         // Everything starts on the device: the floor forces two swap-outs, one at a time.
         let d = start(p, 0);
-        assert_eq!((d.swap_in, d.swap_out), (-1, 3), "the coldest while layer 0 runs is 3");
+        assert_eq!(
+            (d.swap_in, d.swap_out),
+            (-1, 3),
+            "the coldest while layer 0 runs is 3"
+        );
         assert_eq!(state(p, 3), 3);
         assert_eq!(strata_pie_swap_done(p, 1), 0);
         assert_eq!(state(p, 3), 1);
