@@ -35,7 +35,7 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from . import _lib
+from . import _lib, kv
 from .transformers import StrataCache, _checked_space
 
 __all__ = ["OffloadedStrataCache", "Pie"]
@@ -269,7 +269,7 @@ class _Swapper:
         self.page_size = self.spaces[0].stats()["page_size"]
         n = len(self.spaces)
         self.requests = [[] for _ in range(n)]
-        self.held = [0] * n  # tokens appended per row, per layer
+        self.held = [0] * n  # tokens appended per row, per layer (whole pages while on the device)
         self.pool_in = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-in")
         self.pool_out = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-out")
         self.inflight = {}  # True (swap-in) / False (swap-out) -> (layer, future)
@@ -282,7 +282,7 @@ class _Swapper:
         self.brought_in = [False] * n
         self.step_start = None
         self.step_waited = False
-        self.counts = dict(swap_ins=0, swap_outs=0, prefetch_hits=0, stalls=0, stall_seconds=0.0, steps=0)
+        self.counts = dict(swap_ins=0, swap_outs=0, prefetch_hits=0, stalls=0, stall_seconds=0.0)
 
     # ---- transfers ---------------------------------------------------------------------------
 
@@ -293,6 +293,15 @@ class _Swapper:
     def _swap_out(self, layer, fence):
         if fence is not None:
             fence.synchronize()
+        # A page whose tokens are all appended counts as full, and a full page keeps its clean
+        # copy in the host tier when it comes back (the next swap-out copies nothing of it). The
+        # pages appended ahead are not written yet: cut the rows to the tokens written first, so
+        # that the last page is partial and copied (its stale clean copy, if any, dropped).
+        written = self.cache.layers[layer].length
+        if self.held[layer] > written:
+            for r in self.requests[layer]:
+                r.truncate(written)
+            self.held[layer] = written
         for r in self.requests[layer]:
             r.spill("host")
 
@@ -358,7 +367,7 @@ class _Swapper:
         """Before `layer`'s attention: the budget for `tokens`, the layer resident (waiting only
         for its own transfer, or for the swap-outs a smaller budget needs), then its pages for
         `tokens` mapped."""
-        if layer == 0:
+        if layer == 0 and self.cache._expand:
             self._observe_step()
         page = self.cache._tokens_per_page
         upto = min(-(-tokens // page) * page, self.cache.max_cache_len)
@@ -369,13 +378,12 @@ class _Swapper:
             self._protocol(layer)
         if not self.requests[layer]:
             self.requests[layer] = self._admit(layer)
-        # Exactly the tokens written, never a page ahead: a page whose tokens are all appended
-        # counts as full, and a full page keeps its clean copy in the host tier when it comes
-        # back, so the next swap-out copies nothing of it.
-        if tokens > self.held[layer]:
+        # Whole pages ahead, as StrataCache: the next tokens up to the page's end need no call.
+        if upto > self.held[layer]:
+            append, space, more = kv._c().strata_kv_append, self.spaces[layer].handle, upto - self.held[layer]
             for r in self.requests[layer]:
-                r.append(tokens - self.held[layer])
-            self.held[layer] = tokens
+                _lib.check(append(space, r.handle, more))
+            self.held[layer] = upto
 
     def _on_device(self):
         return sum(self.pie.state(l) != CPU for l in range(len(self.spaces)))
@@ -396,7 +404,7 @@ class _Swapper:
         if waited_since is not None:
             self.counts["stalls"] += 1
             self.counts["stall_seconds"] += time.perf_counter() - waited_since
-            self.step_waited = True
+            self.step_waited = True  # adaptive expansion's "waited" (expand=True)
         elif self.brought_in[layer]:
             self.counts["prefetch_hits"] += 1
         self.brought_in[layer] = False
@@ -406,7 +414,6 @@ class _Swapper:
     def _observe_step(self):
         now = time.perf_counter()
         if self.step_start is not None:
-            self.counts["steps"] += 1
             rows = self.cache._shape[0]
             self._aim(self.pie.observe(self.step_waited, rows / max(now - self.step_start, 1e-9)))
         self.step_start, self.step_waited = now, False
