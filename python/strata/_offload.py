@@ -30,6 +30,7 @@ search (`reorder_cache`) is not supported with offload.
 
 import concurrent.futures
 import ctypes
+import threading
 import time
 
 import torch
@@ -273,6 +274,11 @@ class _Swapper:
         self.pool_in = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-in")
         self.pool_out = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-swap-out")
         self.inflight = {}  # True (swap-in) / False (swap-out) -> (layer, future)
+        # Guards the fields the transfer threads' completions change (inflight, counts,
+        # brought_in, current, error); Pie's controller has its own lock.
+        self.cond = threading.Condition(threading.RLock())
+        self.current = None  # the layer computing now (None: start nothing on completions)
+        self.error = None  # a transfer's exception, raised by the next acquire
         self.floor = 0
         self.budget_tokens = 0
         self.fits = n  # layers the budget holds
@@ -306,35 +312,53 @@ class _Swapper:
             r.spill("host")
 
     def _launch(self, swap_in, swap_out):
+        """Starts the swaps Pie decided (the condition's lock held)."""
         if swap_out is not None:
             fence = torch.cuda.Event() if self.cuda else None
             if fence is not None:
                 fence.record()
-            self.inflight[False] = (swap_out, self.pool_out.submit(self._swap_out, swap_out, fence))
+            self._submit(False, swap_out, self.pool_out.submit(self._swap_out, swap_out, fence))
         if swap_in is not None:
-            self.inflight[True] = (swap_in, self.pool_in.submit(self._swap_in, swap_in))
+            self._submit(True, swap_in, self.pool_in.submit(self._swap_in, swap_in))
 
-    def _reap(self, block=False):
-        """Phase two for the transfers that finished (with `block`, at least one, waiting)."""
-        if block and self.inflight:
-            concurrent.futures.wait([f for _, f in self.inflight.values()], return_when=concurrent.futures.FIRST_COMPLETED)
-        error = None
-        for direction, (layer, future) in list(self.inflight.items()):
-            if not future.done():
-                continue
+    def _submit(self, direction, layer, future):
+        self.inflight[direction] = (layer, future)
+        future.add_done_callback(lambda f: self._finished(direction, layer, f))
+
+    def _finished(self, direction, layer, future):
+        """A transfer ended (on its thread): phase two, then Pie's protocol again for the layer
+        running now, so a swap-out that made room starts the swap-in at once rather than at the
+        next layer's start (the link never idles while a layer waits on the CPU)."""
+        with self.cond:
+            if self.inflight.get(direction, (None, None))[1] is not future:
+                return
             del self.inflight[direction]
-            self.pie.swap_done(direction)
-            self.counts["swap_ins" if direction else "swap_outs"] += 1
-            if direction:
-                self.brought_in[layer] = True
-            if future.exception() is not None and error is None:
-                error = future.exception()
+            try:
+                self.pie.swap_done(direction)
+                self.counts["swap_ins" if direction else "swap_outs"] += 1
+                if future.exception() is not None:
+                    self.error = self.error or future.exception()
+                elif direction:
+                    self.brought_in[layer] = True
+                if self.current is not None and self.error is None:
+                    self._launch(*self.pie.layer_start(self.current))
+            except Exception as e:  # noqa: BLE001 - a transfer thread: raised by the next acquire
+                self.error = self.error or e
+            finally:
+                self.cond.notify_all()
+
+    def _raise_error(self):
+        error, self.error = self.error, None
         if error is not None:
             raise error
 
     def drain(self):
-        while self.inflight:
-            self._reap(block=True)
+        """Waits for the transfers in flight (and starts no more until the next acquire)."""
+        with self.cond:
+            self.current = None
+            while self.inflight:
+                self.cond.wait()
+            self._raise_error()
 
     # ---- the per-layer hook ------------------------------------------------------------------
 
@@ -372,10 +396,11 @@ class _Swapper:
         page = self.cache._tokens_per_page
         upto = min(-(-tokens // page) * page, self.cache.max_cache_len)
         self._set_budget(upto)
-        if self.inflight:
-            self._reap()
-        if not (self.all_on_device and self.cpu_layers == 0 and not self.inflight):
-            self._protocol(layer)
+        if self.inflight or not (self.all_on_device and self.cpu_layers == 0):
+            with self.cond:
+                self._raise_error()
+                self.current = layer
+                self._protocol(layer)
         if not self.requests[layer]:
             self.requests[layer] = self._admit(layer)
         # Whole pages ahead, as StrataCache: the next tokens up to the page's end need no call.
@@ -399,7 +424,8 @@ class _Swapper:
             if not self.inflight:
                 raise _lib.error(_lib.Status.INVALID_STATE, f"Pie's controller left layer {layer} off the device with no transfer running")
             waited_since = waited_since or time.perf_counter()
-            self._reap(block=True)
+            self.cond.wait()
+            self._raise_error()
         self.shedding = False
         if waited_since is not None:
             self.counts["stalls"] += 1
