@@ -286,6 +286,12 @@ mod tests {
     }
 
     #[test]
+    fn the_decision_has_the_header_layout() {
+        assert_eq!(std::mem::size_of::<strata_pie_decision_t>(), 8);
+        assert_eq!(std::mem::align_of::<strata_pie_decision_t>(), 4);
+    }
+
+    #[test]
     fn bad_input_is_an_error() {
         let mut h = 0;
         let bad = Status::InvalidArgument as c_int;
