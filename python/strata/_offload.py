@@ -17,8 +17,11 @@ pages), so at least `n - g` layers live on the CPU (the controller's floor; a bu
 layer raises `strata.OutOfMemory`). When layer k's attention starts (`update(k)`), the FIFO
 protocol swaps in the hottest CPU layer (the next one needed: the lookahead) and swaps out the
 coldest device layer (the one computed last), one transfer each way at a time, on two transfer
-threads, so the copies run while the next layers compute. Layer k then waits only for its own
-swap-in, if it is still in flight (a stall). Adaptive expansion (`expand=True`) adds CPU layers
+threads, so the copies run while the next layers compute. A finished transfer runs the protocol
+again for the layer computing now, so the swap-in a swap-out made room for starts at once. Layer
+k waits only for its own swap-in, if it is still in flight (a stall). Before a swap-out the rows
+are cut to the tokens written (pages are appended a page ahead, and a page counted full would
+keep a stale clean copy). Adaptive expansion (`expand=True`) adds CPU layers
 beyond the floor while no step waits and tokens/s does not fall, and backs off after a wait;
 it is off by default, because one cache with a fixed batch gains nothing from more CPU layers
 (they free device pages for other users of the pool, at the price of more traffic).
@@ -175,27 +178,23 @@ class OffloadedStrataCache(StrataCache):
                         host_bytes=per_layer,
                     )
                 )
+            space = _LayerSpaces(spaces)
             self._pie = Pie(n, n - 1 if self._expand else 0)
+            self._swap = _Swapper(self, space, torch_device_type == "cuda")
         except BaseException:
+            if self._pie is not None:
+                self._pie.close()
+                self._pie = None
             _LayerSpaces(spaces).close()
             raise
-        space = _LayerSpaces(spaces)
-        self._swap = _Swapper(self, space, torch_device_type == "cuda")
-        self._mapped = self.max_cache_len  # StrataLayer.update never calls _hold: update does
+        # StrataLayer.update never calls StrataCache._hold (one space's appends): update maps
+        # each layer's pages itself.
+        self._mapped = self.max_cache_len
         return space
-
-    def _admit(self):
-        raise AssertionError("OffloadedStrataCache admits per layer")
 
     def _release_requests(self):
         if self._swap is not None:
             self._swap.release_requests()
-
-    def _hold(self, tokens):
-        raise AssertionError("OffloadedStrataCache maps per layer")
-
-    def _unhold(self, tokens):
-        self._swap.truncate(tokens)
 
     # ---- transformers' Cache ----------------------------------------------------------------
 

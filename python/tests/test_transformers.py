@@ -347,7 +347,7 @@ class OffloadTest(unittest.TestCase):
                 generate(model, cache, new_tokens=4)
             self.assertEqual(cache.stats()["kv_bytes"], 0)
 
-    def test_offload_crop_then_continue_matches_dynamic_cache(self):
+    def test_offload_crop_reset_then_continue_matches_dynamic_cache(self):
         from strata.transformers import OffloadedStrataCache
 
         model = offload_model("Qwen2")
@@ -365,6 +365,15 @@ class OffloadTest(unittest.TestCase):
             self.assertTrue(torch.equal(got, want))
             with self.assertRaises(strata.Unsupported):
                 cache.reorder_cache(torch.arange(len(PROMPTS)))
+            # Reset: every page back (device and host), same addresses, same logits again.
+            addresses = cache.data_ptrs()
+            cache.reset()
+            self.assertEqual(cache.get_seq_length(), 0)
+            self.assertEqual(cache.stats()["kv_bytes"], 0)
+            self.assertEqual(cache.stats()["host_used_bytes"], 0)
+            again = model(input_ids=ids, past_key_values=cache).logits
+            self.assertTrue(torch.equal(again, model(input_ids=ids, past_key_values=DynamicCache()).logits))
+            self.assertEqual(cache.data_ptrs(), addresses)
 
 
 if __name__ == "__main__":
