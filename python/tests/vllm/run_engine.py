@@ -6,8 +6,11 @@ strata.vllm on) the KV bytes mapped. test_vllm.py runs it with STRATA_VLLM=1 and
 """
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import resource
 import sys
 import time
 
@@ -34,10 +37,63 @@ LLAMA = {
 }
 
 
-def write_model(path):
+# The same with a mixture of experts in place of the MLP (4 experts, 2 per token).
+MIXTRAL = dict(
+    LLAMA,
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+MODELS = {"llama": LLAMA, "mixtral": MIXTRAL}
+
+
+def write_model(path, kind="llama"):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(LLAMA, f)
+        json.dump(MODELS[kind], f)
+
+
+@contextlib.contextmanager
+def livelier_dummy_weights():
+    """vLLM's dummy loader draws every tensor in +-1e-3 from one seed: such a model hardly reads
+    its context (each output follows the last token), so a KV cache holding wrong bytes would not
+    change the outputs. Inside this, each tensor gets its own seed (in load order: the same
+    weights for every engine built) and +-0.1, so outputs depend on the cached K/V."""
+    from vllm.model_executor.model_loader import dummy_loader
+
+    stock = dummy_loader.initialize_single_dummy_weight
+    seeds = itertools.count(1)
+
+    def initialize(param, *args, **kwargs):
+        stock(param, low=-0.1, high=0.1, seed=next(seeds))
+
+    dummy_loader.initialize_single_dummy_weight = initialize
+    try:
+        yield
+    finally:
+        dummy_loader.initialize_single_dummy_weight = stock
+
+
+def make_llm(model, requests, kv_bytes, log_stats):
+    """The engine every script here runs: fp32, block size 32, 512 tokens per request at most,
+    ``kv_bytes`` of KV cache; ``log_stats`` makes LLM.get_metrics() work."""
+    from vllm import LLM
+
+    with livelier_dummy_weights():
+        return LLM(
+            model=model,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            block_size=32,
+            max_model_len=512,
+            max_num_seqs=requests,
+            kv_cache_memory_bytes=kv_bytes,
+            seed=0,
+            disable_log_stats=not log_stats,
+        )
 
 
 def prompts(n):
@@ -60,23 +116,16 @@ def main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--kind", choices=sorted(MODELS), default="llama")
+    ap.add_argument(
+        "--bench", action="store_true", help="one wave, no per-step probes (bench.py)"
+    )
     args = ap.parse_args()
 
-    write_model(args.model)
-    from vllm import LLM, SamplingParams
+    write_model(args.model, args.kind)
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=args.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        block_size=32,
-        max_model_len=512,
-        max_num_seqs=args.requests,
-        kv_cache_memory_bytes=args.kv_bytes,
-        seed=0,
-    )
+    llm = make_llm(args.model, args.requests, args.kv_bytes, log_stats=not args.bench)
     plugin = os.environ.get("STRATA_VLLM", "0") not in ("", "0")
     if plugin:
         import strata.vllm
@@ -106,16 +155,38 @@ def main():
                     first_token[rid] = time.perf_counter() - wave_start
                 if out.finished:
                     outputs[rid] = list(out.outputs[0].token_ids)
-            steps.append({"blocks": in_use(), "mapped": mapped()})
+            if not args.bench:
+                steps.append({"blocks": in_use(), "mapped": mapped()})
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu = time.process_time()
     start = time.perf_counter()
     run_wave("a")
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu  # every thread's CPU time: what the wave cost, queueing aside
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     generated = sum(len(v) for v in outputs.values())
     ttft = sum(first_token.values()) / max(len(first_token), 1)
+    if args.bench:
+        print("RESULT " + json.dumps({
+            "plugin": plugin,
+            "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
+            "tokens_per_s": generated / elapsed,
+            "tokens_per_cpu_s": generated / cpu,
+            "mean_ttft_s": ttft,
+            "minor_faults": faults,
+            "stats": strata.vllm.stats() if plugin else None,
+        }), flush=True)
+        os._exit(0)
     # The same prompts again: prefix-cache hits on blocks whose groups stayed mapped, recompute
     # for the others (their hashes left the cache when their group was unmapped).
     run_wave("b")
+    # strata's figures among vLLM's metrics, read back as an operator would (LLM.get_metrics)
+    metrics = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:strata_"):
+            metrics[m.name] = m.value
+    stats_now = strata.vllm.stats() if plugin else None
     # Sleep (strata: KV groups back to the pool), wake, and the same prompts once more.
     llm.sleep(level=1)
     asleep = mapped()
@@ -127,6 +198,8 @@ def main():
         "outputs_again": [outputs[f"b{i}"] for i in range(args.requests)],
         "outputs_after_sleep": [outputs[f"c{i}"] for i in range(args.requests)],
         "mapped_asleep": asleep,
+        "metrics": metrics,
+        "stats_with_metrics": stats_now,
         "steps": steps,
         "tokens_per_s": generated / elapsed,
         "mean_ttft_s": ttft,
