@@ -1,6 +1,7 @@
 """Two vLLM engines in one process on one strata device too small for both KV caches as stock
 vLLM holds them (each engine's whole capacity, all the time): engine A runs a batch and goes idle
-(its KV groups back to the pool), engine B starts and runs the same batch, then A runs again.
+(its KV groups back to the pool), engine B starts and runs the same batch, A sleeps and wakes
+(its own KV unmapped, B's kept) and runs again.
 Prints one JSON line for test_vllm.py. Needs STRATA_VLLM=1 and STRATA_HOST_DEVICES.
 
     python run_two_engines.py MODEL_DIR [--requests N] [--max-tokens N] [--kv-bytes N]
@@ -57,6 +58,11 @@ def main():
     llm_b, kv_b = engine()
     spaces.append(kv_b)
     outputs_b = run(llm_b, "b")
+    # A sleeps: its own KV goes back to the pool, B's (spare groups) stays; A wakes and runs.
+    mapped_b = kv_b.stats()["mapped_bytes"]
+    llm_a.sleep(level=1)
+    asleep = [kv_a.stats()["mapped_bytes"], kv_b.stats()["mapped_bytes"]]
+    llm_a.wake_up()
     outputs_a_again = run(llm_a, "c")
 
     # Stock vLLM's accounting on the same device: each engine's whole KV mapped at once.
@@ -76,6 +82,8 @@ def main():
         "outputs_b": outputs_b,
         "outputs_a_again": outputs_a_again,
         "idle_a": idle_a,
+        "idle_b": mapped_b,
+        "a_asleep": asleep,
         "peak_mapped_sum": max(mapped_sums),
         "stock_failed_groups_a": len(failed_a),
         "stock_failed_groups_b": len(failed_b),

@@ -183,6 +183,9 @@ class Elastic(unittest.TestCase):
         self.assertEqual(r["outputs_b"], self.stock["outputs"])
         self.assertEqual(r["outputs_a_again"], self.stock["outputs"])
         self.assertLessEqual(r["peak_mapped_sum"], device)
+        # A's sleep returned A's KV (all but the null block's group), not B's spares
+        self.assertGreater(r["idle_b"], group)
+        self.assertEqual(r["a_asleep"], [group, r["idle_b"]])
         self.assertEqual(r["mapped_after"], [group, group])
 
     def test_unmapping_copies_nothing(self):
