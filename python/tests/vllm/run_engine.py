@@ -2,7 +2,8 @@
 and prints one JSON line: the greedy outputs, and per engine step the blocks in use and (with
 strata.vllm on) the KV bytes mapped. test_vllm.py runs it with STRATA_VLLM=1 and without.
 
-    python run_engine.py MODEL_DIR [--requests N] [--max-tokens N] [--bench]
+    python run_engine.py MODEL_DIR [--requests N] [--max-tokens N] [--kind llama|mixtral]
+        [--bench [--waves N]]
 """
 
 import argparse
@@ -96,12 +97,13 @@ def make_llm(model, requests, kv_bytes, log_stats):
         )
 
 
-def prompts(n):
-    """n prompts of different lengths (17, 40, 63, ... tokens), deterministic token ids."""
+def prompts(n, salt=0):
+    """n prompts of different lengths (17, 40, 63, ... tokens), deterministic token ids; another
+    ``salt`` gives other tokens (no prefix-cache hits between them)."""
     out = []
     for i in range(n):
         length = 17 + 23 * i
-        out.append([(7 * i + 13 * t) % 1000 + 3 for t in range(length)])
+        out.append([(7 * i + 13 * t + salt) % 1000 + 3 for t in range(length)])
     return out
 
 
@@ -117,6 +119,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
     ap.add_argument("--kind", choices=sorted(MODELS), default="llama")
+    ap.add_argument("--waves", type=int, default=1, help="with --bench: waves to time")
     ap.add_argument(
         "--bench", action="store_true", help="one wave, no per-step probes (bench.py)"
     )
@@ -144,9 +147,9 @@ def main():
     outputs = {}
     first_token = {}
 
-    def run_wave(prefix):
+    def run_wave(prefix, salt=0):
         wave_start = time.perf_counter()
-        for i, p in enumerate(prompts(args.requests)):
+        for i, p in enumerate(prompts(args.requests, salt)):
             engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -158,23 +161,32 @@ def main():
             if not args.bench:
                 steps.append({"blocks": in_use(), "mapped": mapped()})
 
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    cpu = time.process_time()
-    start = time.perf_counter()
-    run_wave("a")
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu  # every thread's CPU time: what the wave cost, queueing aside
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    generated = sum(len(v) for v in outputs.values())
-    ttft = sum(first_token.values()) / max(len(first_token), 1)
+    def timed_wave(prefix, salt=0):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu = time.process_time()
+        start = time.perf_counter()
+        run_wave(prefix, salt)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu  # every thread's CPU time: the wave's cost, queueing aside
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        rids = [f"{prefix}{i}" for i in range(args.requests)]
+        generated = sum(len(outputs[r]) for r in rids)
+        return {
+            "tokens_per_s": generated / elapsed,
+            "tokens_per_cpu_s": generated / cpu,
+            "mean_ttft_s": sum(first_token[r] for r in rids) / len(rids),
+            "minor_faults": faults,
+        }
+
+    first = timed_wave("a")
     if args.bench:
+        # later waves: other tokens, the same shape; the KV pages were mapped before
+        warm = [timed_wave(f"w{n}", salt=n) for n in range(1, args.waves)]
         print("RESULT " + json.dumps({
             "plugin": plugin,
             "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
-            "tokens_per_s": generated / elapsed,
-            "tokens_per_cpu_s": generated / cpu,
-            "mean_ttft_s": ttft,
-            "minor_faults": faults,
+            **first,
+            "warm": warm,
             "stats": strata.vllm.stats() if plugin else None,
         }), flush=True)
         os._exit(0)
@@ -201,8 +213,8 @@ def main():
         "metrics": metrics,
         "stats_with_metrics": stats_now,
         "steps": steps,
-        "tokens_per_s": generated / elapsed,
-        "mean_ttft_s": ttft,
+        "tokens_per_s": first["tokens_per_s"],
+        "mean_ttft_s": first["mean_ttft_s"],
         "stats": strata.vllm.stats() if plugin else None,
         "block_bytes_all_layers": None,
     }
