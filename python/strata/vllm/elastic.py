@@ -24,6 +24,7 @@ import time
 
 import strata
 import strata.kv
+from strata import _lib
 
 # A child of vLLM's logger: its lines go wherever vLLM sends its own.
 log = logging.getLogger("vllm.strata")
@@ -95,6 +96,7 @@ class ElasticKv:
         self.peak_mapped_groups = 0
         self._last_log = None  # the first allocation logs at once
         self._ranges = []  # (first, end) addresses of the layer tensors handed out
+        self._pool_stats = _lib.Stats()
         _SPACES.append(self)
 
     def layer_tensor(self, index):
@@ -142,9 +144,14 @@ class ElasticKv:
         pages could map (never more than the ``queued`` free blocks). ``blocks_out`` counts the
         blocks not in the free queue (in use, and the null block), all on mapped groups."""
         on_mapped = self._mapped_blocks - blocks_out
-        st = strata.stats(self.device)
+        if on_mapped >= queued:
+            return queued
+        # The scheduler asks once per request per step: one struct refilled in place, two fields
+        # read (strata.stats() builds a dict of every field, most of this call's cost).
+        st = self._pool_stats
+        _lib.check(_lib.lib().strata_stats(self.device, st))
         # Two pages of slack: the zero page and rounding in the pool's own accounting.
-        room = st["total_bytes"] - st["pool_in_use_bytes"] - 2 * self.page_size
+        room = st.total_bytes - st.pool_in_use_bytes - 2 * self.page_size
         mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
         return min(queued, on_mapped + mappable * self.blocks_per_group)
 
