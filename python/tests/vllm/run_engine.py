@@ -58,9 +58,10 @@ def write_model(path, kind="llama"):
 @contextlib.contextmanager
 def livelier_dummy_weights():
     """vLLM's dummy loader draws every tensor in +-1e-3 from one seed: such a model hardly reads
-    its context (each output follows the last token), so a KV cache holding wrong bytes would not
-    change the outputs. Inside this, each tensor gets its own seed (in load order: the same
-    weights for every engine built) and +-0.1, so outputs depend on the cached K/V."""
+    its context (each output follows the last token). Zeroing the whole KV cache after the second
+    step (what a group unmapped too early reads) changed none of 8 outputs with those weights.
+    Inside this, each tensor gets its own seed (in load order: the same weights for every engine
+    built) and +-0.1: the same zeroing changed all 8."""
     from vllm.model_executor.model_loader import dummy_loader
 
     stock = dummy_loader.initialize_single_dummy_weight
