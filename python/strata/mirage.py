@@ -15,7 +15,7 @@ unchanged.
     with code.serving():
         code_model.generate(...)               # code's remapped layers stream through slots
     cache.close()
-    mirage.reclaim(0)                          # KV pages free again: remapped layers come back
+    mirage.revert()                            # remapped layers back at their own addresses
 
 Which layers: the decoder's `layers` (`model.get_decoder().layers`; every layer with the same
 parameters, as in Llama, Mistral, Qwen2 or Mixtral). Embeddings, the final norm and the LM head
@@ -31,7 +31,7 @@ until it has run once (or was given `compute_per_layer`).
 
 Contract: a layer's parameters are valid inside its forward. Between forwards a remapped layer's
 `Parameter`s point at unmapped memory until its next pre-hook (on the host backend, reading them
-then faults the process): run the model, or call `ModelParams.materialize()` first. Models are
+then faults the process): read them only inside a forward or after `revert()`. Models are
 registered for the process's life (strata parameter models are never unregistered).
 """
 
@@ -45,7 +45,7 @@ import torch
 
 from . import _dlpack, _lib, kv, params
 
-__all__ = ["ModelParams", "reclaim"]
+__all__ = ["ModelParams", "reclaim", "revert"]
 
 _ALIGN = 64
 _lock = threading.Lock()
@@ -238,18 +238,6 @@ class ModelParams:
         self._report()
         self._model.set_active(active)
 
-    def materialize(self):
-        """Makes every layer's Parameters valid outside a forward (streamed layers are loaded
-        into their slots in turn, so this holds only while at most `slots` layers stream)."""
-        if self.stats()["streamed_layers"] > self.stats()["slots"]:
-            raise _lib.error(
-                _lib.Status.INVALID_STATE,
-                "more layers stream than there are slots: revert (strata.mirage.reclaim(0)) first",
-            )
-        for layer in range(self.layers):
-            self._prepare(layer)
-            self._model.layer_done(layer, _current_stream(self._kind))
-
     def stats(self):
         """The model's figures (`strata_params_model_stats_t`): layers, `remapped_layers`,
         `streamed_layers`, `slots`, `gpu_pages`, ..., and `measured_compute_per_layer`."""
@@ -267,18 +255,38 @@ def _synchronize(device):
         torch.cuda.synchronize(_memory_kind(device)[1])
 
 
-def reclaim(pages_short, device=0):
-    """One remapping-controller step on `device`: `pages_short` pages a KV cache could not get
-    (idle models' layer pages become KV pages), or 0 (remapped layers come back while free
-    pages cover them). Returns True when a model's layers moved. A `StrataCache`'s
-    `on_out_of_memory` callback: `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`."""
+def _controller_step(device, step):
     with _lock:
         models = list(_models.get(device, ()))
     for m in models:
         m._report()
     # Nothing queued may still read a layer the step unmaps.
     _synchronize(device)
-    changed = params.step(device=device, pages_short=pages_short)
+    result = step()
     for m in models:
         m._after_step()
-    return changed > 0
+    return result
+
+
+def reclaim(pages_short, device=0):
+    """One remapping-controller step on `device`: `pages_short` pages a KV cache could not get
+    (idle models' layer pages become KV pages), or 0 (remapped layers come back while the
+    pool's free pages cover them; the pool trims free pages it holds beyond its high
+    watermark, so `revert` is the call that brings everything back). Returns True when a
+    model's layers moved. A `StrataCache`'s `on_out_of_memory` callback:
+    `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`."""
+    return _controller_step(device, lambda: params.step(device=device, pages_short=pages_short)) > 0
+
+
+def revert(device=0):
+    """Every remapped layer of every model on `device` back at its own address (pages from the
+    pool, created if needed: `strata.OutOfMemory` when the device has none left); every
+    `Parameter` is valid again outside a forward."""
+    _controller_step(device, lambda: params.revert_all(device=device))
+    with _lock:
+        models = list(_models.get(device, ()))
+    for m in models:
+        for layer in range(m.layers):
+            address = m._model.layer_ptr(layer)
+            if address != m._bound[layer]:
+                m._bind(layer, address)

@@ -9,6 +9,7 @@ outside strict mode (STRATA_HOST_STRICT unset or 0). STRATA_HOST_GRANULARITY set
 """
 
 import argparse
+import os
 import time
 
 
@@ -25,6 +26,19 @@ def parse_args(argv=None):
     p.add_argument("--max-cache-len", type=int, default=None, help="default: prompt + new tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mirage",
+        action="store_true",
+        help="two models: an idle one's layer pages become the KV pages this one runs out of "
+        "(strata.examples.mirage_demo; 64 KiB host pages unless STRATA_HOST_GRANULARITY is set)",
+    )
+    p.add_argument(
+        "--idle-layer-ms",
+        type=float,
+        default=50.0,
+        help="--mirage: the idle model's compute per layer the remapping budget uses "
+        "(default 50, a large model's; 0: the time measured here)",
+    )
     return p.parse_args(argv)
 
 
@@ -37,6 +51,9 @@ def human(n):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.mirage:
+        # Before the library loads: pages small enough that the demo's KV spans several.
+        os.environ.setdefault("STRATA_HOST_GRANULARITY", "64KiB")
     import torch
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -66,6 +83,11 @@ def main(argv=None):
         ids[row, -n:] = torch.randint(3, args.vocab, (n,))
         mask[row, -n:] = 1
     ids, mask = ids.to(device), mask.to(device)
+
+    if args.mirage:
+        from . import mirage_demo
+
+        return mirage_demo.run(args, model, ids, mask, device, human)
 
     max_len = args.max_cache_len or args.prompt + args.new_tokens
     cache = StrataCache(model.config, max_cache_len=max_len)
