@@ -9,32 +9,19 @@ mode (64 KiB pages); in the strict run of the whole suite it skips."""
 import unittest
 
 import strata
-from strata import kv
+from test_transformers import VOCAB, batch, generate, transformers
 
-VOCAB = 96
+if transformers is not None:
+    import torch
+    from transformers import DynamicCache
+
+    from strata import mirage
+    from strata.transformers import StrataCache
+
 PROMPTS = (500, 470, 490)  # the serving model crosses its 512-token page while it decodes
 NEW_TOKENS = 48
 IDLE_PROMPTS = (24, 9, 16)
 IDLE_NEW_TOKENS = 32
-
-
-def cpu_readable_kv():
-    with kv.KvSpace(layers=1, kv_heads=1, head_dim=64, dtype="float32", max_requests=1, max_tokens=8) as s:
-        return s.tensor(0, "k").dlpack_device_type == 1
-
-
-if cpu_readable_kv():
-    try:
-        import torch
-        import transformers
-        from transformers import DynamicCache
-
-        from strata import mirage
-        from strata.transformers import StrataCache
-    except ImportError:
-        transformers = None
-else:
-    transformers = None
 
 
 def llama(seed, hidden, intermediate, layers):
@@ -52,30 +39,6 @@ def llama(seed, hidden, intermediate, layers):
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()
-
-
-def batch(prompts):
-    torch.manual_seed(7)
-    width = max(prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(prompts):
-        ids[row, width - n :] = torch.randint(3, VOCAB, (n,))
-        mask[row, width - n :] = 1
-    return ids, mask
-
-
-def generate(model, cache, prompts, new_tokens):
-    ids, mask = batch(prompts)
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-        )
 
 
 def squeeze_pool(spare_pages):
@@ -98,8 +61,8 @@ class MirageTest(unittest.TestCase):
         # page). The idle one: 4 layers of 16 pages each.
         cls.serving = llama(1234, hidden=64, intermediate=96, layers=2)
         cls.idle = llama(99, hidden=128, intermediate=512, layers=4)
-        cls.serving_expected = generate(cls.serving, DynamicCache(), PROMPTS, NEW_TOKENS)
-        cls.idle_expected = generate(cls.idle, DynamicCache(), IDLE_PROMPTS, IDLE_NEW_TOKENS)
+        cls.serving_expected = generate(cls.serving, DynamicCache(), NEW_TOKENS, PROMPTS)
+        cls.idle_expected = generate(cls.idle, DynamicCache(), IDLE_NEW_TOKENS, IDLE_PROMPTS)
         cls.serving_params = mirage.ModelParams(cls.serving)
         # The idle model states its compute time: the controller's budget (T_T * N <= T_compute)
         # then allows remapping whatever this machine's timings are; the budget has its own
@@ -108,7 +71,7 @@ class MirageTest(unittest.TestCase):
 
     def idle_tokens(self):
         with self.idle_params.serving():
-            return generate(self.idle, DynamicCache(), IDLE_PROMPTS, IDLE_NEW_TOKENS)
+            return generate(self.idle, DynamicCache(), IDLE_NEW_TOKENS, IDLE_PROMPTS)
 
     def test_idle_layers_become_kv_pages_and_stream_back_unchanged(self):
         # From strata memory, before any remapping: the same tokens as from torch's memory.
@@ -125,7 +88,7 @@ class MirageTest(unittest.TestCase):
                 cache = StrataCache(
                     self.serving.config, max_cache_len=max(PROMPTS) + NEW_TOKENS, on_out_of_memory=mirage.reclaim
                 )
-                got = generate(self.serving, cache, PROMPTS, NEW_TOKENS)
+                got = generate(self.serving, cache, NEW_TOKENS, PROMPTS)
             self.assertTrue(torch.equal(got, self.serving_expected), f"{(got != self.serving_expected).sum()} differ")
             self.assertEqual(cache.stats()["tokens"], max(PROMPTS) + NEW_TOKENS - 1)
             self.assertGreater(cache.stats()["pool_adopted_pages"], 0)
@@ -173,12 +136,12 @@ class MirageTest(unittest.TestCase):
         ids, mask = batch((8, 5, 3))
         with StrataCache(self.serving.config, max_cache_len=10, on_out_of_memory=reclaim) as cache:
             with self.assertRaisesRegex(strata.InvalidArgument, "max_cache_len"):
-                generate(self.serving, cache, (8, 5, 3), new_tokens=6)
+                generate(self.serving, cache, 6, (8, 5, 3))
         self.assertEqual(asked, [])
         cache = StrataCache(self.serving.config, max_cache_len=64, on_out_of_memory=reclaim)
         cache.close()
         with self.assertRaisesRegex(strata.InvalidState, "closed"):
-            generate(self.serving, cache, (8, 5, 3), new_tokens=2)
+            generate(self.serving, cache, 2, (8, 5, 3))
 
         # Out of pages with nothing to reclaim: OutOfMemory, and the cache keeps its tokens.
         with StrataCache(self.serving.config, max_cache_len=1024, on_out_of_memory=reclaim) as cache:

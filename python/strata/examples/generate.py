@@ -49,14 +49,46 @@ def human(n):
         n /= 1024
 
 
+def generate_with_progress(model, ids, mask, cache, new_tokens, desc, on_step=None):
+    """Greedy generation of exactly `new_tokens` with a progress bar; `on_step()` after each
+    token. Returns the output ids and the seconds it took."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    bar = tqdm(total=new_tokens, unit="tok", desc=desc)
+
+    class Progress(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            bar.update(1)
+            if on_step is not None:
+                on_step()
+            return scores
+
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([Progress()]),
+            )
+    finally:
+        bar.close()
+    return out, time.perf_counter() - start
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.mirage:
         # Before the library loads: pages small enough that the demo's KV spans several.
         os.environ.setdefault("STRATA_HOST_GRANULARITY", "64KiB")
     import torch
-    from tqdm.auto import tqdm
-    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from strata.transformers import StrataCache
 
@@ -87,32 +119,16 @@ def main(argv=None):
     if args.mirage:
         from . import mirage_demo
 
-        return mirage_demo.run(args, model, ids, mask, device, human)
+        return mirage_demo.run(args, model, ids, mask, device)
 
     max_len = args.max_cache_len or args.prompt + args.new_tokens
     cache = StrataCache(model.config, max_cache_len=max_len)
-    bar = tqdm(total=args.new_tokens, unit="tok", desc="generate")
     peak = {"kv_bytes": 0}
 
-    class Progress(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            bar.update(1)
-            peak["kv_bytes"] = max(peak["kv_bytes"], cache.stats()["kv_bytes"])
-            return scores
+    def watch():
+        peak["kv_bytes"] = max(peak["kv_bytes"], cache.stats()["kv_bytes"])
 
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([Progress()]),
-        )
-    elapsed = time.perf_counter() - start
-    bar.close()
+    out, elapsed = generate_with_progress(model, ids, mask, cache, args.new_tokens, "generate", watch)
 
     s = cache.stats()
     new = out.shape[1] - ids.shape[1]

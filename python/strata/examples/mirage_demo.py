@@ -10,15 +10,14 @@ from its remapped layers (streamed back through the forward pre-hooks) and again
 pages came back; its tokens must stay the same.
 """
 
-import time
-
 import strata
 
+from .generate import generate_with_progress, human
 
-def run(args, model, ids, mask, device, human):
+
+def run(args, model, ids, mask, device):
     import torch
-    from tqdm.auto import tqdm
-    from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import LlamaForCausalLM
 
     from strata import mirage
     from strata.transformers import StrataCache
@@ -48,35 +47,18 @@ def run(args, model, ids, mask, device, human):
     s = strata.stats(0)
     limit = s["pool_in_use_bytes"] + (first_page + 0.5) * s["page_size"]
     strata.set_memory_fraction(min(1.0, limit / s["total_bytes"]), 0)
-    bar = tqdm(total=args.new_tokens, unit="tok", desc="generate (serving model)")
-
-    class Progress(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            bar.update(1)
-            return scores
-
     try:
-        start = time.perf_counter()
-        with serving_params.serving(), torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                past_key_values=cache,
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
-                do_sample=False,
-                logits_processor=LogitsProcessorList([Progress()]),
+        with serving_params.serving():
+            out, elapsed = generate_with_progress(
+                model, ids, mask, cache, args.new_tokens, "generate (serving model)"
             )
-        elapsed = time.perf_counter() - start
     except strata.OutOfMemory as e:
-        bar.close()
         strata.set_memory_fraction(1.0, 0)
         raise SystemExit(
             f"out of KV pages and nothing to reclaim ({e.message}); the idle model's measured "
             f"compute ({idle_params.stats()['measured_compute_per_layer']} s a layer) may not cover "
             "reloading its layers: try --idle-layer-ms"
         ) from None
-    bar.close()
     remapped = idle_params.stats()
     kv = cache.stats()
     new = out.shape[1] - ids.shape[1]
