@@ -119,8 +119,8 @@ class ModelParams:
             raise _lib.error(_lib.Status.INVALID_ARGUMENT, "the decoder layers have no parameters")
         devices = {p.device for layer in layers for p in layer.parameters()}
         self._kind = _memory_kind(device)
-        want = "cuda" if self._kind[0] == 2 else "cpu"
-        if {d.type for d in devices} != {want}:
+        want = torch.device("cuda", self._kind[1]) if self._kind[0] == 2 else torch.device("cpu")
+        if devices != {want}:
             raise _lib.error(
                 _lib.Status.UNSUPPORTED,
                 f"the model's layers are on {sorted(map(str, devices))} but strata memory on device "
