@@ -51,7 +51,7 @@ class MirageStrictTest(unittest.TestCase):
     def test_memory_torch_cannot_read_is_refused(self):
         with kv.KvSpace(layers=1, kv_heads=1, head_dim=8, max_requests=1, max_tokens=8) as s:
             if s.tensor(0, "k").dlpack_device_type != 0:
-                self.skipTest("strata memory is CPU-readable here (not the strict host backend)")
+                self.skipTest("torch can read strata memory here (not the strict host backend)")
         import torch
 
         from strata import mirage
