@@ -97,8 +97,8 @@ class ModelParams:
     """The decoder layers of a torch `model` in strata parameter memory on `device`, with
     forward hooks that make each layer's parameters ready before it runs (`prepare_layer`) and
     report it done after (`layer_done`). `cap`: the most layers MIRAGE may remap (default: all
-    but one). `compute_per_layer`: seconds of compute per layer and token to report to the
-    controller instead of the time measured between the hooks."""
+    but one). `compute_per_layer`: seconds of compute per layer and forward step to report to
+    the controller instead of the mean time measured between the hooks (CPU only)."""
 
     def __init__(self, model, cap=None, device=0, compute_per_layer=None):
         if getattr(model, "_strata_params", None) is not None:

@@ -10,6 +10,8 @@ from its remapped layers (streamed back through the forward pre-hooks) and again
 pages came back; its tokens must stay the same.
 """
 
+import time
+
 import strata
 
 from .generate import generate_with_progress, human
@@ -27,11 +29,16 @@ def run(args, model, ids, mask, device):
     config["num_hidden_layers"] = 2 * args.layers
     idle = LlamaForCausalLM(type(model.config)(**config)).to(device=device, dtype=model.dtype).eval()
 
+    idle_seconds = []
+
     def idle_tokens():
+        start, cpu = time.perf_counter(), time.process_time()
         with idle_params.serving(), torch.no_grad():
-            return idle.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False
+            out = idle.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False
             )
+        idle_seconds.append((time.perf_counter() - start, time.process_time() - cpu))
+        return out
 
     serving_params = mirage.ModelParams(model)
     per_layer = args.idle_layer_ms / 1e3 if args.idle_layer_ms > 0 else None
@@ -76,5 +83,9 @@ def run(args, model, ids, mask, device):
     back = torch.equal(idle_tokens(), expected)
     print(f"reverted   {idle_params.stats()['remapped_layers']} layers remapped, "
           f"tokens {'unchanged' if back else 'CHANGED'}")
+    (resident, resident_cpu), (streamed, streamed_cpu), (reverted, reverted_cpu) = idle_seconds
+    print(f"idle model 32 tokens, wall (process CPU) seconds: {resident:.2f} ({resident_cpu:.2f}) "
+          f"resident, {streamed:.2f} ({streamed_cpu:.2f}) with {remapped['streamed_layers']} layers "
+          f"streamed, {reverted:.2f} ({reverted_cpu:.2f}) reverted")
     if not (same and back):
         raise SystemExit("the idle model's tokens changed")
