@@ -9,7 +9,7 @@ mode (64 KiB pages); in the strict run of the whole suite it skips."""
 import unittest
 
 import strata
-from test_transformers import VOCAB, batch, generate, transformers
+from test_transformers import batch, generate, tiny, transformers
 
 if transformers is not None:
     import torch
@@ -22,23 +22,6 @@ PROMPTS = (500, 470, 490)  # the serving model crosses its 512-token page while 
 NEW_TOKENS = 48
 IDLE_PROMPTS = (24, 9, 16)
 IDLE_NEW_TOKENS = 32
-
-
-def llama(seed, hidden, intermediate, layers):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def squeeze_pool(spare_pages):
@@ -59,8 +42,8 @@ class MirageTest(unittest.TestCase):
     def setUpClass(cls):
         # The serving model: small layers, KV of 2 layers x 2 KV heads x 16 dims (512 tokens a
         # page). The idle one: 4 layers of 16 pages each.
-        cls.serving = llama(1234, hidden=64, intermediate=96, layers=2)
-        cls.idle = llama(99, hidden=128, intermediate=512, layers=4)
+        cls.serving = tiny("Llama")
+        cls.idle = tiny("Llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4)
         cls.serving_expected = generate(cls.serving, DynamicCache(), NEW_TOKENS, PROMPTS)
         cls.idle_expected = generate(cls.idle, DynamicCache(), IDLE_NEW_TOKENS, IDLE_PROMPTS)
         cls.serving_params = mirage.ModelParams(cls.serving)
