@@ -10,7 +10,7 @@ setuptools' own build files go under the ignored target/ folder, not into the so
 import os
 
 from setuptools import setup
-from setuptools_rust import Binding, RustExtension
+from setuptools_rust import Binding, RustExtension, Strip
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools_rust.build import build_rust
 
@@ -34,8 +34,13 @@ class bdist_wheel_any_python(bdist_wheel):
 
 
 def library(module, manifest):
-    # No Python binding: a plain C library loaded with ctypes or LD_PRELOAD.
-    return RustExtension(module, path=manifest, binding=Binding.NoBinding, py_limited_api=False)
+    # No Python binding: a plain C library loaded with ctypes or LD_PRELOAD. The copies shipped
+    # lose their debug info (`strip -S`, as the release profile keeps it for profiling and
+    # backtraces of the cargo builds); their symbol tables stay, so backtraces still name
+    # functions.
+    return RustExtension(
+        module, path=manifest, binding=Binding.NoBinding, py_limited_api=False, strip=Strip.Debug
+    )
 
 
 setup(

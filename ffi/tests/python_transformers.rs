@@ -1,9 +1,9 @@
 //! Runs `python/tests/test_transformers.py` (strata.transformers: real transformers models
-//! generating with `StrataCache`) against the `libstrata.so` cargo built, on the host backend
-//! outside strict mode, where KV tensors are CPU tensors torch's kernels read. Pages of 64 KiB
-//! make the tiny models' sequences cross page boundaries while they generate; torch uses one
-//! thread. With torch and
-//! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
+//! generating with `StrataCache`) and `python/tests/test_mirage.py` (strata.mirage: an idle
+//! model's parameters reclaimed as KV pages and streamed back) against the `libstrata.so` cargo
+//! built, on the host backend outside strict mode, where KV tensors are CPU tensors torch's
+//! kernels read. Pages of 64 KiB make the tiny models' sequences cross page boundaries while
+//! they generate; torch uses one thread. With torch and transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
 //! without them this test says why and returns.
 
 mod support;
@@ -12,6 +12,37 @@ use std::process::Command;
 
 #[test]
 fn python_transformers_generate_on_strata_kv() {
+    run_unittest(
+        "test_transformers",
+        &[
+            "test_llama_greedy_matches_dynamic_cache",
+            "test_qwen2_greedy_matches_dynamic_cache",
+            "test_mixtral_moe_greedy_matches_dynamic_cache",
+            "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
+            "test_crop_returns_the_pages_past_the_tokens_kept",
+            "test_llama_offload_matches_dynamic_cache",
+            "test_qwen2_gqa_offload_matches_dynamic_cache",
+            "test_offload_under_host_link_matches_dynamic_cache",
+            "test_budget_smaller_than_one_layer_is_a_clear_error",
+        ],
+    );
+}
+
+/// `strata.mirage` in a process of its own: it squeezes the device's pool, and parameter
+/// models stay registered for the process's life.
+#[test]
+fn python_mirage_reclaims_an_idle_models_layers_as_kv() {
+    run_unittest(
+        "test_mirage",
+        &[
+            "test_idle_layers_become_kv_pages_and_stream_back_unchanged",
+            "test_bad_use_is_a_typed_error",
+        ],
+    );
+}
+
+/// Runs the unittest `module` of `python/tests` and checks that `tests` ran, none skipped.
+fn run_unittest(module: &str, tests: &[&str]) {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let has_transformers = Command::new(&python)
         .args(["-c", "import torch, transformers"])
@@ -27,7 +58,7 @@ fn python_transformers_generate_on_strata_kv() {
     let lib = support::library();
     let repo = support::repo();
     let mut cmd = Command::new(&python);
-    cmd.args(["-m", "unittest", "-v", "test_transformers"])
+    cmd.args(["-m", "unittest", "-v", module])
         .current_dir(repo.join("python/tests"))
         .env("PYTHONPATH", repo.join("python"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -45,22 +76,9 @@ fn python_transformers_generate_on_strata_kv() {
     let out = cmd.output().expect("run python3 -m unittest");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
-    assert!(out.status.success(), "transformers tests failed:\n{stderr}");
-    assert!(
-        !stderr.contains("skipped"),
-        "transformers tests skipped:\n{stderr}"
-    );
-    for test in [
-        "test_llama_greedy_matches_dynamic_cache",
-        "test_qwen2_greedy_matches_dynamic_cache",
-        "test_mixtral_moe_greedy_matches_dynamic_cache",
-        "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
-        "test_crop_returns_the_pages_past_the_tokens_kept",
-        "test_llama_offload_matches_dynamic_cache",
-        "test_qwen2_gqa_offload_matches_dynamic_cache",
-        "test_offload_under_host_link_matches_dynamic_cache",
-        "test_budget_smaller_than_one_layer_is_a_clear_error",
-    ] {
+    assert!(out.status.success(), "{module} failed:\n{stderr}");
+    assert!(!stderr.contains("skipped"), "{module} skipped:\n{stderr}");
+    for test in tests {
         assert!(
             stderr.contains(&format!("{test} (")),
             "{test} did not run:\n{stderr}"

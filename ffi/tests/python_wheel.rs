@@ -1,7 +1,10 @@
 //! Builds the Python package the way `pip install .` does (pyproject.toml, setup.py:
 //! setuptools-rust runs cargo for `ffi/` and `ffi/preload/`), installs the wheel into an empty
 //! folder and imports `strata` from there, away from the source tree: the installed package
-//! must find its own `libstrata.so`, ship `libstrata_preload.so`, and neither may link libcuda.
+//! must find its own `libstrata.so`, ship `libstrata_preload.so`, and neither may link libcuda
+//! or carry debug info (setup.py strips it). With auditwheel installed (`.ci/run`'s environment
+//! has it and patchelf) the wheel is first repaired (`auditwheel repair`: tagged with the oldest
+//! manylinux policy whose glibc symbol versions it stays within), and that wheel is installed.
 //!
 //! The build is unoptimised (`SETUPTOOLS_RUST_CARGO_PROFILE=dev`) into `target/wheel/`, which
 //! stays between runs, so only the first run compiles the dependencies. It uses the Python's
@@ -31,6 +34,51 @@ fn needed_libraries(library: &Path) -> Vec<String> {
         .filter(|l| l.contains("(NEEDED)"))
         .filter_map(|l| Some(l.split('[').nth(1)?.split(']').next()?.to_string()))
         .collect()
+}
+
+/// The ELF sections of `library` that hold debug info (`.debug_*`).
+fn debug_sections(library: &Path) -> Vec<String> {
+    let text = run(
+        Command::new("readelf").arg("-SW").arg(library),
+        "readelf (binutils)",
+    );
+    text.split_whitespace()
+        .filter(|w| w.starts_with(".debug_"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn only_wheel(dir: &Path) -> PathBuf {
+    let wheels: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("read the wheel folder")
+        .map(|e| e.expect("wheel folder entry").path())
+        .collect();
+    assert_eq!(wheels.len(), 1, "one wheel expected: {wheels:?}");
+    wheels.into_iter().next().expect("one wheel")
+}
+
+/// `auditwheel` of `python`'s environment, with that environment's `bin/` (where the
+/// `patchelf` package puts its binary) first on `PATH`; None (and why) when it is not installed.
+fn auditwheel(python: &str) -> Option<Command> {
+    let found = Command::new(python)
+        .args(["-c", "import auditwheel, sys; print(sys.prefix)"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success());
+    let Some(found) = found else {
+        eprintln!(
+            "no manylinux check: {python} cannot import auditwheel (.ci/run's environment has it)"
+        );
+        return None;
+    };
+    let prefix = PathBuf::from(String::from_utf8_lossy(&found.stdout).trim());
+    let path = std::env::join_paths(std::iter::once(prefix.join("bin")).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))
+    .expect("PATH");
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "auditwheel"]).env("PATH", path);
+    Some(cmd)
 }
 
 #[test]
@@ -71,17 +119,29 @@ fn pip_builds_a_wheel_whose_package_loads_its_own_libraries() {
             .env("CARGO_TARGET_DIR", repo.join("target/wheel")),
         "pip wheel",
     );
-    let wheels: Vec<PathBuf> = std::fs::read_dir(&dist)
-        .expect("read the wheel folder")
-        .map(|e| e.expect("wheel folder entry").path())
-        .collect();
-    assert_eq!(wheels.len(), 1, "one wheel expected: {wheels:?}");
+    let mut wheel = only_wheel(&dist);
+    let repaired = work.join("repaired");
+    if let Some(mut auditwheel) = auditwheel(&python) {
+        run(
+            auditwheel
+                .args(["repair", "--wheel-dir"])
+                .arg(&repaired)
+                .arg(&wheel),
+            "auditwheel repair",
+        );
+        wheel = only_wheel(&repaired);
+        let name = wheel.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        assert!(
+            name.starts_with("strata-") && name.contains("-py3-none-manylinux_"),
+            "not a manylinux wheel: {name}"
+        );
+    }
     run(
         Command::new(&python)
             .args(["-m", "pip", "install", "--no-deps", "--no-index", "--quiet"])
             .arg("--target")
             .arg(&site)
-            .arg(&wheels[0]),
+            .arg(&wheel),
         "pip install of the wheel",
     );
 
@@ -95,6 +155,8 @@ fn pip_builds_a_wheel_whose_package_loads_its_own_libraries() {
             needed.iter().all(|n| !n.starts_with("libcuda")),
             "{library} links {needed:?}"
         );
+        let debug = debug_sections(&path);
+        assert!(debug.is_empty(), "{library} ships debug info: {debug:?}");
     }
 
     // Run from the empty work folder with only the installed package on the path.

@@ -53,6 +53,7 @@ __all__ = [
     "device_count",
     "empty_cache",
     "library_path",
+    "set_memory_fraction",
     "sleep",
     "stats",
     "tag",
@@ -145,5 +146,16 @@ def empty_cache():
     l = _lib.lib()
     l.strata_clear_error()
     l.strata_empty_cache()
+    if _lib.last_error():
+        raise _lib.last_failure()
+
+
+def set_memory_fraction(fraction, device=0):
+    """Caps all strata holds on `device` (pages mapped for allocations, KV spaces and
+    parameters, and the pool's free pages) at `fraction` of the device's memory; 1 lifts the
+    cap. Past it, mapping more raises `LimitExceeded` (an `OutOfMemory`)."""
+    l = _lib.lib()
+    l.strata_clear_error()
+    l.strata_set_memory_fraction(fraction, device)
     if _lib.last_error():
         raise _lib.last_failure()

@@ -168,9 +168,21 @@ class StrataCache(Cache):
     KV heads, head dim, dtype and device are known. `device` is the strata device for CPU
     tensors (the host backend); CUDA tensors use their own device's index. `host_bytes`,
     `disk_bytes` and `disk_dir` give the space host and disk tiers (`strata.kv.KvSpace`).
+    `on_out_of_memory(pages_short, device=...)` is called when the pool cannot map the pages the
+    next tokens need; when it returns True (it made pages free, e.g. `strata.mirage.reclaim`)
+    the mapping is tried again, else `strata.OutOfMemory` is raised.
     """
 
-    def __init__(self, config, max_cache_len, device=0, host_bytes=0, disk_bytes=0, disk_dir=None):
+    def __init__(
+        self,
+        config,
+        max_cache_len,
+        device=0,
+        host_bytes=0,
+        disk_bytes=0,
+        disk_dir=None,
+        on_out_of_memory=None,
+    ):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise _lib.error(3, f"max_cache_len {max_cache_len!r}: a positive int")
         text = config.get_text_config(decoder=True)
@@ -188,6 +200,7 @@ class StrataCache(Cache):
         self._device = device
         self._tiers = dict(host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=disk_dir)
         self._space = None
+        self._on_out_of_memory = on_out_of_memory
         self._requests = []  # batch row i -> the request at slot i
         self._held = []  # tokens appended per request
         self._mapped = 0  # every request holds this many (update's fast path: no call below it)
@@ -219,6 +232,7 @@ class StrataCache(Cache):
             return
         device = key_states.device.index if key_states.device.type == "cuda" else self._device
         self._space = self._open_space(batch, heads, dim, key_states.dtype, device, key_states.device.type)
+        self._space_device = device
         self._shape = (batch, heads, dim, key_states.dtype)
         self._tokens_per_page = self._space.stats()["tokens_per_block"]
 
@@ -255,9 +269,23 @@ class StrataCache(Cache):
         upto = min(-(-tokens // page) * page, self.max_cache_len)
         for i, r in enumerate(self._requests):
             if self._held[i] < tokens:
-                r.append(upto - self._held[i])
+                self._append(r, self._held[i], upto)
                 self._held[i] = upto
         self._mapped = upto
+
+    def _append(self, request, held, upto):
+        while True:
+            try:
+                request.append(upto - held)
+                return
+            except _lib.OutOfMemory:
+                if self._on_out_of_memory is None:
+                    raise
+                page = self._tokens_per_page
+                pages = (-(-upto // page) - -(-held // page)) * 2 * len(self.layers)
+                short = max(1, pages - self._space.stats()["pool_free_pages"])
+                if not self._on_out_of_memory(short, device=self._space_device):
+                    raise
 
     def _unhold(self, tokens):
         """Every row keeps the pages of its first `tokens` positions; the pages past them go

@@ -1,10 +1,11 @@
 """strata.params through ctypes (strict mode): an idle model's layers remapped under pressure
 and reverted, every layer's bytes intact through prepare_layer / layer_done; typed errors."""
 
+import importlib.util
 import unittest
 
 import strata
-from strata import params
+from strata import kv, params
 
 LAYER = 2 << 20
 
@@ -43,6 +44,22 @@ class ParamsTest(unittest.TestCase):
         model = params.register([b"x" * 4096], cap=1)
         with self.assertRaises(strata.InvalidArgument):
             model.read(3, 0, 10)
+
+
+class MirageStrictTest(unittest.TestCase):
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "needs torch")
+    def test_memory_torch_cannot_read_is_refused(self):
+        with kv.KvSpace(layers=1, kv_heads=1, head_dim=8, max_requests=1, max_tokens=8) as s:
+            if s.tensor(0, "k").dlpack_device_type != 0:
+                self.skipTest("torch can read strata memory here (not the strict host backend)")
+        import torch
+
+        from strata import mirage
+
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        with self.assertRaisesRegex(strata.Unsupported, "STRATA_HOST_STRICT"):
+            mirage.ModelParams(model)
 
 
 if __name__ == "__main__":

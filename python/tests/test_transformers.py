@@ -90,8 +90,8 @@ class Watch:
         return scores
 
 
-def generate(model, cache, new_tokens=NEW_TOKENS, **kw):
-    ids, mask = batch()
+def generate(model, cache, new_tokens=NEW_TOKENS, prompts=PROMPTS, **kw):
+    ids, mask = batch(prompts)
     with torch.no_grad():
         return model.generate(
             input_ids=ids,

@@ -10,6 +10,7 @@ outside strict mode (STRATA_HOST_STRICT unset or 0). STRATA_HOST_GRANULARITY set
 """
 
 import argparse
+import os
 import time
 
 
@@ -33,6 +34,19 @@ def parse_args(argv=None):
         help="offload: device bytes for the KV (e.g. 4MiB); layers beyond it swap to host memory",
     )
     p.add_argument("--expand", action="store_true", help="offload: Pie's adaptive expansion above the budget's floor")
+    p.add_argument(
+        "--mirage",
+        action="store_true",
+        help="two models: an idle one's layer pages become the KV pages this one runs out of "
+        "(strata.examples.mirage_demo; 64 KiB host pages unless STRATA_HOST_GRANULARITY is set)",
+    )
+    p.add_argument(
+        "--idle-layer-ms",
+        type=float,
+        default=50.0,
+        help="--mirage: the idle model's compute per layer the remapping budget uses "
+        "(default 50, a large model's; 0: the time measured here)",
+    )
     return p.parse_args(argv)
 
 
@@ -57,11 +71,46 @@ def human(n):
         n /= 1024
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def generate_with_progress(model, ids, mask, cache, new_tokens, desc, on_step=None):
+    """Greedy generation of exactly `new_tokens` with a progress bar; `on_step()` after each
+    token. Returns the output ids and the seconds it took."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    bar = tqdm(total=new_tokens, unit="tok", desc=desc)
+
+    class Progress(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            bar.update(1)
+            if on_step is not None:
+                on_step()
+            return scores
+
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([Progress()]),
+            )
+    finally:
+        bar.close()
+    return out, time.perf_counter() - start
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mirage:
+        # Before the library loads: pages small enough that the demo's KV spans several.
+        os.environ.setdefault("STRATA_HOST_GRANULARITY", "64KiB")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from strata.transformers import OffloadedStrataCache, StrataCache
 
@@ -89,33 +138,22 @@ def main(argv=None):
         mask[row, -n:] = 1
     ids, mask = ids.to(device), mask.to(device)
 
+    if args.mirage:
+        from . import mirage_demo
+
+        return mirage_demo.run(args, model, ids, mask, device)
+
     max_len = args.max_cache_len or args.prompt + args.new_tokens
     if args.device_budget is None:
         cache = StrataCache(model.config, max_cache_len=max_len)
     else:
         cache = OffloadedStrataCache(model.config, max_cache_len=max_len, device_budget=args.device_budget, expand=args.expand)
-    bar = tqdm(total=args.new_tokens, unit="tok", desc="generate")
     peak = {"kv_bytes": 0}
 
-    class Progress(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            bar.update(1)
-            peak["kv_bytes"] = max(peak["kv_bytes"], cache.stats()["kv_bytes"])
-            return scores
+    def watch():
+        peak["kv_bytes"] = max(peak["kv_bytes"], cache.stats()["kv_bytes"])
 
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([Progress()]),
-        )
-    elapsed = time.perf_counter() - start
-    bar.close()
+    out, elapsed = generate_with_progress(model, ids, mask, cache, args.new_tokens, "generate", watch)
 
     s = cache.stats()
     new = out.shape[1] - ids.shape[1]
