@@ -292,6 +292,43 @@ fn pressure_spills_the_request_running_furthest_away_and_a_batch_that_cannot_fit
     m.check_invariants().unwrap();
 }
 
+/// A scheduler whose batch did not fit runs a shorter one: the failed `make_resident` must not
+/// have marked the request it drops as used in this step, or nothing could spill for room.
+#[test]
+fn a_batch_that_did_not_fit_leaves_its_requests_spillable_for_a_shorter_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // 12 pages: 3 blocks of 2 layers × K/V; four one-block requests.
+    let m = manager(12, 64, 256, dir.path());
+    let r: Vec<RequestId> = (0..4).map(|_| m.admit().unwrap()).collect();
+    for (i, &q) in r.iter().enumerate() {
+        m.advance(1 + i as u64);
+        grow(&m, q, 60 + i as u64, 100).unwrap();
+    }
+    let down: Vec<RequestId> = r
+        .iter()
+        .copied()
+        .filter(|&q| m.blocks(q).unwrap() != vec![Some(Tier::Hbm)])
+        .collect();
+    assert_eq!(down.len(), 1, "one of four spilled for room");
+    m.advance(10);
+    let err = m.make_resident(&r).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    // The shorter batch: the spilled request and two others; the fourth has to go down.
+    let mut shorter = down.clone();
+    shorter.extend(r.iter().copied().filter(|q| !down.contains(q)).take(2));
+    m.make_resident(&shorter).unwrap().synchronize().unwrap();
+    for (i, &q) in r.iter().enumerate() {
+        let want = if shorter.contains(&q) {
+            Tier::Hbm
+        } else {
+            Tier::Host
+        };
+        assert_eq!(m.blocks(q).unwrap(), vec![Some(want)], "request {i}");
+        assert_eq!(verify(&m, q, 60 + i as u64).unwrap().1, 1);
+    }
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     let dir = tempfile::tempdir().unwrap();
