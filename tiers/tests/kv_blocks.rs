@@ -483,16 +483,7 @@ fn a_lossy_revocation_asks_the_driver_once_not_once_per_lost_block() {
         link: None,
     })
     .unwrap();
-    let pool = PagePool::new(
-        Arc::clone(&b),
-        0,
-        PoolConfig {
-            background: false,
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
-    let m = manager_on(pool, 64, 256, dir.path());
+    let m = manager_on(pool(&b), 64, 256, dir.path());
     let r: Vec<RequestId> = (0..4).map(|_| m.admit().unwrap()).collect();
     for (i, &q) in r.iter().enumerate() {
         grow(&m, q, 80 + i as u64, 4 * TPB).unwrap();

@@ -2,15 +2,18 @@
 //! not when it is dropped, not when a revocation returns pages to the lender. Apart from
 //! `store.rs` because the failure is recorded process-wide for the next fallible call.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 
-use strata_allocator::{PagePool, PoolConfig};
+use strata_allocator::PagePool;
 use strata_tiers::{Durability, StoreConfig, TierStore};
 use strata_vmm::host::FaultOp;
 use strata_vmm::{Backend, Error, HostBackend, HostConfig};
 
+use common::BLOCK;
+
 const PAGE: u64 = 2 << 20;
-const BLOCK: u64 = 64 << 10;
 
 /// The recorded error is process-wide: one test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -23,15 +26,7 @@ fn setup(hbm_pages: u64) -> (Arc<dyn Backend>, Arc<PagePool>, TierStore) {
         link: None,
     })
     .unwrap();
-    let pool = PagePool::new(
-        Arc::clone(&b),
-        0,
-        PoolConfig {
-            background: false,
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
+    let pool = common::pool(&b);
     let store = TierStore::new(
         Arc::clone(&pool),
         StoreConfig::new(BLOCK, hbm_pages * PAGE, 64 * BLOCK),

@@ -422,6 +422,19 @@ impl HarvestController {
         }
     }
 
+    /// [`Self::live_mut`], refusing a placement whose revocation began.
+    fn live_unrevoked<'a>(st: &'a mut State, handle: &HarvestHandle) -> Result<&'a mut Live> {
+        let live = Self::live_mut(st, handle)?;
+        if live.revoking {
+            return Err(Error::StaleId {
+                kind: "harvest (being revoked)",
+                index: handle.index(),
+                generation: handle.generation(),
+            });
+        }
+        Ok(live)
+    }
+
     /// Registers a callback for the revocation of `handle` (several may be registered; each
     /// runs once). A freed or revoked handle is [`Error::StaleId`].
     pub fn harvest_on_revoke(
@@ -445,14 +458,7 @@ impl HarvestController {
     pub fn harvest_free(&self, handle: &HarvestHandle) -> Result<()> {
         let events = {
             let mut st = self.state.lock();
-            let live = Self::live_mut(&mut st, handle)?;
-            if live.revoking {
-                return Err(Error::StaleId {
-                    kind: "harvest (being revoked)",
-                    index: handle.index(),
-                    generation: handle.generation(),
-                });
-            }
+            let live = Self::live_unrevoked(&mut st, handle)?;
             live.revoking = true;
             std::mem::take(&mut live.inflight)
         };
@@ -497,14 +503,7 @@ impl HarvestController {
         inbound: bool,
     ) -> Result<Arc<Event>> {
         let mut st = self.state.lock();
-        let live = Self::live_mut(&mut st, handle)?;
-        if live.revoking {
-            return Err(Error::StaleId {
-                kind: "harvest (being revoked)",
-                index: handle.index(),
-                generation: handle.generation(),
-            });
-        }
+        let live = Self::live_unrevoked(&mut st, handle)?;
         let end = offset
             .checked_add(len)
             .ok_or(Error::Overflow("offset + len"))?;
