@@ -202,20 +202,9 @@ static void *worker(void *arg) {
  * the pattern of its seed in its first `tokens` tokens of layer 0's K tensor. */
 static void *kv_worker(void *arg) {
     const char *dir = arg;
-    strata_kv_config_t c;
-    memset(&c, 0, sizeof c);
+    strata_kv_config_t c =
+        kv_config(STRATA_KV_BACKED, 8, KV_REQUESTS, KV_MAX_TOKENS, 32u << 20, dir);
     c.device = 1;
-    c.durability = STRATA_KV_BACKED;
-    c.layers = 1;
-    c.kv_heads = 8;
-    c.head_dim = 128;
-    c.elem_size = 2;
-    c.max_requests = KV_REQUESTS;
-    c.max_tokens = KV_MAX_TOKENS;
-    c.zero_page = 1;
-    c.host_bytes = 32u << 20;
-    c.disk_bytes = 32u << 20;
-    c.disk_dir = dir;
     strata_kv_t kv;
     CHECK_OK(strata_kv_create(&c, &kv));
     cudaStream_t stream;
@@ -262,7 +251,8 @@ static void *kv_worker(void *arg) {
             break;
         }
         case 1: { /* spill to host memory or disk */
-            int rc = strata_kv_spill(kv, reqs[i], (r >> 16) & 1 ? STRATA_TIER_DISK : STRATA_TIER_HOST);
+            int tier = (r >> 16) & 1 ? STRATA_TIER_DISK : STRATA_TIER_HOST;
+            int rc = strata_kv_spill(kv, reqs[i], tier);
             CHECK(rc == STRATA_OK || rc == STRATA_OUT_OF_MEMORY);
             kv_spills += rc == STRATA_OK;
             break;
