@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use strata_allocator::{Page, PageLease};
+use strata_allocator::{Page, PageLease, Return};
 use strata_vmm::{Error, Result};
 
 use crate::object::Tier;
@@ -61,7 +61,8 @@ impl KvBlockManager {
     /// pool from the requests running furthest away (those used in the current step last),
     /// taking the pages as they come back. Once the device has refused a page, none is created
     /// again until the pool has released memory to it: one failed driver call, not one per
-    /// victim. On an error the pages taken so far go back to the pool.
+    /// victim. On an error the pages taken from the free list go back to it and the pages
+    /// created here are released to the device.
     fn take_for_lender(
         &self,
         inner: &mut Inner,
@@ -74,34 +75,37 @@ impl KvBlockManager {
             Err(e) if e.is_out_of_memory() => e,
             Err(e) => return Err(e),
         };
+        // Pages taken from the free list go back there on an error; pages created here go back
+        // to the device, as a failed take would have left them.
         let mut lease = PageLease::empty(&pool);
+        let mut created = PageLease::empty(&pool).returning(Return::Release);
         // `Some(released_total)` once the device refused a single page: creation waits until
         // the pool has released memory to the device since.
         let mut refused_at: Option<u64> = None;
         let mut reclaimed = false;
         let none = HashSet::new();
-        while lease.len() < pages {
-            let want = pages - lease.len();
+        while lease.len() + created.len() < pages {
+            let want = pages - lease.len() - created.len();
             let stats = pool.stats();
             // Free pages are taken without a driver call; then one page is created at a time
             // while the device gives them.
             let attempt = if stats.free > 0 {
-                Some(pool.take(stats.free.min(want)))
+                Some((pool.take(stats.free.min(want)), &mut lease))
             } else if refused_at.is_none_or(|at| stats.released_total > at) {
-                Some(pool.take(1))
+                Some((pool.take(1), &mut created))
             } else {
                 None
             };
             match attempt {
-                Some(Ok(taken)) => {
-                    taken.into_iter().for_each(|p| lease.push(p));
+                Some((Ok(taken), into)) => {
+                    taken.into_iter().for_each(|p| into.push(p));
                     continue;
                 }
-                Some(Err(e)) if e.is_out_of_memory() => {
+                Some((Err(e), _)) if e.is_out_of_memory() => {
                     refused = e;
                     refused_at = Some(pool.stats().released_total);
                 }
-                Some(Err(e)) => return Err(e),
+                Some((Err(e), _)) => return Err(e),
                 None => {}
             }
             if !reclaimed {
@@ -118,7 +122,9 @@ impl KvBlockManager {
             };
             free_up(self, inner, r)?;
         }
-        Ok(lease.into_pages())
+        let mut taken = lease.into_pages();
+        taken.extend(created.into_pages());
+        Ok(taken)
     }
 
     /// Unmaps a resident block of `r` without copying it (after the copies into it): the last
