@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use strata::allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
-use strata::replay::{replay, Trace};
+use strata::replay::{replay, standard_traces, Trace};
 use strata::vmm::{self, StreamHandle};
 
 fn mib(b: u64) -> f64 {
@@ -24,15 +24,7 @@ fn main() {
         .map(PathBuf::from)
         .collect();
     if files.is_empty() {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/traces");
-        files = [
-            "llama-train.csv.gz",
-            "llama-generate.csv.gz",
-            "llama-mix.csv.gz",
-        ]
-        .iter()
-        .map(|f| dir.join(f))
-        .collect();
+        files = standard_traces(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
     }
     let backend = vmm::from_env().expect("backend");
     let fresh = || {

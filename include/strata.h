@@ -553,7 +553,7 @@ int strata_pie_observe(strata_pie_t pie, int waited, double throughput, uint32_t
  * strata_malloc grow; those models then stream m = alpha + 1 or alpha + 2 evenly spaced layers
  * through beta slots, reloaded by strata_params_prepare_layer. When pressure falls the pages
  * come back (reversion) and the layers are reloaded at their own addresses. One controller per
- * device; a model handle stays valid for the process's life (models are not unregistered). */
+ * device; a model handle stays valid until strata_params_unregister (handles are never reused). */
 typedef uint64_t strata_model_t;
 
 typedef struct strata_params_model_stats_t {
@@ -574,6 +574,15 @@ typedef struct strata_params_model_stats_t {
  * the reload time T_T). At most `cap` layers are ever remapped. A new model is idle. */
 int strata_params_register(int device, uint32_t layers, uint64_t layer_bytes, uint32_t cap,
                            const void *const *host_layers, strata_model_t *out);
+
+/* Unregisters the model: its in-flight reloads drain, then every page it holds on the device
+ * (resident layers and slots) goes back to the device's pool and its host copies are freed; pages
+ * it gave the pool through remapping stay there. *pages_returned (if not NULL) receives the
+ * number of pages given back. The caller has synchronized the compute reading its resident
+ * layers. Refused with STRATA_INVALID_STATE, changing nothing, while the model is active
+ * (strata_params_set_active) or a slot holds a layer not reported done
+ * (strata_params_layer_done). The handle is STRATA_INVALID_HANDLE from then on. */
+int strata_params_unregister(strata_model_t model, uint64_t *pages_returned);
 
 /* Where `layer` is now: its own address when resident, its slot when streamed and prepared;
  * streamed and not prepared: STRATA_INVALID_STATE. */

@@ -277,14 +277,12 @@ impl PagePool {
     #[inline(never)]
     fn take_slow(&self, n: usize) -> Result<Vec<Page>> {
         let mut state = self.inner.state.lock();
-        // The free list may have grown since `take` looked: hand out exactly `n`.
+        // The free list may have grown since `take` looked: hand out exactly `n`. Free pages
+        // are already held, so only the missing ones count as more against the limit.
         let keep = state.free.len().saturating_sub(n);
+        let missing = n - (state.free.len() - keep);
+        self.inner.admit(&state, missing)?;
         let mut pages = state.free.split_off(keep);
-        let missing = n - pages.len();
-        if let Err(e) = self.inner.admit(&state, missing) {
-            state.free = pages;
-            return Err(e);
-        }
         state.pending += missing;
         state.in_use += pages.len();
         drop(state);

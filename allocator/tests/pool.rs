@@ -284,6 +284,30 @@ fn set_limit_covers_free_pages() {
     drop((held, more));
 }
 
+/// A take that finds some free pages and creates the rest counts the free ones against the
+/// limit too: with 2 free and 2 in use under a 5-page limit, a take of 4 (2 free + 2 new = 6
+/// held) is refused and takes nothing.
+#[test]
+fn a_take_partly_from_free_pages_stays_under_the_limit() {
+    let b = backend(64);
+    let pool = PagePool::new(Arc::clone(&b), 0, manual(Some(5 * PAGE))).unwrap();
+    let first = pool.take(4).unwrap();
+    let mut first = first.into_iter();
+    pool.give(first.by_ref().take(2).collect());
+    let held: Vec<_> = first.collect();
+    match pool.take(4) {
+        Err(Error::LimitExceeded { limit, .. }) => assert_eq!(limit, 5 * PAGE),
+        other => panic!("expected LimitExceeded, got {other:?}"),
+    }
+    let s = pool.stats();
+    assert_eq!((s.free, s.in_use), (2, 2), "a refused take keeps nothing");
+    assert_eq!(free_pages(&b), 60);
+    let more = pool.take(3).unwrap();
+    assert_eq!(pool.stats().held_bytes(), 5 * PAGE);
+    pool.give(held);
+    pool.give(more);
+}
+
 // PageLease and MappedRun: all or nothing under injected faults, pages and pool counters back
 // on drop, one set_access per run.
 

@@ -50,15 +50,7 @@ fn main() {
         return child(PathBuf::from(file));
     }
     if files.is_empty() {
-        let dir = support::repo().join("benches/traces");
-        files = [
-            "llama-train.csv.gz",
-            "llama-generate.csv.gz",
-            "llama-mix.csv.gz",
-        ]
-        .iter()
-        .map(|f| dir.join(f))
-        .collect();
+        files = strata_replay::standard_traces(&support::repo());
     }
     support::library();
     println!("| trace | ops | peak allocated | peak reserved | reserved ÷ allocated | ns per op |");

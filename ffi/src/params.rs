@@ -5,8 +5,9 @@
 //!
 //! One [`Mirage`] per device, created on first use over the device runtime's one pool (as
 //! parameter pool and KV pool alike), behind a lock per device. A model handle is
-//! `(device + 1) << 32 | (model id + 1)`; models are never unregistered, so a handle stays valid
-//! for the process's life and any other value is `STRATA_INVALID_HANDLE`.
+//! `(device + 1) << 32 | (model id + 1)`; ids are never reused, so a handle stays valid until
+//! `strata_params_unregister`, and any other value (an unregistered model's included) is
+//! `STRATA_INVALID_HANDLE`.
 
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, OnceLock};
@@ -134,6 +135,25 @@ pub unsafe extern "C" fn strata_params_register(
         })?;
         // SAFETY: non-NULL and writable by this function's contract.
         unsafe { out.write(u64::from(d + 1) << 32 | u64::from(id.0 + 1)) };
+        Ok(())
+    })
+}
+
+/// Unregisters a model: every page it holds goes back to the device's pool; the handle is
+/// stale from then on. Refused (`STRATA_INVALID_STATE`, nothing changed) while the model is
+/// active or a slot holds a layer not reported done.
+///
+/// # Safety
+///
+/// `pages_returned` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn strata_params_unregister(model: u64, pages_returned: *mut u64) -> c_int {
+    boundary::status("strata_params_unregister", || {
+        let given = with_model(model, |m, id| m.unregister_model(id))?;
+        if !pages_returned.is_null() {
+            // SAFETY: non-NULL and writable by this function's contract.
+            unsafe { pages_returned.write(given as u64) };
+        }
         Ok(())
     })
 }

@@ -52,6 +52,7 @@ PROTOTYPES = {
     "strata_params_layer_done": (_int, [_u64, ctypes.c_uint32, _vp]),
     "strata_params_read": (_int, [_u64, ctypes.c_uint32, _u64, _vp, ctypes.c_size_t]),
     "strata_params_model_stats": (_int, [_u64, _P(ModelStats)]),
+    "strata_params_unregister": (_int, [_u64, _P(_u64)]),
 }
 
 
@@ -61,7 +62,7 @@ _c = _lib.binder(PROTOTYPES)
 
 
 class Model:
-    """A registered model (handles stay valid for the process's life)."""
+    """A registered model (its handle stays valid until `unregister`)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -97,6 +98,14 @@ class Model:
         s = ModelStats()
         _lib.check(_c().strata_params_model_stats(self.handle, ctypes.byref(s)))
         return _lib.as_dict(s)
+
+    def unregister(self):
+        """Gives every page the model holds back to the device's pool and returns how many;
+        the model is unusable afterwards. Raises `InvalidState` (nothing changed) while it is
+        active or a slot holds a layer not reported done (`layer_done`)."""
+        out = _u64()
+        _lib.check(_c().strata_params_unregister(self.handle, ctypes.byref(out)))
+        return out.value
 
 
 def register(layers, cap, device=0):

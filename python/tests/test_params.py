@@ -34,6 +34,22 @@ class ParamsTest(unittest.TestCase):
         for i in range(6):
             self.assertEqual(model.read(i, 1000, 5000), layer_bytes(i)[1000:6000])
 
+    def test_unregister_gives_the_pages_back_and_waits_for_idle(self):
+        before = strata.stats(device=0)["pool_in_use_bytes"]
+        model = params.register([layer_bytes(i) for i in range(3)], cap=1, device=0)
+        held = strata.stats(device=0)["pool_in_use_bytes"] - before
+        self.assertEqual(held, 3 * LAYER)
+        model.set_active()
+        with self.assertRaises(strata.InvalidState):
+            model.unregister()
+        model.set_active(False)
+        self.assertEqual(model.unregister() * LAYER, held)
+        self.assertEqual(strata.stats(device=0)["pool_in_use_bytes"], before)
+        with self.assertRaises(strata.StaleHandle):
+            model.stats()
+        with self.assertRaises(strata.StaleHandle):
+            model.unregister()
+
     def test_bad_input_is_typed(self):
         with self.assertRaises(strata.InvalidArgument):
             params.register([b"a" * 10, b"b" * 11], cap=1)

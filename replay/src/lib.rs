@@ -13,6 +13,20 @@ use strata_vmm::{DevicePtr, Result, StreamHandle};
 
 pub use trace::{Format, Op, Trace, TraceError};
 
+/// The recorded traces the replay benchmarks run by default, in `benches/traces/` of the
+/// repository at `repo` (re-recorded with `benches/traces/llama_workload.py`).
+pub fn standard_traces(repo: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let dir = repo.join("benches/traces");
+    [
+        "llama-train.csv.gz",
+        "llama-generate.csv.gz",
+        "llama-mix.csv.gz",
+    ]
+    .iter()
+    .map(|f| dir.join(f))
+    .collect()
+}
+
 /// The allocator's figures at one point of a replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {

@@ -47,6 +47,17 @@ fn manager(
         },
     )
     .unwrap();
+    manager_on(pool, host_chunks, disk_chunks, dir)
+}
+
+/// A manager over `pool`, with host and disk tiers of `host_chunks` and `disk_chunks` store
+/// blocks.
+fn manager_on(
+    pool: Arc<PagePool>,
+    host_chunks: u64,
+    disk_chunks: u64,
+    dir: &std::path::Path,
+) -> KvBlockManager {
     let mut c = StoreConfig::new(CHUNK, 0, host_chunks * CHUNK);
     c.disk = Some(DiskConfig {
         dir: dir.to_path_buf(),
@@ -292,6 +303,43 @@ fn pressure_spills_the_request_running_furthest_away_and_a_batch_that_cannot_fit
     m.check_invariants().unwrap();
 }
 
+/// A scheduler whose batch did not fit runs a shorter one: the failed `make_resident` must not
+/// have marked the request it drops as used in this step, or nothing could spill for room.
+#[test]
+fn a_batch_that_did_not_fit_leaves_its_requests_spillable_for_a_shorter_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // 12 pages: 3 blocks of 2 layers × K/V; four one-block requests.
+    let m = manager(12, 64, 256, dir.path());
+    let r: Vec<RequestId> = (0..4).map(|_| m.admit().unwrap()).collect();
+    for (i, &q) in r.iter().enumerate() {
+        m.advance(1 + i as u64);
+        grow(&m, q, 60 + i as u64, 100).unwrap();
+    }
+    let down: Vec<RequestId> = r
+        .iter()
+        .copied()
+        .filter(|&q| m.blocks(q).unwrap() != vec![Some(Tier::Hbm)])
+        .collect();
+    assert_eq!(down.len(), 1, "one of four spilled for room");
+    m.advance(10);
+    let err = m.make_resident(&r).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    // The shorter batch: the spilled request and two others; the fourth has to go down.
+    let mut shorter = down.clone();
+    shorter.extend(r.iter().copied().filter(|q| !down.contains(q)).take(2));
+    m.make_resident(&shorter).unwrap().synchronize().unwrap();
+    for (i, &q) in r.iter().enumerate() {
+        let want = if shorter.contains(&q) {
+            Tier::Hbm
+        } else {
+            Tier::Host
+        };
+        assert_eq!(m.blocks(q).unwrap(), vec![Some(want)], "request {i}");
+        assert_eq!(verify(&m, q, 60 + i as u64).unwrap().1, 1);
+    }
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     let dir = tempfile::tempdir().unwrap();
@@ -417,6 +465,54 @@ fn a_lossy_revocation_that_runs_dry_leaves_its_losses_findable() {
         m.append(a, 4 * TPB),
         Err(Error::InvalidArgument(msg)) if msg.contains("max_tokens")
     ));
+}
+
+/// A lossy revocation far larger than the pool's free pages: the device's spare pages are
+/// created once, then every lost block's pages are taken as they come back, without asking
+/// the driver again per block (it used to retry creating every missing page per lost block).
+#[test]
+fn a_lossy_revocation_asks_the_driver_once_not_once_per_lost_block() {
+    use std::sync::atomic::AtomicU64;
+    use strata_vmm::host::FaultOp;
+    let dir = tempfile::tempdir().unwrap();
+    // The zero page, four requests of four blocks (64 pages) and 3 spare pages.
+    let b = strata_vmm::host::open(strata_vmm::HostConfig {
+        devices: vec![(1 + 64 + 3) * PAGE],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .unwrap();
+    let m = manager_on(pool(&b), 64, 256, dir.path());
+    let r: Vec<RequestId> = (0..4).map(|_| m.admit().unwrap()).collect();
+    for (i, &q) in r.iter().enumerate() {
+        grow(&m, q, 80 + i as u64, 4 * TPB).unwrap();
+    }
+    assert_eq!(b.mem_info(0).unwrap().free, 3 * PAGE);
+    m.advance(1);
+    let creates = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&creates);
+    let host = b
+        .as_any()
+        .downcast_ref::<strata_vmm::HostBackend>()
+        .unwrap();
+    host.set_op_gate(
+        FaultOp::Create,
+        Some(Arc::new(move |_| {
+            seen.fetch_add(1, Ordering::SeqCst);
+        })),
+    );
+    // 40 pages: the 3 spare ones and 37 of ten lost blocks.
+    let rev = m.revoke(40).unwrap();
+    host.set_op_gate(FaultOp::Create, None);
+    assert_eq!(rev.pages.len(), 40);
+    let lost: usize = rev.lost.iter().map(|(_, ps)| ps.len()).sum();
+    assert_eq!(lost, 10);
+    // One try for all 40 (3 created, the 4th refused), then one page at a time (3 created,
+    // the 4th refused): 8 calls whatever the number of lost blocks.
+    assert_eq!(creates.load(Ordering::SeqCst), 8);
+    m.check_invariants().unwrap();
+    m.store().pool().give(rev.pages);
 }
 
 /// Bytes copied device → host so far (spills).

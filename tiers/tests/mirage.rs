@@ -431,3 +431,60 @@ fn double_buffering_alternates_two_slots() {
     assert_eq!(slots[1], slots[3]);
     compute.synchronize().unwrap();
 }
+
+#[test]
+fn unregistering_gives_every_page_back_and_waits_for_the_model_to_be_idle_and_done() {
+    let b = backend(None);
+    let kv_pool = pool(&b, Some(0));
+    let (mut m, active, idle) = active_and_idle(&b, &kv_pool, 8, (2, 4));
+    let params = Arc::clone(m.registry().pool());
+    // Serving: refused, nothing changes.
+    let refused = m.unregister_model(active).unwrap_err();
+    assert!(
+        matches!(refused, Error::InvalidState(ref msg) if msg.contains("active")),
+        "{refused}"
+    );
+    // The idle model gives two layers to the KV pool and streams through a slot.
+    m.step(m.pressure(2)).unwrap();
+    assert_eq!(kv_pool.stats().free, 2);
+    let streamed = m.registry().plan(idle).unwrap().streamed[0];
+    m.prepare_layer(idle, streamed)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    // A slot holding a layer whose kernels were not reported done: refused.
+    let refused = m.unregister_model(idle).unwrap_err();
+    assert!(
+        matches!(refused, Error::InvalidState(ref msg) if msg.contains("done")),
+        "{refused}"
+    );
+    check_bytes(
+        &b,
+        m.layer_ptr(idle, streamed).unwrap(),
+        seed(idle, streamed),
+    );
+    let compute = Stream::new(&b, 0).unwrap();
+    let done = Arc::new(Event::new(&b).unwrap());
+    done.record(compute.handle()).unwrap();
+    m.layer_done(idle, streamed, done).unwrap();
+
+    let held = m.registry().gpu_pages(idle).unwrap();
+    let before = params.stats();
+    assert_eq!(m.unregister_model(idle).unwrap(), held);
+    let after = params.stats();
+    assert_eq!(after.in_use, before.in_use - held);
+    assert_eq!(after.free, before.free + held);
+    assert_eq!(after.in_use, m.registry().gpu_pages(active).unwrap());
+    // The pages it gave the KV pool stay there.
+    assert_eq!(kv_pool.stats().free, 2);
+    // Its id is never valid again, and the controller leaves it out.
+    assert!(m.layer_ptr(idle, 0).is_err());
+    assert!(m.unregister_model(idle).is_err());
+    assert!(m.controller().plan(idle).is_none());
+    assert_eq!(m.controller().remap_order(), vec![active]);
+    assert!(m.revert_all().unwrap().is_empty());
+    for l in 0..8 {
+        check_bytes(&b, m.layer_ptr(active, l).unwrap(), seed(active, l));
+    }
+    compute.synchronize().unwrap();
+}

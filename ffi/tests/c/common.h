@@ -88,4 +88,25 @@ static inline uint64_t next_rand(uint64_t *state) {
     return *state = x;
 }
 
+/* A KV space of one layer of `kv_heads` heads x 128 x 2 bytes on device 0, with the zero page
+ * and host and disk tiers of `tier_bytes` each (the disk tier's file in `disk_dir`). */
+static inline strata_kv_config_t kv_config(int durability, uint32_t kv_heads, uint32_t max_requests,
+                                           uint32_t max_tokens, uint64_t tier_bytes,
+                                           const char *disk_dir) {
+    strata_kv_config_t c;
+    memset(&c, 0, sizeof c);
+    c.durability = durability;
+    c.layers = 1;
+    c.kv_heads = kv_heads;
+    c.head_dim = 128;
+    c.elem_size = 2;
+    c.max_requests = max_requests;
+    c.max_tokens = max_tokens;
+    c.zero_page = 1;
+    c.host_bytes = tier_bytes;
+    c.disk_bytes = tier_bytes;
+    c.disk_dir = disk_dir;
+    return c;
+}
+
 #endif

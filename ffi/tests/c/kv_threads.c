@@ -135,19 +135,7 @@ static void *revoker(void *arg) {
 int main(void) {
     char dir[] = "/tmp/strata-kv-threads-XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
-    strata_kv_config_t c;
-    memset(&c, 0, sizeof c);
-    c.durability = STRATA_KV_LOSSY;
-    c.layers = 1;
-    c.kv_heads = 8;
-    c.head_dim = 128;
-    c.elem_size = 2;
-    c.max_requests = WORKERS;
-    c.max_tokens = MAX_TOKENS;
-    c.zero_page = 1;
-    c.host_bytes = 128u << 20;
-    c.disk_bytes = 128u << 20;
-    c.disk_dir = dir;
+    strata_kv_config_t c = kv_config(STRATA_KV_LOSSY, 8, WORKERS, MAX_TOKENS, 128u << 20, dir);
     CHECK_OK(strata_kv_create(&c, &kv));
     for (int i = 0; i < WORKERS; i++) CHECK_OK(strata_kv_admit(kv, &reqs[i]));
     CHECK_OK(strata_kv_on_lost(kv, on_lost, NULL));

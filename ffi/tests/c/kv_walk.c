@@ -72,19 +72,9 @@ int main(void) {
     char dir[] = "/tmp/strata-kv-walk-XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     for (int s = 0; s < SPACES; s++) {
-        strata_kv_config_t c;
-        memset(&c, 0, sizeof c);
-        c.durability = s == 0 ? STRATA_KV_LOSSY : STRATA_KV_BACKED;
-        c.layers = 1;
-        c.kv_heads = 4;
-        c.head_dim = 128;
-        c.elem_size = 2;
-        c.max_requests = SLOTS;
-        c.max_tokens = MAX_TOKENS;
+        strata_kv_config_t c = kv_config(s == 0 ? STRATA_KV_LOSSY : STRATA_KV_BACKED, 4, SLOTS,
+                                         MAX_TOKENS, 48u << 20, dir);
         c.zero_page = s == 0;
-        c.host_bytes = 48u << 20;
-        c.disk_bytes = 48u << 20;
-        c.disk_dir = dir;
         CHECK_OK(strata_kv_create(&c, &spaces[s]));
     }
     uint64_t rng = 0x5EEDu, version = 1;

@@ -1,6 +1,6 @@
 /* MIRAGE parameters through the C API: bad input, registration, an idle model's layers remapped
  * to the device pool under KV pressure (the serving model untouched), every layer readable with
- * its bytes through prepare_layer / layer_done on a stream, reversion. */
+ * its bytes through prepare_layer / layer_done on a stream, reversion, unregistering. */
 #include <stdlib.h>
 
 #include "common.h"
@@ -97,6 +97,20 @@ int main(void) {
     CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);
     for (uint32_t l = 0; l < LAYERS; l++) check_layer(idle, l, want, got);
     CHECK(strata_params_revert_all(7) == STRATA_NO_DEVICE);
+
+    /* Unregistering: refused while serving; then every page back to the pool, handle stale. */
+    CHECK(strata_params_unregister(serving, NULL) == STRATA_INVALID_STATE);
+    CHECK_ERR("active");
+    CHECK_OK(strata_params_set_active(serving, 0));
+    uint64_t in_use = stats_of(0).pool_in_use_bytes, returned = 0;
+    CHECK_OK(strata_params_unregister(idle, &returned));
+    CHECK(returned == gpu_before);
+    CHECK(stats_of(0).pool_in_use_bytes == in_use - returned * (2u << 20));
+    CHECK(strata_params_model_stats(idle, &s) == STRATA_INVALID_HANDLE);
+    CHECK(strata_params_unregister(idle, NULL) == STRATA_INVALID_HANDLE);
+    CHECK(strata_params_set_active(idle, 1) == STRATA_INVALID_HANDLE);
+    CHECK_OK(strata_params_unregister(serving, NULL));
+    CHECK(stats_of(0).pool_in_use_bytes == in_use - (returned + 4) * (2u << 20));
     CHECK_OK(strata_stream_destroy(st));
     for (int l = 0; l < LAYERS; l++) free(host[l]);
     free(want);

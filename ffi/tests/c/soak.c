@@ -2,13 +2,17 @@
  * 15): allocations on two devices and several streams with contents checked, frees on other
  * streams, record_stream, tags (a private one per thread, a shared one, nesting), sleep/wake
  * of the private tag with and without host copies, Harvest allocations with reads and writes
- * while another thread reclaims (revocation callbacks), empty_cache and stats. At the end the
+ * while another thread reclaims (revocation callbacks), empty_cache and stats; and a KV
+ * thread that admits, appends and writes requests of a KV space, spills them to host memory
+ * and disk, makes them resident on its stream and reads every token back. At the end the
  * accounting is back to zero: no live allocation, every revocation called back exactly once,
  * and after strata_empty_cache nothing is held on either device. */
-#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -19,6 +23,7 @@
 
 static double deadline;
 static atomic_long callbacks, stale_frees, ops_total, sleeps_total, revoked_reads;
+static long kv_ops, kv_spills, kv_verified;
 
 static double now(void) {
     struct timespec t;
@@ -189,15 +194,116 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+#define KV_REQUESTS 4
+#define KV_BPT 2048 /* 8 heads x 128 x 2 bytes: 1024 tokens per 2 MiB page */
+#define KV_MAX_TOKENS 2048
+
+/* One KV space on device 1 (the other threads' memory pressure included): every request holds
+ * the pattern of its seed in its first `tokens` tokens of layer 0's K tensor. */
+static void *kv_worker(void *arg) {
+    const char *dir = arg;
+    strata_kv_config_t c =
+        kv_config(STRATA_KV_BACKED, 8, KV_REQUESTS, KV_MAX_TOKENS, 32u << 20, dir);
+    c.device = 1;
+    strata_kv_t kv;
+    CHECK_OK(strata_kv_create(&c, &kv));
+    cudaStream_t stream;
+    CHECK_OK(strata_stream_create(1, &stream));
+    strata_kv_request_t reqs[KV_REQUESTS];
+    uint32_t tokens[KV_REQUESTS] = {0};
+    uint64_t seeds[KV_REQUESTS] = {0}, seq = 7u << 20, rng = 0x5EED, step = 0;
+    int live[KV_REQUESTS] = {0};
+    size_t max_len = (size_t)KV_MAX_TOKENS * KV_BPT;
+    unsigned char *want = malloc(max_len), *got = malloc(max_len);
+    CHECK(want != NULL && got != NULL);
+    while (now() < deadline) {
+        uint64_t r = next_rand(&rng);
+        int i = (int)((r >> 8) % KV_REQUESTS);
+        CHECK_OK(strata_kv_advance(kv, ++step));
+        if (!live[i]) {
+            CHECK_OK(strata_kv_admit(kv, &reqs[i]));
+            live[i] = 1;
+            tokens[i] = 0;
+            seeds[i] = ++seq;
+        }
+        size_t len = (size_t)tokens[i] * KV_BPT;
+        switch (r % 4) {
+        case 0: { /* append and write every token (the last block is made resident first) */
+            uint32_t more = (uint32_t)((r >> 16) % 700 + 1);
+            if (tokens[i] + more > KV_MAX_TOKENS) break;
+            int rc = strata_kv_make_resident(kv, &reqs[i], 1, stream);
+            if (rc == STRATA_OUT_OF_MEMORY) break;
+            CHECK_OK(rc);
+            CHECK_OK(strata_stream_synchronize(stream));
+            rc = strata_kv_append(kv, reqs[i], more);
+            if (rc == STRATA_OUT_OF_MEMORY) break;
+            CHECK_OK(rc);
+            tokens[i] += more;
+            len = (size_t)tokens[i] * KV_BPT;
+            fill_pattern(want, len, seeds[i]);
+            rc = strata_kv_write(kv, reqs[i], 0, STRATA_KV_K, 0, want, len);
+            if (rc == STRATA_INVALID_STATE) { /* spilled for another request's room: forget */
+                CHECK_OK(strata_kv_release(kv, reqs[i]));
+                live[i] = 0;
+                break;
+            }
+            CHECK_OK(rc);
+            break;
+        }
+        case 1: { /* spill to host memory or disk */
+            int tier = (r >> 16) & 1 ? STRATA_TIER_DISK : STRATA_TIER_HOST;
+            int rc = strata_kv_spill(kv, reqs[i], tier);
+            CHECK(rc == STRATA_OK || rc == STRATA_OUT_OF_MEMORY);
+            kv_spills += rc == STRATA_OK;
+            break;
+        }
+        case 2: { /* make resident on the stream, then every token reads back */
+            int rc = strata_kv_make_resident(kv, &reqs[i], 1, stream);
+            if (rc == STRATA_OUT_OF_MEMORY) break;
+            CHECK_OK(rc);
+            CHECK_OK(strata_stream_synchronize(stream));
+        } /* fall through */
+        default: {
+            if (len == 0) break;
+            int tier = -1;
+            CHECK_OK(strata_kv_read(kv, reqs[i], 0, STRATA_KV_K, 0, got, len, &tier));
+            fill_pattern(want, len, seeds[i]);
+            CHECK(memcmp(want, got, len) == 0);
+            kv_verified++;
+            if ((r >> 20) % 4 == 0) {
+                CHECK_OK(strata_kv_release(kv, reqs[i]));
+                live[i] = 0;
+            }
+            break;
+        }
+        }
+        CHECK_OK(strata_kv_check(kv));
+        kv_ops++;
+    }
+    for (int i = 0; i < KV_REQUESTS; i++)
+        if (live[i]) CHECK_OK(strata_kv_release(kv, reqs[i]));
+    CHECK_OK(strata_stream_destroy(stream));
+    CHECK_OK(strata_kv_destroy(kv));
+    free(want);
+    free(got);
+    return NULL;
+}
+
 int main(void) {
     const char *env = getenv("STRATA_SOAK_SECONDS");
     double seconds = env ? atof(env) : 15;
     CHECK(strata_device_count() == 2);
+    char dir[] = "/tmp/strata-soak-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
     deadline = now() + seconds;
-    pthread_t t[THREADS];
+    pthread_t t[THREADS], kv_thread;
     for (intptr_t i = 0; i < THREADS; i++)
         CHECK(pthread_create(&t[i], NULL, worker, (void *)i) == 0);
+    CHECK(pthread_create(&kv_thread, NULL, kv_worker, dir) == 0);
     for (int i = 0; i < THREADS; i++) CHECK(pthread_join(t[i], NULL) == 0);
+    CHECK(pthread_join(kv_thread, NULL) == 0);
+    rmdir(dir);
+    CHECK(kv_verified > 0);
 
     /* Every revocation called back once, and each revoked handle was found stale by its owner
      * when freed. */
@@ -213,6 +319,8 @@ int main(void) {
            "one)\n",
            atomic_load(&ops_total), THREADS, seconds, atomic_load(&sleeps_total),
            atomic_load(&callbacks), atomic_load(&revoked_reads));
+    printf("soak: %ld KV operations, %ld spills, %ld requests read back whole\n", kv_ops,
+           kv_spills, kv_verified);
     printf("soak: ok\n");
     return 0;
 }

@@ -221,6 +221,7 @@ pub fn run(
         kv.advance(step);
         // Admission: prefill up to half a batch of new requests per step (they are used in
         // this step, so they stay resident next to the decoding batch).
+        let mut prefilled = 0;
         for _ in 0..config.batch.div_ceil(2) {
             if admitted == w.requests {
                 break;
@@ -245,6 +246,7 @@ pub fn run(
             pending = None;
             live.push(l);
             admitted += 1;
+            prefilled += 1;
         }
         if live.is_empty() {
             continue;
@@ -275,13 +277,20 @@ pub fn run(
         for &i in &now {
             observe(&kv, &mut live[i])?;
         }
-        // A batch that does not fit HBM runs shorter this step, as a scheduler would.
+        // A batch that does not fit HBM runs shorter this step, as a scheduler would; when not
+        // one request fits beside this step's prompts (which stay resident), the step was
+        // theirs alone and the batch waits for the next.
         loop {
             match kv.make_resident(&batch) {
                 Ok(ev) => break ev.synchronize()?,
                 Err(e) if e.is_out_of_memory() && batch.len() > 1 => {
                     batch.pop();
                     now.pop();
+                }
+                Err(e) if e.is_out_of_memory() && prefilled > 0 => {
+                    batch.clear();
+                    now.clear();
+                    break;
                 }
                 Err(e) => return Err(e),
             }
@@ -330,7 +339,7 @@ pub fn run(
                 done.push(i);
             }
         }
-        if !progressed {
+        if !progressed && prefilled == 0 {
             return Err(Error::InvalidArgument(format!(
                 "tiered demo: {} MiB of HBM cannot hold one request's next block; use a smaller \
                  prompt or a bigger device",

@@ -97,7 +97,8 @@ impl KvBlockManager {
     /// and copies the spilled bytes back. Wait for the event before the kernels read (it also
     /// covers earlier prefetches of these requests). All or nothing: on error (out of memory
     /// when the batch does not fit; [`Error::InvalidState`] while a request has unreported lost
-    /// blocks; [`Error::StaleId`]) no block of the batch changed residency.
+    /// blocks; [`Error::StaleId`]) no block of the batch changed residency, and its requests
+    /// are not counted as used in this step (a shorter batch may spill them for room).
     ///
     /// [`Error::InvalidState`]: strata_vmm::Error::InvalidState
     /// [`Error::StaleId`]: strata_vmm::Error::StaleId
@@ -115,11 +116,11 @@ impl KvBlockManager {
                 wanted.push((r.0, inner.space.evicted_pages(q.slot)?));
             }
         }
+        let before = inner.stats.restores;
+        let brought = self.bring_in(&mut inner, &wanted, &keep, false)?;
         for &r in &keep {
             self.touch(&mut inner, r, step);
         }
-        let before = inner.stats.restores;
-        let brought = self.bring_in(&mut inner, &wanted, &keep, false)?;
         let restored = inner.stats.restores - before;
         if restored > 0 {
             inner.stats.demand_restores += restored;

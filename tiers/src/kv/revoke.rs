@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use strata_allocator::Page;
+use strata_allocator::{Page, PageLease, Return};
 use strata_vmm::{Error, Result};
 
 use crate::object::Tier;
@@ -20,33 +20,13 @@ impl KvBlockManager {
     /// stay lost and reported.
     pub fn revoke(&self, pages: usize) -> Result<KvRevocation> {
         let mut inner = self.inner.lock();
-        let pool = Arc::clone(self.store.pool());
         let mut lost: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-        let mut reclaimed = false;
-        let taken = loop {
-            match pool.take(pages) {
-                Ok(taken) => break taken,
-                Err(e) if e.is_out_of_memory() => {
-                    if !reclaimed {
-                        reclaimed = true;
-                        if inner.space.reclaim_deferred() > 0 {
-                            continue;
-                        }
-                    }
-                    let none = HashSet::new();
-                    let victim = self
-                        .victim(&mut inner, &none, None, false)
-                        .or_else(|| self.victim(&mut inner, &none, None, true));
-                    let Some(r) = victim else {
-                        return Err(e);
-                    };
-                    if let Some(p) = self.lose_last_block(&mut inner, r)? {
-                        lost.entry(r).or_default().push(p);
-                    }
-                }
-                Err(e) => return Err(e),
+        let taken = self.take_for_lender(&mut inner, pages, |m, inner, r| {
+            if let Some(p) = m.lose_last_block(inner, r)? {
+                lost.entry(r).or_default().push(p);
             }
-        };
+            Ok(())
+        })?;
         inner.stats.pages_revoked += taken.len() as u64;
         Ok(KvRevocation {
             pages: taken,
@@ -67,34 +47,84 @@ impl KvBlockManager {
     /// error, with the requests spilled so far left spilled.
     pub fn revoke_spilling(&self, pages: usize) -> Result<Vec<Page>> {
         let mut inner = self.inner.lock();
+        let taken = self.take_for_lender(&mut inner, pages, |m, inner, r| {
+            m.spill(inner, r, Tier::Host)?;
+            inner.stats.evictions += 1;
+            Ok(())
+        })?;
+        inner.stats.pages_revoked += taken.len() as u64;
+        Ok(taken)
+    }
+
+    /// Takes `pages` pool pages for a lender: free pool capacity first (pages the device can
+    /// still create), then the pages of released requests, then what `free_up` returns to the
+    /// pool from the requests running furthest away (those used in the current step last),
+    /// taking the pages as they come back. Once the device has refused a page, none is created
+    /// again until the pool has released memory to it: one failed driver call, not one per
+    /// victim. On an error the pages taken from the free list go back to it and the pages
+    /// created here are released to the device.
+    fn take_for_lender(
+        &self,
+        inner: &mut Inner,
+        pages: usize,
+        mut free_up: impl FnMut(&Self, &mut Inner, u64) -> Result<()>,
+    ) -> Result<Vec<Page>> {
         let pool = Arc::clone(self.store.pool());
-        let none = HashSet::new();
+        let mut refused = match pool.take(pages) {
+            Ok(taken) => return Ok(taken),
+            Err(e) if e.is_out_of_memory() => e,
+            Err(e) => return Err(e),
+        };
+        // Pages taken from the free list go back there on an error; pages created here go back
+        // to the device, as a failed take would have left them.
+        let mut lease = PageLease::empty(&pool);
+        let mut created = PageLease::empty(&pool).returning(Return::Release);
+        // `Some(released_total)` once the device refused a single page: creation waits until
+        // the pool has released memory to the device since.
+        let mut refused_at: Option<u64> = None;
         let mut reclaimed = false;
-        loop {
-            match pool.take(pages) {
-                Ok(taken) => {
-                    inner.stats.pages_revoked += taken.len() as u64;
-                    return Ok(taken);
+        let none = HashSet::new();
+        while lease.len() + created.len() < pages {
+            let want = pages - lease.len() - created.len();
+            let stats = pool.stats();
+            // Free pages are taken without a driver call; then one page is created at a time
+            // while the device gives them.
+            let attempt = if stats.free > 0 {
+                Some((pool.take(stats.free.min(want)), &mut lease))
+            } else if refused_at.is_none_or(|at| stats.released_total > at) {
+                Some((pool.take(1), &mut created))
+            } else {
+                None
+            };
+            match attempt {
+                Some((Ok(taken), into)) => {
+                    taken.into_iter().for_each(|p| into.push(p));
+                    continue;
                 }
-                Err(e) if e.is_out_of_memory() => {
-                    if !reclaimed {
-                        reclaimed = true;
-                        if inner.space.reclaim_deferred() > 0 {
-                            continue;
-                        }
-                    }
-                    let victim = self
-                        .victim(&mut inner, &none, None, false)
-                        .or_else(|| self.victim(&mut inner, &none, None, true));
-                    let Some(r) = victim else {
-                        return Err(e);
-                    };
-                    self.spill(&mut inner, r, Tier::Host)?;
-                    inner.stats.evictions += 1;
+                Some((Err(e), _)) if e.is_out_of_memory() => {
+                    refused = e;
+                    refused_at = Some(pool.stats().released_total);
                 }
-                Err(e) => return Err(e),
+                Some((Err(e), _)) => return Err(e),
+                None => {}
             }
+            if !reclaimed {
+                reclaimed = true;
+                if inner.space.reclaim_deferred() > 0 {
+                    continue;
+                }
+            }
+            let victim = self
+                .victim(inner, &none, None, false)
+                .or_else(|| self.victim(inner, &none, None, true));
+            let Some(r) = victim else {
+                return Err(refused);
+            };
+            free_up(self, inner, r)?;
         }
+        let mut taken = lease.into_pages();
+        taken.extend(created.into_pages());
+        Ok(taken)
     }
 
     /// Unmaps a resident block of `r` without copying it (after the copies into it): the last

@@ -67,6 +67,8 @@ struct Model {
     t_c: Option<Duration>,
     prefill: Option<Duration>,
     plan: LayerPlan,
+    /// Unregistered: never decided on again (ids are not reused).
+    removed: bool,
 }
 
 /// The controller's state: models, `T_T`, and each model's current [`LayerPlan`].
@@ -93,16 +95,32 @@ impl RemapController {
             t_c: None,
             prefill: None,
             plan: LayerPlan::resident(spec.layers),
+            removed: false,
         });
         id
     }
 
+    /// Forgets a model (unregistered): it takes part in no decision again, and its id is never
+    /// handed out again.
+    pub fn remove_model(&mut self, id: ModelId) {
+        if let Some(m) = self.model_mut(id) {
+            m.removed = true;
+            m.active = false;
+            m.plan = LayerPlan::resident(m.spec.layers);
+        }
+    }
+
+    /// Whether `id` is registered and serving.
+    pub fn is_active(&self, id: ModelId) -> bool {
+        self.model(id).is_some_and(|m| m.active)
+    }
+
     fn model(&self, id: ModelId) -> Option<&Model> {
-        self.models.get(id.0 as usize)
+        self.models.get(id.0 as usize).filter(|m| !m.removed)
     }
 
     fn model_mut(&mut self, id: ModelId) -> Option<&mut Model> {
-        self.models.get_mut(id.0 as usize)
+        self.models.get_mut(id.0 as usize).filter(|m| !m.removed)
     }
 
     /// The scheduler (de)activates a model; activation makes it the most recently used.
@@ -179,7 +197,10 @@ impl RemapController {
     /// Remapping order (§5.2): inactive before active; lower priority first; no priority after
     /// prioritized ones; among equals the most recently activated first (MRU).
     pub fn remap_order(&self) -> Vec<ModelId> {
-        let mut ids: Vec<ModelId> = (0..self.models.len() as u32).map(ModelId).collect();
+        let mut ids: Vec<ModelId> = (0..self.models.len() as u32)
+            .map(ModelId)
+            .filter(|&id| self.model(id).is_some())
+            .collect();
         ids.sort_by_key(|&id| {
             let m = &self.models[id.0 as usize];
             (

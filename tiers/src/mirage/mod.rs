@@ -90,6 +90,25 @@ impl Mirage {
         Ok(id)
     }
 
+    /// Unregisters a model (see [`ParamRegistry::unregister`]); refused with
+    /// [`Error::InvalidState`](strata_vmm::Error::InvalidState), changing nothing, while it is
+    /// active (serving) or a slot holds a layer not reported done. Returns the pages given back
+    /// to the parameter pool.
+    pub fn unregister_model(&mut self, model: ModelId) -> Result<usize> {
+        self.registry.layers(model)?;
+        if self.controller.is_active(model) {
+            return Err(strata_vmm::Error::InvalidState(format!(
+                "model {} is active (serving): mark it idle before unregistering it",
+                model.0
+            )));
+        }
+        let given = self.registry.unregister(&self.engine, model);
+        if self.registry.layers(model).is_err() {
+            self.controller.remove_model(model);
+        }
+        given
+    }
+
     pub fn controller(&self) -> &RemapController {
         &self.controller
     }

@@ -74,7 +74,8 @@ pub struct ParamRegistry {
     backend: Arc<dyn Backend>,
     pool: Arc<PagePool>,
     page: u64,
-    models: Vec<ModelParams>,
+    /// By [`ModelId`]; `None` once unregistered (ids are never reused).
+    models: Vec<Option<ModelParams>>,
     tick: u64,
 }
 
@@ -118,6 +119,14 @@ impl ParamRegistry {
     fn get(&self, model: ModelId) -> Result<&ModelParams> {
         self.models
             .get(model.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| invalid(format!("unknown model {}", model.0)))
+    }
+
+    fn get_mut(&mut self, model: ModelId) -> Result<&mut ModelParams> {
+        self.models
+            .get_mut(model.0 as usize)
+            .and_then(Option::as_mut)
             .ok_or_else(|| invalid(format!("unknown model {}", model.0)))
     }
 
@@ -176,13 +185,13 @@ impl ParamRegistry {
             });
         }
         let id = ModelId(self.models.len() as u32);
-        self.models.push(ModelParams {
+        self.models.push(Some(ModelParams {
             reservation,
             layer_bytes,
             layers: out,
             slots: Vec::new(),
             plan: LayerPlan::resident(layers),
-        });
+        }));
         Ok((id, spent / layers))
     }
 
@@ -319,10 +328,7 @@ impl ParamRegistry {
         self.tick += 1;
         let tick = self.tick;
         let backend = Arc::clone(&self.backend);
-        let mp = self
-            .models
-            .get_mut(model.0 as usize)
-            .ok_or_else(|| invalid(format!("unknown model {}", model.0)))?;
+        let mp = self.get_mut(model)?;
         let l = mp
             .layers
             .get(layer as usize)
@@ -409,14 +415,62 @@ impl ParamRegistry {
     /// The layer's kernels were queued; `done` is recorded after them on the compute stream. Its
     /// slot may be reloaded once `done` completes (a no-op for resident layers).
     pub fn layer_done(&mut self, model: ModelId, layer: u32, done: Arc<Event>) -> Result<()> {
-        let mp = self
-            .models
-            .get_mut(model.0 as usize)
-            .ok_or_else(|| invalid(format!("unknown model {}", model.0)))?;
+        let mp = self.get_mut(model)?;
         if let Some(s) = mp.slots.iter_mut().find(|s| s.occupant == Some(layer)) {
             s.done = Some(done);
         }
         Ok(())
+    }
+
+    /// Unregisters `model`: its loads drain, the compute its slots' occupants reported done
+    /// completes, then every page it holds (resident layers and slots) is unmapped and given
+    /// back to the pool, and its host copies and address range are freed. Pages it gave the KV
+    /// pool stay there. Refused with [`Error::InvalidState`], changing nothing, while a slot
+    /// holds a layer not reported done ([`layer_done`](Self::layer_done)): kernels may still
+    /// read it. The caller has synchronized the compute that reads its resident layers. Returns
+    /// the pages given back; the model's id is never valid again, even on an unmap error (the
+    /// page concerned is released instead, never given back as free).
+    pub fn unregister(&mut self, engine: &TransferEngine, model: ModelId) -> Result<usize> {
+        let mp = self.get(model)?;
+        if let Some((i, layer)) = mp
+            .slots
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.occupant.filter(|_| s.done.is_none()).map(|l| (i, l)))
+        {
+            return Err(Error::InvalidState(format!(
+                "model {}: slot {i} holds layer {layer}, not reported done (layer_done)",
+                model.0
+            )));
+        }
+        engine.synchronize()?;
+        for ev in mp.slots.iter().filter_map(|s| s.done.as_ref()) {
+            ev.synchronize()?;
+        }
+        let Some(mp) = self.models[model.0 as usize].take() else {
+            return Err(invalid(format!("unknown model {}", model.0)));
+        };
+        let backings = mp
+            .layers
+            .into_iter()
+            .filter_map(|l| l.backing)
+            .chain(mp.slots.into_iter().map(|s| s.backing));
+        let mut pages = Vec::new();
+        let mut first_err = None;
+        for backing in backings {
+            match backing.unmap() {
+                Ok(p) => pages.extend(p),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let given = pages.len();
+        self.pool.give(pages);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(given),
+        }
     }
 
     /// Moves `model` to `plan` (see the module documentation). The caller has synchronized the
@@ -490,7 +544,7 @@ impl ParamRegistry {
         applied.to_kv = given.len();
         kv_pool.give(given);
         applied.reloaded = result?;
-        self.models[model.0 as usize].plan = plan.clone();
+        self.get_mut(model)?.plan = plan.clone();
         Ok(applied)
     }
 
@@ -504,27 +558,26 @@ impl ParamRegistry {
         spare: &mut Vec<Page>,
     ) -> Result<usize> {
         let page = self.page;
-        let idx = model.0 as usize;
         // Free: every slot (contents are reloaded on the next prepare) and newly streamed layers.
-        let slots = std::mem::take(&mut self.models[idx].slots);
+        let slots = std::mem::take(&mut self.get_mut(model)?.slots);
         for s in slots {
             spare.extend(s.backing.unmap()?);
         }
         for &l in to_stream {
-            if let Some(b) = self.models[idx].layers[l as usize].backing.take() {
+            if let Some(b) = self.get_mut(model)?.layers[l as usize].backing.take() {
                 spare.extend(b.unmap()?);
             }
         }
-        let reservation = Arc::clone(&self.models[idx].reservation);
-        let layer_bytes = self.models[idx].layer_bytes;
+        let reservation = Arc::clone(&self.get(model)?.reservation);
+        let layer_bytes = self.get(model)?.layer_bytes;
         let ppl = (layer_bytes / page) as usize;
         let mut events = Vec::new();
         for &l in to_resident {
             let at = spare.len() - ppl;
             let pages = spare.split_off(at);
-            let va = self.models[idx].layers[l as usize].va;
+            let va = self.get(model)?.layers[l as usize].va;
             let backing = self.map_backing(&reservation, va, pages)?;
-            let layer = &mut self.models[idx].layers[l as usize];
+            let layer = &mut self.get_mut(model)?.layers[l as usize];
             layer.backing = Some(backing);
             events.push(Self::load(
                 engine,
@@ -534,13 +587,13 @@ impl ParamRegistry {
                 layer_bytes,
             )?);
         }
-        let n = self.models[idx].layers.len() as u64;
+        let n = self.get(model)?.layers.len() as u64;
         for s in 0..plan.beta() as u64 {
             let at = spare.len() - ppl;
             let pages = spare.split_off(at);
             let va = reservation.ptr() + (n + s) * layer_bytes;
             let backing = self.map_backing(&reservation, va, pages)?;
-            self.models[idx].slots.push(Slot {
+            self.get_mut(model)?.slots.push(Slot {
                 va,
                 backing,
                 occupant: None,

@@ -170,7 +170,8 @@ pub struct StoreStats {
 /// What a revocation did.
 #[derive(Debug, Default)]
 pub struct Revocation {
-    /// The pages, unmapped, for the lender.
+    /// The pages, unmapped, for the lender. A page whose unmap failed is not here: it was
+    /// released (it may still be mapped) and the error recorded for the next fallible call.
     pub pages: Vec<Page>,
     pub fell_back: Vec<ObjectId>,
     pub lost: Vec<ObjectId>,
@@ -577,15 +578,41 @@ impl TierStore {
     }
 }
 
+/// Unmaps `pages` and returns those whose unmap succeeded (still counted in use by `pool`).
+/// A page whose unmap failed may still be mapped, so it never goes back as free: it is
+/// released (its memory returns once the driver lets go of the mapping) and the first error is
+/// recorded for the next fallible call.
+fn unmap_pages(pool: &PagePool, pages: Vec<MappedPage>) -> Vec<Page> {
+    let mut unmapped = Vec::with_capacity(pages.len());
+    let mut failed = Vec::new();
+    let mut first_err = None;
+    for hp in pages {
+        match hp.mapping.unmap() {
+            Ok(_) => unmapped.push(hp.page),
+            Err(e) => {
+                first_err.get_or_insert(e);
+                failed.push(hp.page);
+            }
+        }
+    }
+    pool.release(failed);
+    if let Some(e) = first_err {
+        strata_vmm::record_deferred(e);
+    }
+    unmapped
+}
+
 impl Drop for TierStore {
     fn drop(&mut self) {
-        let _ = self.engine.synchronize();
         let pages: Vec<MappedPage> = self.state.get_mut().pages.drain(..).flatten().collect();
-        let mut back = Vec::with_capacity(pages.len());
-        for hp in pages {
-            drop(hp.mapping);
-            back.push(hp.page);
+        if strata_vmm::process_is_exiting() {
+            // No driver calls once exit began: the mappings leak.
+            std::mem::forget(pages);
+            return;
         }
-        self.pool.give(back);
+        if let Err(e) = self.engine.synchronize() {
+            strata_vmm::record_deferred(e);
+        }
+        self.pool.give(unmap_pages(&self.pool, pages));
     }
 }

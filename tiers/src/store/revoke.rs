@@ -101,17 +101,8 @@ impl TierStore {
                 cb(n);
             }
         }
-        // 5. Return the pages.
-        let mut first_err = None;
-        for hp in taken {
-            if let Err(e) = hp.mapping.unmap() {
-                first_err.get_or_insert(e);
-            }
-            out.pages.push(hp.page);
-        }
-        if let Some(e) = first_err {
-            strata_vmm::record_deferred(e);
-        }
+        // 5. Return the pages (those whose unmap failed are released, never handed on).
+        out.pages = super::unmap_pages(&self.pool, taken);
         Ok(out)
     }
 }

@@ -5,8 +5,7 @@
 //!
 //! Every test re-runs itself in a child with the emulator on `LD_LIBRARY_PATH` (`child.rs`).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::CudaBackend;
@@ -16,19 +15,7 @@ use crate::types::{Access, CopyDesc, CreateFlags, Location, PhysHandle, StreamHa
 
 /// A folder holding the emulator as `libcuda.so.1` (built first; a no-op when fresh).
 fn emulator() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
-    build.args(["build", "--quiet", "-p", "strata-cuda-emu"]);
-    if profile_dir.ends_with("release") {
-        build.arg("--release");
-    }
-    assert!(build.status().expect("cargo build").success());
+    let profile_dir = strata_test_support::cargo_build(&["-p", "strata-cuda-emu"]);
     let dir = profile_dir.join("cuda-emu-vmm-tests");
     std::fs::create_dir_all(&dir).expect("create the emulator's folder");
     let link = dir.join("libcuda.so.1");
@@ -42,12 +29,11 @@ fn emulator() -> PathBuf {
 /// block-copy kernel compiles and only the module load is refused).
 fn library_path() -> std::ffi::OsString {
     let mut path = emulator().into_os_string();
-    let libs = std::env::var_os("STRATA_CUDA_LIBS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda-libs/lib"));
-    if libs.join("libnvrtc.so.12").exists() {
-        path.push(":");
-        path.push(libs);
+    if let Some(libs) = strata_test_support::cuda_libs() {
+        if libs.join("libnvrtc.so.12").exists() {
+            path.push(":");
+            path.push(libs);
+        }
     }
     path
 }

@@ -7,31 +7,12 @@
 //! `STRATA_CUDA_REPORT` set, each appends `ran NAME` or `skipped NAME` to that file (`.ci/run`
 //! counts them).
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-
 use super::{launch, result, CudaBackend};
 use crate::error::Error;
 use crate::types::BackendKind;
 
-/// The folder holding NVIDIA's libraries, when they are installed.
-fn libs() -> Option<PathBuf> {
-    let dir = std::env::var_os("STRATA_CUDA_LIBS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda-libs/lib"));
-    dir.join("libcuda.so.1").exists().then_some(dir)
-}
-
 fn report(outcome: &str, test: &str) {
-    let Some(path) = std::env::var_os("STRATA_CUDA_REPORT") else {
-        return;
-    };
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .expect("open STRATA_CUDA_REPORT");
-    writeln!(file, "{outcome} vmm::{test}").expect("write STRATA_CUDA_REPORT");
+    strata_test_support::report(&format!("{outcome} vmm::{test}"));
 }
 
 /// True in the child (run the checks). In the parent: runs `test` in a child with the libraries
@@ -44,7 +25,7 @@ fn in_child(test: &str) -> bool {
         "{}::{test}",
         module_path!().trim_start_matches("strata_vmm::")
     );
-    let Some(dir) = libs() else {
+    let Some(dir) = strata_test_support::cuda_libs() else {
         eprintln!(
             "skipped {name}: NVIDIA's CUDA libraries are not installed (run .ci/cuda-libs or set STRATA_CUDA_LIBS)"
         );

@@ -1,6 +1,6 @@
 //! Helpers the preload test binaries share: the C compiler and the shim's build.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 /// Runs the C compiler (`$CC` or `cc`) with warnings as errors.
@@ -23,20 +23,7 @@ pub fn shim() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let exe = std::env::current_exe().expect("current_exe");
-            let profile_dir = exe
-                .parent()
-                .and_then(Path::parent)
-                .expect("target/<profile>/deps/<test>")
-                .to_path_buf();
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--quiet", "-p", "strata-preload", "--lib"]);
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build for the shim");
-            assert!(status.success(), "building libstrata_preload.so failed");
+            let profile_dir = strata_test_support::cargo_build(&["-p", "strata-preload", "--lib"]);
             let path = profile_dir.join("libstrata_preload.so");
             assert!(
                 path.exists(),
@@ -48,31 +35,13 @@ pub fn shim() -> PathBuf {
         .clone()
 }
 
-/// The folder holding NVIDIA's real CUDA libraries (`.ci/cuda-libs`: `target/cuda-libs/lib`,
-/// or `STRATA_CUDA_LIBS`), when installed.
-#[allow(dead_code)]
-pub fn cuda_libs() -> Option<PathBuf> {
-    let dir = std::env::var_os("STRATA_CUDA_LIBS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/cuda-libs/lib")
-        });
-    dir.join("libcuda.so.1").exists().then_some(dir)
-}
+#[allow(unused_imports)]
+pub use strata_test_support::cuda_libs;
 
 /// Appends `OUTCOME preload::TEST` to the file `STRATA_CUDA_REPORT` names (`.ci/run` counts).
 #[allow(dead_code)]
 pub fn report(outcome: &str, test: &str) {
-    use std::io::Write;
-    let Some(path) = std::env::var_os("STRATA_CUDA_REPORT") else {
-        return;
-    };
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .expect("open STRATA_CUDA_REPORT");
-    writeln!(file, "{outcome} preload::{test}").expect("write STRATA_CUDA_REPORT");
+    strata_test_support::report(&format!("{outcome} preload::{test}"));
 }
 
 /// The probe program, built once per test binary.
@@ -97,22 +66,7 @@ pub fn emulator() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let exe = std::env::current_exe().expect("current_exe");
-            let profile_dir = exe
-                .parent()
-                .and_then(Path::parent)
-                .expect("target/<profile>/deps/<test>")
-                .to_path_buf();
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--quiet", "-p", "strata-cuda-emu"]);
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            assert!(
-                build.status().expect("cargo build").success(),
-                "building the emulated driver failed"
-            );
+            let profile_dir = strata_test_support::cargo_build(&["-p", "strata-cuda-emu"]);
             let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("strata-cuda-emu");
             std::fs::create_dir_all(&dir).expect("create the emulator's directory");
             let link = dir.join("libcuda.so.1");

@@ -1,0 +1,76 @@
+//! Test set-up the workspace's test binaries share (a dev-dependency only; no dependencies of
+//! its own, so any crate's tests may use it): where the running test executable's target folder
+//! is, building another package into it, the folder of NVIDIA's real CUDA libraries, and the
+//! report `.ci/run` counts the CUDA checks from.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `target/<profile>/`: test and bench executables live in its `deps/`.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<executable>")
+        .to_path_buf()
+}
+
+/// The workspace root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("workspace root")
+}
+
+/// Runs `cargo build --quiet ARGS` into the running executable's target folder and profile (a
+/// no-op when fresh: cargo builds no cdylib or binary of another target for a test) and
+/// returns [`profile_dir`], where the artifacts are.
+pub fn cargo_build(args: &[&str]) -> PathBuf {
+    let dir = profile_dir();
+    let profile = match dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => "dev".to_string(),
+        Some(other) => other.to_string(),
+        None => panic!("cannot tell the profile of {}", dir.display()),
+    };
+    let target_dir = dir.parent().expect("target folder");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--quiet", "--profile", &profile])
+        .args(args)
+        .arg("--target-dir")
+        .arg(target_dir)
+        .current_dir(repo())
+        .output()
+        .expect("run cargo build");
+    assert!(
+        out.status.success(),
+        "cargo build {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
+/// The folder holding NVIDIA's real CUDA libraries (`.ci/cuda-libs` installs them into
+/// `target/cuda-libs/lib`; `STRATA_CUDA_LIBS` names another), when the driver is there.
+pub fn cuda_libs() -> Option<PathBuf> {
+    let dir = std::env::var_os("STRATA_CUDA_LIBS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/cuda-libs/lib"));
+    dir.join("libcuda.so.1").exists().then_some(dir)
+}
+
+/// Appends `line` to the file `STRATA_CUDA_REPORT` names, if set (`.ci/run` counts the `ran`
+/// and `skipped` lines of the real-library checks).
+pub fn report(line: &str) {
+    let Some(path) = std::env::var_os("STRATA_CUDA_REPORT") else {
+        return;
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("open STRATA_CUDA_REPORT");
+    writeln!(file, "{line}").expect("write STRATA_CUDA_REPORT");
+}
