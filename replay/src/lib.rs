@@ -188,8 +188,12 @@ mod tests {
     }
 
     #[test]
-    fn committed_training_traces_reserve_at_most_five_percent_over_their_peak() {
-        for name in ["llama-train.csv.gz", "llama-mix.csv.gz"] {
+    fn committed_traces_reserve_at_most_five_percent_over_their_peak() {
+        for name in [
+            "llama-train.csv.gz",
+            "llama-mix.csv.gz",
+            "llama-generate.csv.gz",
+        ] {
             let trace = Trace::load(&traces().join(name), None).unwrap();
             let report = replay_fresh(&trace);
             assert_eq!(report.failed, 0);

@@ -127,6 +127,15 @@ impl Extents {
         (s, e - s)
     }
 
+    /// The extent that ends at `end` and starts at or after `lo`: `(start, length)`.
+    pub fn ending_at(&self, end: u64, lo: u64) -> Option<(u64, u64)> {
+        self.by_addr
+            .range(lo..end)
+            .next_back()
+            .map(|(&s, &(l, _, _))| (s, l))
+            .filter(|&(s, l)| s + l == end)
+    }
+
     /// Removes the extent at `start`; returns its length.
     pub fn remove(&mut self, start: u64) -> Option<u64> {
         let (len, tag, stream) = self.by_addr.remove(&start)?;

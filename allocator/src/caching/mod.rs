@@ -153,6 +153,8 @@ struct Block {
     tag: u32,
     segment: u32,
     class: u16,
+    /// The first chunk of its run in its segment's page (0 outside shared pages).
+    run: u8,
     state: BlockState,
     /// Live: the stream it was allocated on. Free/Pending: the stream it was freed on.
     stream: StreamHandle,
@@ -182,8 +184,34 @@ struct Segment {
     blocks: Vec<u32>,
     /// Blocks not in a bin (live or pending).
     live: u32,
+    /// Blocks not in a bin per run, by the run's first chunk.
+    run_live: [u32; CHUNKS_PER_PAGE as usize],
+    /// Bit `c` set: a run starts at chunk `c` and all its blocks are in bins (so an emptied run
+    /// is found without scanning blocks).
+    empty_runs: u32,
     /// The segment's pages (empty while the tag sleeps).
     mapped: Vec<MappedPage>,
+}
+
+impl Segment {
+    /// A block of the run at chunk `run` leaves its bin.
+    #[inline]
+    fn block_taken(&mut self, run: u8) {
+        self.live += 1;
+        self.run_live[run as usize] += 1;
+        self.empty_runs &= !(1 << run);
+    }
+
+    /// A block of the run at chunk `run` returns to its bin.
+    #[inline]
+    fn block_returned(&mut self, run: u8) {
+        self.live -= 1;
+        let n = &mut self.run_live[run as usize];
+        *n -= 1;
+        if *n == 0 {
+            self.empty_runs |= 1 << run;
+        }
+    }
 }
 
 struct TagState {
@@ -315,7 +343,7 @@ impl State {
         self.totals.on_alloc(size, b.size);
         self.totals.counts.small_allocs += 1;
         if let Some(Some(seg)) = self.segments.get_mut(b.segment as usize) {
-            seg.live += 1;
+            seg.block_taken(b.run);
         }
         Some(b.ptr)
     }
@@ -564,7 +592,7 @@ impl CachingAllocator {
         st.totals.on_free(b.requested, b.size);
         t.bins[b.class as usize].push(stream, id);
         if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
-            seg.live -= 1;
+            seg.block_returned(b.run);
         }
         Ok(())
     }
