@@ -29,6 +29,7 @@ fn main() {
             "llama-train.csv.gz",
             "llama-generate.csv.gz",
             "llama-mix.csv.gz",
+            "mixtral-moe-generate.csv.gz",
         ]
         .iter()
         .map(|f| dir.join(f))

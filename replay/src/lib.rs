@@ -193,6 +193,7 @@ mod tests {
             "llama-train.csv.gz",
             "llama-mix.csv.gz",
             "llama-generate.csv.gz",
+            "mixtral-moe-generate.csv.gz",
         ] {
             let trace = Trace::load(&traces().join(name), None).unwrap();
             let report = replay_fresh(&trace);
