@@ -492,6 +492,57 @@ int strata_kv_stats(strata_kv_t kv, strata_kv_stats_t *out);
 /* Checks the space's invariants (tests): STRATA_INVALID_STATE with the broken one. */
 int strata_kv_check(strata_kv_t kv);
 
+/* ---- Pie: per-layer FIFO swapping and adaptive expansion (decisions only) ------------------ */
+
+/* A controller for a caller that keeps each layer's KV in its own place (one KV space per layer)
+ * and moves whole layers between the device and host memory itself. It holds Pie's mapping
+ * table (two-phase updates), its FIFO protocol (when layer k starts: swap in the hottest CPU
+ * layer if a device slot is free and no swap-in is in flight; swap out the coldest device
+ * layer, the one computed last, if no swap-out is in flight) and adaptive expansion (one more
+ * CPU layer while no step waits and throughput does not fall; one fewer after a wait). It aims
+ * for max(floor, expansion) layers on the CPU. Layers are 0..layers-1, run cyclically. Pure
+ * bookkeeping: no memory, no copies; thread-safe (one lock per controller). */
+typedef uint64_t strata_pie_t;
+
+/* Layers to start moving (-1: none). */
+typedef struct strata_pie_decision_t {
+    int32_t swap_in;
+    int32_t swap_out;
+} strata_pie_decision_t;
+
+/* A layer's place in the mapping table (strata_pie_state). A swapping-out layer's device copy is
+ * still there, but a caller whose swap-out frees it as it goes must not compute on it. */
+enum { STRATA_PIE_GPU = 0, STRATA_PIE_CPU = 1, STRATA_PIE_SWAPPING_IN = 2, STRATA_PIE_SWAPPING_OUT = 3 };
+
+/* Creates a controller with every layer on the device; adaptive expansion may move up to
+ * `max_cpu_layers` (< layers; 0: never on its own) to the CPU. layers 0 or above 65536,
+ * max_cpu_layers >= layers, NULL out: STRATA_INVALID_ARGUMENT. */
+int strata_pie_create(uint32_t layers, uint32_t max_cpu_layers, strata_pie_t *out);
+
+/* Destroys a controller; its handle is stale afterwards (STRATA_INVALID_HANDLE). */
+int strata_pie_destroy(strata_pie_t pie);
+
+/* The least layers on the CPU (those the device budget cannot hold; < layers, else
+ * STRATA_INVALID_ARGUMENT). *cpu_layers (if not NULL) receives the number aimed for. */
+int strata_pie_set_floor(strata_pie_t pie, uint32_t floor, uint32_t *cpu_layers);
+
+/* Layer `layer` begins: *out receives the swaps to start (phase one is recorded). The caller
+ * reports each one's end with strata_pie_swap_done. Calling it again for the same layer after a
+ * swap finished is how a caller waiting for its layer gets the next move. */
+int strata_pie_layer_start(strata_pie_t pie, uint32_t layer, strata_pie_decision_t *out);
+
+/* The swap-in (direction 0) or swap-out (1) in flight finished (phase two). None in flight:
+ * STRATA_INVALID_STATE; another direction: STRATA_INVALID_ARGUMENT. */
+int strata_pie_swap_done(strata_pie_t pie, int direction);
+
+/* *out receives STRATA_PIE_GPU, _CPU, _SWAPPING_IN or _SWAPPING_OUT for `layer`. */
+int strata_pie_state(strata_pie_t pie, uint32_t layer, int *out);
+
+/* One measurement interval ended (a decode step): `waited` nonzero if a layer waited on a swap,
+ * `throughput` (finite, >= 0; e.g. tokens/s) over it. *cpu_layers (if not NULL) receives the
+ * number of CPU layers aimed for afterwards. */
+int strata_pie_observe(strata_pie_t pie, int waited, double throughput, uint32_t *cpu_layers);
+
 /* ---- Parameters (MIRAGE): idle models' layer memory lent to the KV cache ------------------ */
 
 /* A model's layers live in strata parameter memory, each with a pinned host copy that is the

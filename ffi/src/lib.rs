@@ -26,6 +26,7 @@ mod handles;
 mod harvest;
 mod kv;
 mod params;
+mod pie;
 mod sleep;
 mod sleeping;
 mod stats;

@@ -220,6 +220,11 @@ fn c_params_remap_and_revert() {
 }
 
 #[test]
+fn c_pie_layer_swapping() {
+    c_test("pie");
+}
+
+#[test]
 fn c_kv_spaces() {
     c_test("kv");
 }

@@ -10,9 +10,18 @@ from ._status import Status
 
 class StrataError(RuntimeError):
     """A strata call failed. `status` is the strata_status_t (a `Status`, an int), `message` its
-    last error."""
+    last error. Python code raises a subclass with the message alone (`OutOfMemory("...")`):
+    the status is the subclass's own."""
 
-    def __init__(self, status, message):
+    def __init__(self, *args):
+        if len(args) == 1 and type(self) in STATUS_OF:
+            args = (STATUS_OF[type(self)], args[0])
+        if len(args) != 2:
+            raise TypeError(
+                f"{type(self).__name__} takes (status, message)"
+                + (" or the message alone" if type(self) in STATUS_OF else "")
+            )
+        status, message = args
         super().__init__(message)
         self.status = Status.of(status)
         self.status_name = self.status.c_name
@@ -66,6 +75,8 @@ ERROR_CLASSES = {
     Status.UNSUPPORTED: Unsupported,
     Status.NO_DEVICE: NoDevice,
 }
+
+STATUS_OF = {cls: status for status, cls in ERROR_CLASSES.items()}
 
 
 def error(status, message):

@@ -47,6 +47,30 @@ __all__ = ["StrataCache", "StrataLayer"]
 _WINDOWED = ("sliding_attention", "chunked_attention")
 
 
+def _checked_space(torch_device_type, **config):
+    """A new `kv.KvSpace` of `config` whose tensors torch can use on `torch_device_type`."""
+    space = kv.KvSpace(**config)
+    try:
+        probe = space.tensor(0, "k")
+        if probe.dlpack_device_type == 0:
+            raise _lib.error(
+                9,
+                "strata's KV memory is not CPU-accessible here (the strict host backend, "
+                "STRATA_HOST_STRICT=1): torch cannot read it",
+            )
+        kind = {1: "cpu", 2: "cuda"}[probe.dlpack_device_type]
+        if kind != torch_device_type:
+            raise _lib.error(
+                9,
+                f"the model runs on {torch_device_type} but strata's KV memory is {kind} "
+                f"memory (STRATA_BACKEND)",
+            )
+    except BaseException:
+        space.close()
+        raise
+    return space
+
+
 class StrataLayer(CacheLayerMixin):
     """One layer of a `StrataCache`: views of the layer's K and V tensors in the cache's space."""
 
@@ -194,37 +218,23 @@ class StrataCache(Cache):
                 )
             return
         device = key_states.device.index if key_states.device.type == "cuda" else self._device
-        space = kv.KvSpace(
+        self._space = self._open_space(batch, heads, dim, key_states.dtype, device, key_states.device.type)
+        self._shape = (batch, heads, dim, key_states.dtype)
+        self._tokens_per_page = self._space.stats()["tokens_per_block"]
+
+    def _open_space(self, batch, heads, dim, dtype, device, torch_device_type):
+        """The KV space of every layer (`strata.transformers.OffloadedStrataCache`: one per layer)."""
+        return _checked_space(
+            torch_device_type,
             layers=len(self.layers),
             kv_heads=heads,
             head_dim=dim,
-            dtype=str(key_states.dtype),
+            dtype=str(dtype),
             max_requests=batch,
             max_tokens=self.max_cache_len,
             device=device,
             **self._tiers,
         )
-        try:
-            probe = space.tensor(0, "k")
-            if probe.dlpack_device_type == 0:
-                raise _lib.error(
-                    9,
-                    "strata's KV memory is not CPU-accessible here (the strict host backend, "
-                    "STRATA_HOST_STRICT=1): torch cannot read it",
-                )
-            kind = {1: "cpu", 2: "cuda"}[probe.dlpack_device_type]
-            if kind != key_states.device.type:
-                raise _lib.error(
-                    9,
-                    f"the model runs on {key_states.device} but strata's KV memory is {kind} "
-                    f"memory (STRATA_BACKEND)",
-                )
-        except BaseException:
-            space.close()
-            raise
-        self._space = space
-        self._shape = (batch, heads, dim, key_states.dtype)
-        self._tokens_per_page = space.stats()["tokens_per_block"]
 
     def _tensors(self, layer):
         return tuple(torch.from_dlpack(self._space.tensor(layer, kind)) for kind in ("k", "v"))
@@ -354,3 +364,9 @@ class StrataCache(Cache):
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Tiered offload (one KV space per layer, Pie's swapping) lives in its own module.
+from ._offload import OffloadedStrataCache  # noqa: E402
+
+__all__.append("OffloadedStrataCache")

@@ -81,6 +81,20 @@ class StatsTest(unittest.TestCase):
         with self.assertRaises(TypeError):
             strata.sleep([b"bytes-tag"])
 
+    def test_python_code_raises_typed_errors_with_a_message_alone(self):
+        for cls, status in (
+            (strata.OutOfMemory, strata.Status.OUT_OF_MEMORY),
+            (strata.InvalidArgument, strata.Status.INVALID_ARGUMENT),
+            (strata.InvalidState, strata.Status.INVALID_STATE),
+            (strata.Unsupported, strata.Status.UNSUPPORTED),
+        ):
+            e = cls("what went wrong")
+            self.assertEqual(e.status, status)
+            self.assertEqual(e.message, "what went wrong")
+            self.assertEqual(str(e), "what went wrong")
+        with self.assertRaises(TypeError):
+            strata.StrataError("a message without a status")
+
 
 class BackendSelectionTest(unittest.TestCase):
     """A backend that cannot open keeps its status: a malformed STRATA_* variable is

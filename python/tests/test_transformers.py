@@ -6,6 +6,9 @@ this module outside strict mode (STRATA_HOST_STRICT=0) and checks that the tests
 strict run of the whole suite they skip."""
 
 import math
+import os
+import subprocess
+import sys
 import unittest
 
 import strata
@@ -253,6 +256,124 @@ class StrataCacheTest(unittest.TestCase):
             StrataCache(model.config, max_cache_len=100)
         with self.assertRaises(strata.InvalidArgument):
             StrataCache(model.config, max_cache_len=0)
+
+
+def final_kv_bytes(model, tokens):
+    """Whole pages of every row's K and V for `tokens` tokens in every layer (float32)."""
+    c = model.config
+    bytes_per_token = c.num_key_value_heads * c.head_dim * 4
+    with kv.KvSpace(layers=1, kv_heads=1, head_dim=16, dtype="float32", max_requests=1, max_tokens=8) as s:
+        page = s.stats()["page_size"]
+    pages = math.ceil(tokens / (page // bytes_per_token))
+    return 2 * c.num_hidden_layers * len(PROMPTS) * pages * page
+
+
+def offload_model(name):
+    """Four layers and a 64-wide head dim, so that 512 new tokens cross several pages."""
+    extra = dict(num_hidden_layers=4, head_dim=64)
+    if name == "Llama":
+        extra["num_key_value_heads"] = 4  # multi-head; Qwen2 keeps tiny()'s GQA (2 KV heads)
+    return tiny(name, **extra)
+
+
+@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+class OffloadTest(unittest.TestCase):
+    """OffloadedStrataCache: layers' KV swapped to host memory within a device budget."""
+
+    def offload_matches_dynamic(self, name):
+        from strata.transformers import OffloadedStrataCache
+
+        model = offload_model(name)
+        expected = generate(model, DynamicCache())
+        total = max(PROMPTS) + NEW_TOKENS
+        budget = final_kv_bytes(model, total - 1) // 2
+        with OffloadedStrataCache(model.config, max_cache_len=total + 100, device_budget=budget) as cache:
+            watch = Watch(cache)
+            got = generate(model, cache, logits_processor=LogitsProcessorList([watch]))
+            self.assertTrue(torch.equal(got, expected), f"{name}: {(got != expected).sum()} tokens differ")
+            self.assertEqual(watch.steps, NEW_TOKENS)
+            self.assertEqual(len(watch.addresses), 1)
+            self.assertTrue(watch.views_at_base)
+            # The device never held more than the budget, and layers really moved.
+            self.assertLessEqual(max(watch.kv_bytes), budget)
+            s = cache.stats()
+            c = model.config
+            self.assertEqual(s["tokens"], total - 1)
+            self.assertEqual(s["token_bytes"], 2 * 4 * len(PROMPTS) * (total - 1) * c.num_key_value_heads * c.head_dim * 4)
+            off = s["offload"]
+            self.assertGreaterEqual(off["floor"], 2, off)
+            self.assertGreater(off["swap_ins"], NEW_TOKENS, off)
+            self.assertGreater(off["swap_outs"], NEW_TOKENS, off)
+            self.assertGreater(off["prefetch_hits"] + off["stalls"], 0, off)
+            self.assertGreater(s["bytes_to_device"], 0)
+            self.assertGreater(s["bytes_from_device"], 0)
+            # Full pages swapped out again copy nothing (their clean copy stayed in host memory).
+            self.assertGreater(s["clean_spills"], 0)
+            self.assertLessEqual(s["kv_bytes"], budget)
+            cache.space.check()
+        return off
+
+    def test_llama_offload_matches_dynamic_cache(self):
+        self.offload_matches_dynamic("Llama")
+
+    def test_qwen2_gqa_offload_matches_dynamic_cache(self):
+        self.offload_matches_dynamic("Qwen2")
+
+    @unittest.skipIf(os.environ.get("STRATA_HOST_LINK"), "already under a link model")
+    def test_offload_under_host_link_matches_dynamic_cache(self):
+        """The same in a process whose host backend pays a modelled link for every copy, so the
+        swaps take time and overlap the layers' compute."""
+        env = dict(os.environ, STRATA_HOST_LINK="2GB,20us")
+        run = subprocess.run(
+            [sys.executable, "-m", "unittest", "test_transformers.OffloadTest.test_qwen2_gqa_offload_matches_dynamic_cache"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        self.assertEqual(run.returncode, 0, run.stderr)
+        self.assertIn("Ran 1 test", run.stderr)
+        self.assertNotIn("skipped", run.stderr)
+
+    def test_budget_smaller_than_one_layer_is_a_clear_error(self):
+        from strata.transformers import OffloadedStrataCache
+
+        model = offload_model("Llama")
+        for bad in (0, -1, 1.5, "1MiB", True):
+            with self.assertRaises(strata.InvalidArgument):
+                OffloadedStrataCache(model.config, max_cache_len=100, device_budget=bad)
+        with OffloadedStrataCache(model.config, max_cache_len=100, device_budget=4096) as cache:
+            with self.assertRaisesRegex(strata.OutOfMemory, "device_budget 4096 bytes is smaller than one layer"):
+                generate(model, cache, new_tokens=4)
+            self.assertEqual(cache.stats()["kv_bytes"], 0)
+
+    def test_offload_crop_reset_then_continue_matches_dynamic_cache(self):
+        from strata.transformers import OffloadedStrataCache
+
+        model = offload_model("Qwen2")
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 300))
+        budget = final_kv_bytes(model, 300) // 2
+        with OffloadedStrataCache(model.config, max_cache_len=400, device_budget=budget) as cache, torch.no_grad():
+            dynamic = DynamicCache()
+            for c in (cache, dynamic):
+                model(input_ids=ids, past_key_values=c)
+                c.crop(-100)
+            self.assertEqual(cache.get_seq_length(), 200)
+            more = ids[:, 200:260]
+            got = model(input_ids=more, past_key_values=cache).logits
+            want = model(input_ids=more, past_key_values=dynamic).logits
+            self.assertTrue(torch.equal(got, want))
+            with self.assertRaises(strata.Unsupported):
+                cache.reorder_cache(torch.arange(len(PROMPTS)))
+            # Reset: every page back (device and host), same addresses, same logits again.
+            addresses = cache.data_ptrs()
+            cache.reset()
+            self.assertEqual(cache.get_seq_length(), 0)
+            self.assertEqual(cache.stats()["kv_bytes"], 0)
+            self.assertEqual(cache.stats()["host_used_bytes"], 0)
+            again = model(input_ids=ids, past_key_values=cache).logits
+            self.assertTrue(torch.equal(again, model(input_ids=ids, past_key_values=DynamicCache()).logits))
+            self.assertEqual(cache.data_ptrs(), addresses)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 pages mapped and the tier traffic.
 
     python -m strata.examples.generate --batch 4 --prompt 64 --new-tokens 512
+    python -m strata.examples.generate --device-budget 4MiB   # tiered offload (Pie's swapping)
 
 On a machine without a GPU strata runs its host backend; torch reads the KV tensors there only
 outside strict mode (STRATA_HOST_STRICT unset or 0). STRATA_HOST_GRANULARITY sets its page size.
@@ -25,7 +26,28 @@ def parse_args(argv=None):
     p.add_argument("--max-cache-len", type=int, default=None, help="default: prompt + new tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device-budget",
+        type=size,
+        default=None,
+        help="offload: device bytes for the KV (e.g. 4MiB); layers beyond it swap to host memory",
+    )
+    p.add_argument("--expand", action="store_true", help="offload: Pie's adaptive expansion above the budget's floor")
     return p.parse_args(argv)
+
+
+def size(text):
+    """Bytes from `123`, `64KiB`, `4MiB`, `1GiB`."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1, "": 1}
+    t = text.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            number = t[: len(t) - len(unit)] if unit else t
+            try:
+                return int(float(number) * units[unit])
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"{text!r}: bytes, e.g. 4MiB")
 
 
 def human(n):
@@ -41,7 +63,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    from strata.transformers import StrataCache
+    from strata.transformers import OffloadedStrataCache, StrataCache
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
@@ -68,7 +90,10 @@ def main(argv=None):
     ids, mask = ids.to(device), mask.to(device)
 
     max_len = args.max_cache_len or args.prompt + args.new_tokens
-    cache = StrataCache(model.config, max_cache_len=max_len)
+    if args.device_budget is None:
+        cache = StrataCache(model.config, max_cache_len=max_len)
+    else:
+        cache = OffloadedStrataCache(model.config, max_cache_len=max_len, device_budget=args.device_budget, expand=args.expand)
     bar = tqdm(total=args.new_tokens, unit="tok", desc="generate")
     peak = {"kv_bytes": 0}
 
@@ -103,6 +128,12 @@ def main(argv=None):
     print(f"tiers      {human(s['bytes_from_device'])} down, {human(s['bytes_to_device'])} up, "
           f"{s['spills']} blocks spilled, {s['restores']} restored, host {human(s['host_used_bytes'])}, "
           f"disk {human(s['disk_used_bytes'])}")
+    off = s.get("offload")
+    if off:
+        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers on the device "
+              f"now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}); {off['swap_ins']} swap-ins, "
+              f"{off['swap_outs']} swap-outs; {off['prefetch_hits']} prefetch hits, {off['stalls']} stalls "
+              f"({off['stall_seconds']:.2f} s waited); {s['clean_spills']} pages swapped out without a copy")
     cache.close()
 
 

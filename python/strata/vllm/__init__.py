@@ -13,8 +13,14 @@ sees its whole configured KV capacity; memory follows the blocks in use. The sch
 model runner must share a process (one worker; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or the
 engine-core process with the uni-process executor).
 
+Several engines in one process share the device by what they map: an idle engine keeps only
+its null block's group and its spares, so a second engine runs where stock vLLM, holding each
+engine's whole KV capacity, would not fit. Sleep (level >= 1) returns an engine's KV pages.
+
 Operator view: ``strata.vllm.stats()`` (groups and bytes mapped, pool and tier figures, bytes
-moved) and one INFO line of the same every ``STRATA_VLLM_LOG_INTERVAL`` seconds (default 10).
+moved), the same as vLLM metrics named ``vllm:strata_kv_*`` with an ``engine`` label
+(``LLM.get_metrics()``, vLLM's Prometheus registry; strata.vllm.metrics), and one INFO line every
+``STRATA_VLLM_LOG_INTERVAL`` seconds (default 10).
 """
 
 import os
@@ -38,13 +44,14 @@ __all__ = [
 def enable(version=None):
     """Applies every patch after checking all of them against vLLM's version (``version``
     overrides it, for tests). Raises UnsupportedVllm without patching anything on a mismatch."""
-    from . import patches
+    from . import metrics, patches
 
     if version is None:
         import vllm
 
         version = vllm.__version__
     patches.install(version)
+    metrics.register()
 
 
 def register():

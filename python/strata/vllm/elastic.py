@@ -10,9 +10,9 @@ is a *group*: one slot of ``blocks_per_group`` consecutive vLLM blocks (one page
 whichever is larger), mapped in every layer at once by ``append``. vLLM block ``b`` lives in
 group ``b // blocks_per_group``; the slot strata gives an admitted request is the group it maps.
 
-Unmapped groups read as zeros (the space's zero page). Returning a group to the pool goes through
-``spill`` + ``release`` because ``release`` alone keeps a slot's pages mapped for reuse
-(deferred reclamation): the spill copies the group's (dead) bytes to a host tier sized to one group.
+Unmapped groups read as zeros (the space's zero page). Returning a group to the pool truncates
+its request to no tokens: the pages go back to the pool at once, nothing is copied, and the
+request keeps its slot (``release`` would keep the pages mapped for the slot's next request).
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ import time
 
 import strata
 import strata.kv
+from strata import _lib
 
 # A child of vLLM's logger: its lines go wherever vLLM sends its own.
 log = logging.getLogger("vllm.strata")
@@ -77,7 +78,7 @@ class ElasticKv:
             max_requests=self.num_groups,
             max_tokens=self.tokens_per_group,
             zero_page=True,
-            host_bytes=self.group_bytes,
+            host_bytes=0,
             device=device,
         )
         self._lock = threading.Lock()
@@ -94,6 +95,8 @@ class ElasticKv:
         self.unmaps = 0
         self.peak_mapped_groups = 0
         self._last_log = None  # the first allocation logs at once
+        self._ranges = []  # (first, end) addresses of the layer tensors handed out
+        self._pool_stats = _lib.Stats()
         _SPACES.append(self)
 
     def layer_tensor(self, index):
@@ -101,8 +104,13 @@ class ElasticKv:
         import torch
 
         kind = "k" if index % 2 == 0 else "v"
-        t = torch.from_dlpack(self.space.tensor(index // 2, kind))
-        return t.view(-1)
+        t = torch.from_dlpack(self.space.tensor(index // 2, kind)).view(-1)
+        self._ranges.append((t.data_ptr(), t.data_ptr() + t.numel()))
+        return t
+
+    def holds(self, address):
+        """Whether ``address`` lies in one of this space's layer tensors."""
+        return any(first <= address < end for first, end in self._ranges)
 
     # ---- the block pool's side ------------------------------------------------------------
 
@@ -136,9 +144,14 @@ class ElasticKv:
         pages could map (never more than the ``queued`` free blocks). ``blocks_out`` counts the
         blocks not in the free queue (in use, and the null block), all on mapped groups."""
         on_mapped = self._mapped_blocks - blocks_out
-        st = strata.stats(self.device)
+        if on_mapped >= queued:
+            return queued
+        # The scheduler asks once per request per step: one struct refilled in place, two fields
+        # read (strata.stats() builds a dict of every field, most of this call's cost).
+        st = self._pool_stats
+        _lib.check(_lib.lib().strata_stats(self.device, st))
         # Two pages of slack: the zero page and rounding in the pool's own accounting.
-        room = st["total_bytes"] - st["pool_in_use_bytes"] - 2 * self.page_size
+        room = st.total_bytes - st.pool_in_use_bytes - 2 * self.page_size
         mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
         return min(queued, on_mapped + mappable * self.blocks_per_group)
 
@@ -188,13 +201,10 @@ class ElasticKv:
 
     def unmap(self, group):
         with self._lock:
-            r = self._requests[group]
-            r.spill("host")  # a failure here leaves the group mapped and counted
-            r.release()
+            self._requests[group].truncate(0)  # a failure here leaves the group mapped, counted
             self._groups.discard(group)
             self._free_groups.discard(group)
             self._mapped_blocks -= len(self.group_blocks(group))
-            self._requests[group] = self._admit(group)
             self.unmaps += 1
 
     # ---- operator view ---------------------------------------------------------------------
@@ -258,6 +268,17 @@ class ElasticKv:
 
 def newest():
     return _SPACES[-1] if _SPACES else None
+
+
+def spaces():
+    """Every ElasticKv of this process, oldest first."""
+    return list(_SPACES)
+
+
+def owner_of(tensor):
+    """The ElasticKv whose memory ``tensor`` views (the newest one if several could), or None."""
+    address = tensor.data_ptr()
+    return next((kv for kv in reversed(_SPACES) if kv.holds(address)), None)
 
 
 def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims, device=0):

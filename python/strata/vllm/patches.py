@@ -15,7 +15,12 @@ Patches (all in the process that runs the model runner and the scheduler):
               swapped for free blocks of mapped groups, so a small pool makes vLLM queue and
               preempt instead of failing (reset_prefix_cache still sees the plain count).
   cpu-sleep   vllm.v1.worker.cpu_worker.CPUWorker.sleep (a no-op in vLLM's CPU build): level >= 1
-              unmaps every KV group whose blocks are free; wake needs nothing.
+              unmaps every KV group of that worker's KV space whose blocks are free; wake needs
+              nothing.
+  gpu-sleep   vllm.v1.worker.gpu_worker.Worker.sleep: the stock sleep (weights, through the
+              sleep-mode backend), then the same unmapping (strata's KV is not in the CuMem pool
+              vLLM passes as kv_cache_allocation_context). Written from vLLM's code, run only on
+              a GPU: not tested yet.
 """
 
 import importlib
@@ -97,6 +102,7 @@ def _apply_kv_tensors():
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
         if not kv_cache_config.kv_cache_tensors:
             return stock(kv_cache_config, device, layout, kernel_block_sizes)
+        _refuse_connector_pool()
         kv, views = elastic.layer_views(
             kv_cache_config,
             layout,
@@ -116,6 +122,21 @@ def _apply_kv_tensors():
 
     allocate_kv_cache._strata = True
     runner.allocate_kv_cache = allocate_kv_cache
+
+
+def _refuse_connector_pool():
+    """GPU workers allocate the KV inside ``kv_cache_allocation_context``: CuMemAllocator's
+    "kv_cache" pool (sleep mode; strata handles sleep itself, see gpu-sleep) or a KV connector's
+    own pool, which the connector registers for transfers. strata's KV cannot live in the
+    latter: refuse instead of handing the connector memory it did not place."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group() and get_kv_transfer_group().get_mem_pool_context() is not None:
+        name = type(get_kv_transfer_group()).__name__
+        raise UnsupportedVllm(
+            f"strata.vllm: KV connector {name} places the KV cache in its own memory pool; "
+            "strata's elastic KV cannot (unset STRATA_VLLM or use another connector)"
+        )
 
 
 # ---- block-pool -----------------------------------------------------------------------------
@@ -252,29 +273,58 @@ def _apply_block_pool():
     BlockPool._strata = True
 
 
-# ---- cpu-sleep ------------------------------------------------------------------------------
+# ---- cpu-sleep, gpu-sleep ---------------------------------------------------------------------
+
+
+def release_kv(worker, level):
+    """Unmaps every KV group of ``worker``'s model runner whose blocks are all free (sleep
+    level >= 1 discards the KV cache: the engine paused and reset the prefix cache first).
+    Returns the number of groups unmapped, or None if the worker's KV is not strata's."""
+    caches = getattr(worker.model_runner, "kv_caches", None)
+    kv = elastic.owner_of(caches[0]) if caches else None
+    pool = getattr(kv, "block_pool", None)
+    if level < 1 or pool is None:
+        return None
+    released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
+    elastic.log.info("strata.vllm: sleep level %d unmapped %d KV groups", level, released)
+    return released
 
 
 def _apply_cpu_sleep():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    if getattr(CPUWorker, "_strata", False):
+    if "_strata" in CPUWorker.__dict__:
         return
     stock = CPUWorker.sleep
 
     def sleep(self, level=1):
-        """vLLM's CPU worker ignores sleep; with strata, level >= 1 (which discards the KV
-        cache: the engine paused and cleared the prefix cache first) unmaps every KV group
-        whose blocks are free. Wake needs nothing: groups map again as blocks are handed out."""
-        kv = elastic.newest()
-        pool = getattr(kv, "block_pool", None)
-        if level < 1 or pool is None:
-            return stock(self, level)
-        released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
-        elastic.log.info("strata.vllm: sleep level %d unmapped %d KV groups", level, released)
+        """vLLM's CPU worker ignores sleep; with strata, level >= 1 returns the KV pages. Wake
+        needs nothing: groups map again as blocks are handed out."""
+        if release_kv(self, level) is None:
+            stock(self, level)
 
     CPUWorker.sleep = sleep
     CPUWorker._strata = True
+
+
+def _apply_gpu_sleep():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if "_strata" in Worker.__dict__:
+        return
+    stock = Worker.sleep
+
+    def sleep(self, level=1):
+        """vLLM's GPU worker sleeps through its sleep-mode backend (CuMemAllocator's pools,
+        entered as ``kv_cache_allocation_context``); strata's KV tensors were never allocated
+        inside that pool, so after the stock sleep (weights) the KV pages go back to strata's
+        pool here. ``wake_up`` needs nothing for them (groups map again on demand; vLLM treats
+        a woken KV cache as discarded either way)."""
+        stock(self, level)
+        release_kv(self, level)
+
+    Worker.sleep = sleep
+    Worker._strata = True
 
 
 V0_32 = (0, 32, 0)
@@ -337,6 +387,15 @@ PATCHES.append(
         V0_33,
         {"vllm.v1.worker.cpu_worker:CPUWorker.sleep": ["self", "level"]},
         _apply_cpu_sleep,
+    )
+)
+PATCHES.append(
+    Patch(
+        "gpu-sleep",
+        V0_32,
+        V0_33,
+        {"vllm.v1.worker.gpu_worker:Worker.sleep": ["self", "level"]},
+        _apply_gpu_sleep,
     )
 )
 

@@ -2,12 +2,16 @@
 and prints one JSON line: the greedy outputs, and per engine step the blocks in use and (with
 strata.vllm on) the KV bytes mapped. test_vllm.py runs it with STRATA_VLLM=1 and without.
 
-    python run_engine.py MODEL_DIR [--requests N] [--max-tokens N] [--bench]
+    python run_engine.py MODEL_DIR [--requests N] [--max-tokens N] [--kind llama|mixtral]
+        [--bench [--waves N]]
 """
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import resource
 import sys
 import time
 
@@ -34,18 +38,73 @@ LLAMA = {
 }
 
 
-def write_model(path):
+# The same with a mixture of experts in place of the MLP (4 experts, 2 per token).
+MIXTRAL = dict(
+    LLAMA,
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+MODELS = {"llama": LLAMA, "mixtral": MIXTRAL}
+
+
+def write_model(path, kind="llama"):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(LLAMA, f)
+        json.dump(MODELS[kind], f)
 
 
-def prompts(n):
-    """n prompts of different lengths (17, 40, 63, ... tokens), deterministic token ids."""
+@contextlib.contextmanager
+def livelier_dummy_weights():
+    """vLLM's dummy loader draws every tensor in +-1e-3 from one seed: such a model hardly reads
+    its context (each output follows the last token). Zeroing the whole KV cache after the second
+    step (what a group unmapped too early reads) changed none of 8 outputs with those weights.
+    Inside this, each tensor gets its own seed (in load order: the same weights for every engine
+    built) and +-0.1: the same zeroing changed all 8."""
+    from vllm.model_executor.model_loader import dummy_loader
+
+    stock = dummy_loader.initialize_single_dummy_weight
+    seeds = itertools.count(1)
+
+    def initialize(param, *args, **kwargs):
+        stock(param, low=-0.1, high=0.1, seed=next(seeds))
+
+    dummy_loader.initialize_single_dummy_weight = initialize
+    try:
+        yield
+    finally:
+        dummy_loader.initialize_single_dummy_weight = stock
+
+
+def make_llm(model, requests, kv_bytes, log_stats):
+    """The engine every script here runs: fp32, block size 32, 512 tokens per request at most,
+    ``kv_bytes`` of KV cache; ``log_stats`` makes LLM.get_metrics() work."""
+    from vllm import LLM
+
+    with livelier_dummy_weights():
+        return LLM(
+            model=model,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            block_size=32,
+            max_model_len=512,
+            max_num_seqs=requests,
+            kv_cache_memory_bytes=kv_bytes,
+            seed=0,
+            disable_log_stats=not log_stats,
+        )
+
+
+def prompts(n, salt=0):
+    """n prompts of different lengths (17, 40, 63, ... tokens), deterministic token ids; another
+    ``salt`` gives other tokens (no prefix-cache hits between them)."""
     out = []
     for i in range(n):
         length = 17 + 23 * i
-        out.append([(7 * i + 13 * t) % 1000 + 3 for t in range(length)])
+        out.append([(7 * i + 13 * t + salt) % 1000 + 3 for t in range(length)])
     return out
 
 
@@ -60,23 +119,17 @@ def main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--kind", choices=sorted(MODELS), default="llama")
+    ap.add_argument("--waves", type=int, default=1, help="with --bench: waves to time")
+    ap.add_argument(
+        "--bench", action="store_true", help="one wave, no per-step probes (bench.py)"
+    )
     args = ap.parse_args()
 
-    write_model(args.model)
-    from vllm import LLM, SamplingParams
+    write_model(args.model, args.kind)
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=args.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        block_size=32,
-        max_model_len=512,
-        max_num_seqs=args.requests,
-        kv_cache_memory_bytes=args.kv_bytes,
-        seed=0,
-    )
+    llm = make_llm(args.model, args.requests, args.kv_bytes, log_stats=not args.bench)
     plugin = os.environ.get("STRATA_VLLM", "0") not in ("", "0")
     if plugin:
         import strata.vllm
@@ -95,9 +148,9 @@ def main():
     outputs = {}
     first_token = {}
 
-    def run_wave(prefix):
+    def run_wave(prefix, salt=0):
         wave_start = time.perf_counter()
-        for i, p in enumerate(prompts(args.requests)):
+        for i, p in enumerate(prompts(args.requests, salt)):
             engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -106,16 +159,47 @@ def main():
                     first_token[rid] = time.perf_counter() - wave_start
                 if out.finished:
                     outputs[rid] = list(out.outputs[0].token_ids)
-            steps.append({"blocks": in_use(), "mapped": mapped()})
+            if not args.bench:
+                steps.append({"blocks": in_use(), "mapped": mapped()})
 
-    start = time.perf_counter()
-    run_wave("a")
-    elapsed = time.perf_counter() - start
-    generated = sum(len(v) for v in outputs.values())
-    ttft = sum(first_token.values()) / max(len(first_token), 1)
+    def timed_wave(prefix, salt=0):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu = time.process_time()
+        start = time.perf_counter()
+        run_wave(prefix, salt)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu  # every thread's CPU time: the wave's cost, queueing aside
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        rids = [f"{prefix}{i}" for i in range(args.requests)]
+        generated = sum(len(outputs[r]) for r in rids)
+        return {
+            "tokens_per_s": generated / elapsed,
+            "tokens_per_cpu_s": generated / cpu,
+            "mean_ttft_s": sum(first_token[r] for r in rids) / len(rids),
+            "minor_faults": faults,
+        }
+
+    first = timed_wave("a")
+    if args.bench:
+        # later waves: other tokens, the same shape; the KV pages were mapped before
+        warm = [timed_wave(f"w{n}", salt=n) for n in range(1, args.waves)]
+        print("RESULT " + json.dumps({
+            "plugin": plugin,
+            "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
+            **first,
+            "warm": warm,
+            "stats": strata.vllm.stats() if plugin else None,
+        }), flush=True)
+        os._exit(0)
     # The same prompts again: prefix-cache hits on blocks whose groups stayed mapped, recompute
     # for the others (their hashes left the cache when their group was unmapped).
     run_wave("b")
+    # strata's figures among vLLM's metrics, read back as an operator would (LLM.get_metrics)
+    metrics = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:strata_"):
+            metrics[m.name] = m.value
+    stats_now = strata.vllm.stats() if plugin else None
     # Sleep (strata: KV groups back to the pool), wake, and the same prompts once more.
     llm.sleep(level=1)
     asleep = mapped()
@@ -127,9 +211,11 @@ def main():
         "outputs_again": [outputs[f"b{i}"] for i in range(args.requests)],
         "outputs_after_sleep": [outputs[f"c{i}"] for i in range(args.requests)],
         "mapped_asleep": asleep,
+        "metrics": metrics,
+        "stats_with_metrics": stats_now,
         "steps": steps,
-        "tokens_per_s": generated / elapsed,
-        "mean_ttft_s": ttft,
+        "tokens_per_s": first["tokens_per_s"],
+        "mean_ttft_s": first["mean_ttft_s"],
         "stats": strata.vllm.stats() if plugin else None,
         "block_bytes_all_layers": None,
     }

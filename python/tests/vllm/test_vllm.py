@@ -19,6 +19,8 @@ SPARE_GROUPS = 2
 REQUESTS = 8
 MAX_TOKENS = 12
 SMALL_DEVICE = 1536 << 10
+TWO_ENGINES_KV = 8 << 20
+TWO_ENGINES_DEVICE = 12 << 20
 
 try:
     import vllm  # noqa: F401
@@ -30,7 +32,11 @@ except ImportError:
         raise
 
 
-def run_engine(plugin, model_dir, **extra_env):
+def run_engine(plugin, model_dir, *args, **extra_env):
+    return run_script("run_engine.py", plugin, model_dir, *args, **extra_env)
+
+
+def run_script(script, plugin, model_dir, *args, **extra_env):
     env = dict(os.environ)
     env.update(
         STRATA_VLLM="1" if plugin else "0",
@@ -43,8 +49,8 @@ def run_engine(plugin, model_dir, **extra_env):
     )
     env.update(extra_env)
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "run_engine.py"), model_dir,
-         "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS)],
+        [sys.executable, os.path.join(HERE, script), model_dir,
+         "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -53,7 +59,7 @@ def run_engine(plugin, model_dir, **extra_env):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(
-            f"run_engine (plugin={plugin}) failed, rc {proc.returncode}:\n"
+            f"{script} (plugin={plugin}) failed, rc {proc.returncode}:\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
@@ -104,6 +110,11 @@ class Elastic(unittest.TestCase):
         cls.strata, cls.strata_log = run_engine(True, model)
         # 64 MiB of virtual KV over a 1.5 MiB device: vLLM must queue and preempt by the pages
         cls.small, _ = run_engine(True, model, STRATA_HOST_DEVICES="1536KiB")
+        # two engines of 8 MiB of KV each on a 12 MiB device
+        cls.two, _ = run_script(
+            "run_two_engines.py", True, model, "--kv-bytes", str(TWO_ENGINES_KV),
+            STRATA_HOST_DEVICES="12MiB",
+        )
 
     @classmethod
     def tearDownClass(cls):
@@ -154,9 +165,65 @@ class Elastic(unittest.TestCase):
         self.assertGreater(max(s["mapped"] for s in self.strata["steps"]), SMALL_DEVICE)
         self.assertLess(peak, r["stats"]["virtual_bytes"])
 
+    def test_a_second_engine_runs_while_the_first_is_idle(self):
+        r = self.two
+        device, group = r["device_bytes"], r["group_bytes"]
+        self.assertEqual(device, TWO_ENGINES_DEVICE)
+        self.assertEqual(r["virtual_bytes"], [TWO_ENGINES_KV] * 2)
+        # stock vLLM's accounting (each engine holds its whole KV): one fits, two do not ...
+        self.assertLessEqual(TWO_ENGINES_KV, device)
+        self.assertGreater(2 * TWO_ENGINES_KV, device)
+        # ... and so it went on the device: A's whole KV mapped, B's could not be
+        self.assertEqual(r["stock_failed_groups_a"], 0)
+        self.assertGreater(r["stock_failed_groups_b"], 0)
+        self.assertLessEqual(r["stock_pool_bytes"], device)
+        # strata: A idle holds the null block's group and its spares; B ran; A ran again
+        self.assertLessEqual(r["idle_a"], (SPARE_GROUPS + 1) * group)
+        self.assertEqual(r["outputs_a"], self.stock["outputs"])
+        self.assertEqual(r["outputs_b"], self.stock["outputs"])
+        self.assertEqual(r["outputs_a_again"], self.stock["outputs"])
+        self.assertLessEqual(r["peak_mapped_sum"], device)
+        # A's sleep returned A's KV (all but the null block's group), not B's spares
+        self.assertGreater(r["idle_b"], group)
+        self.assertEqual(r["a_asleep"], [group, r["idle_b"]])
+        self.assertEqual(r["mapped_after"], [group, group])
+
+    def test_unmapping_copies_nothing(self):
+        stats = self.strata["stats"]
+        self.assertGreater(stats["unmaps"], 0)
+        self.assertEqual(stats["bytes_from_device"], 0)
+        self.assertEqual(stats["host_used_bytes"], 0)
+
+    def test_stats_are_vllm_metrics(self):
+        m, s = self.strata["metrics"], self.strata["stats_with_metrics"]
+        self.assertEqual(m["vllm:strata_kv_mapped_bytes"], s["mapped_bytes"])
+        self.assertEqual(m["vllm:strata_kv_virtual_bytes"], s["virtual_bytes"])
+        self.assertEqual(m["vllm:strata_kv_groups_mapped"], s["groups_mapped"])
+        self.assertEqual(m["vllm:strata_kv_pool_in_use_bytes"], s["pool_in_use_bytes"])
+        self.assertEqual(m["vllm:strata_kv_maps"], s["maps"])
+        self.assertGreater(m["vllm:strata_kv_maps"], 0)
+        self.assertEqual(m["vllm:strata_kv_unmaps"], s["unmaps"])
+        for name in ("host_tier_bytes", "disk_tier_bytes", "bytes_to_device",
+                     "bytes_from_device", "prefetch_hits", "groups_spare"):
+            self.assertIn(f"vllm:strata_kv_{name}", m)
+        self.assertEqual(self.stock["metrics"], {})
+
     def test_stats_are_logged(self):
         self.assertIn("strata.vllm: 2 layers, 1024 blocks", self.strata_log)
         self.assertRegex(self.strata_log, r"strata KV: \d+/512 groups mapped")
+
+
+@unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
+class MixtureOfExperts(unittest.TestCase):
+    def test_greedy_outputs_are_identical(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = os.path.join(tmp, "mixtral")
+            stock, _ = run_engine(False, model, "--kind", "mixtral", "--bench")
+            ours, _ = run_engine(True, model, "--kind", "mixtral", "--bench")
+        self.assertEqual(len(stock["outputs"]), REQUESTS)
+        self.assertGreater(len({tuple(o) for o in stock["outputs"]}), 1)
+        self.assertEqual(ours["outputs"], stock["outputs"])
+        self.assertGreater(ours["stats"]["maps"], 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,357 @@
+"""strata.vllm.offload against a real vLLM (the CPU build): run by .ci/run with .ci/vllm-env's
+Python, beside test_vllm.py.
+
+Skips without vLLM unless STRATA_REQUIRE_VLLM=1 (as .ci/run sets), where a missing vLLM fails.
+The worker tests drive StrataOffloadWorker in this process with vLLM's own spec types; the
+engine tests run run_offload.py in subprocesses, stock vLLM and vLLM with strata's offload,
+under a KV budget that forces preemption.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_engine import write_model  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+BLOCKS = 12  # vLLM KV blocks of 32 tokens: 8 requests of up to 242 tokens must preempt
+MAX_TOKENS = 64
+HOST_BYTES = 256 << 10  # four chunks: the rest moves on to the disk tier
+DISK_BYTES = 16 << 20
+
+try:
+    import vllm
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+    if os.environ.get("STRATA_REQUIRE_VLLM") == "1":
+        raise
+
+
+def offloading_config(layers, block_bytes, blocks_per_chunk, **extra):
+    """vLLM's OffloadingConfig for ``layers`` layers of ``block_bytes`` per block."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    import strata.vllm.offload as offload
+
+    cfg = offload.kv_transfer_config(blocks_per_chunk=blocks_per_chunk, **extra)
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, tuple(f"layer{i}" for i in range(layers)), 0),),
+        worker_kv_bytes_per_block=layers * block_bytes,
+        enable_kv_cache_events=False,
+        extra_config=cfg["kv_connector_extra_config"],
+        engine_id="test-offload",
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(32, blocks_per_chunk),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+
+
+@unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
+class VersionGate(unittest.TestCase):
+    def test_other_versions_are_refused(self):
+        import strata.vllm.offload as offload
+
+        offload.check()  # the installed vLLM
+        for version in ("0.31.9", "0.33.0", "1.0.0"):
+            with self.assertRaises(offload.UnsupportedVllm) as cm:
+                offload.check(version)
+            self.assertIn("'kv-offload' supports vLLM >=0.32.0,<0.33.0", str(cm.exception))
+            self.assertIn(version, str(cm.exception))
+
+    def test_vllm_building_the_spec_on_another_version_fails_loudly(self):
+        import strata.vllm.offload as offload
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        config = offloading_config(2, 8192, 2, host_bytes=1 << 20)
+        saved = vllm.__version__
+        vllm.__version__ = "0.33.1"
+        try:
+            with self.assertRaises(offload.UnsupportedVllm):
+                OffloadingSpecFactory.create_spec(config)
+        finally:
+            vllm.__version__ = saved
+
+
+@unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
+class Worker(unittest.TestCase):
+    """The worker's data path, byte for byte, with strata's page size whatever it is."""
+
+    LAYERS = 3  # odd: the last strata layer's V tensor is unused
+
+    def setUp(self):
+        import strata
+
+        self.page = strata.stats(0)["page_size"]
+        self.block = self.page // 2  # two vLLM blocks fill one strata page
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+
+    def worker(self, host_chunks, disk_chunks=0):
+        import torch
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        chunk = 4 * self.page  # per chunk: 3 layers rounded up to 4 tensors of one page
+        config = offloading_config(
+            self.LAYERS,
+            self.block,
+            2,
+            host_bytes=host_chunks * chunk,
+            disk_bytes=disk_chunks * chunk,
+            disk_dir=self.tmp.name if disk_chunks else None,
+        )
+        spec = OffloadingSpecFactory.create_spec(config)
+        self.assertEqual(type(spec).__name__, "StrataOffloadingSpec")
+        self.assertEqual(spec.num_chunks, host_chunks + disk_chunks)
+        gen = torch.Generator().manual_seed(1)
+        self.kv = [
+            torch.randint(-128, 128, (16, self.block), dtype=torch.int8, generator=gen)
+            for _ in range(self.LAYERS)
+        ]
+        caches = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, self.block) for t in self.kv],
+            group_data_refs=[[CanonicalKVCacheRef(i, self.block) for i in range(self.LAYERS)]],
+        )
+        worker = spec.get_worker(caches)
+        self.addCleanup(worker.shutdown)
+        return spec, worker
+
+    def store(self, worker, job, blocks, chunks, first=0):
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [first])
+        self.assertTrue(worker.submit_store(job, gpu, CPULoadStoreSpec(chunks)))
+
+    def load(self, worker, job, chunks, blocks, first=0):
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        gpu = GPULoadStoreSpec(blocks, [len(blocks)], [first])
+        self.assertTrue(worker.submit_load(job, CPULoadStoreSpec(chunks), gpu))
+
+    def snapshot(self, blocks):
+        return [t[blocks].clone() for t in self.kv]
+
+    def assert_blocks(self, blocks, expected):
+        import torch
+
+        for t, e in zip(self.kv, expected):
+            self.assertTrue(torch.equal(t[blocks], e))
+
+    def test_blocks_come_back_byte_for_byte_through_the_host_tier(self):
+        _, w = self.worker(host_chunks=8)
+        stored = self.snapshot([2, 3, 4, 5])
+        self.store(w, 1, [2, 3, 4, 5], [6, 1])
+        done = w.get_finished()
+        self.assertEqual([(r.job_id, r.success) for r in done], [(1, True)])
+        s = w.stats()
+        self.assertEqual(s["blocks_resident"], 0, "stored chunks stay on the device")
+        self.assertGreater(s["host_used_bytes"], 0)
+        for t in self.kv:
+            t[2:6] = 0
+        # into other blocks; the second half of chunk 6 first (a load that starts mid-chunk)
+        self.load(w, 2, [6, 1], [9, 10, 11], first=1)
+        self.assert_blocks([9, 10, 11], [e[1:] for e in stored])
+        self.load(w, 3, [6], [12, 13])
+        self.assert_blocks([12, 13], [e[:2] for e in stored])
+        self.assertEqual(w.stats()["blocks_resident"], 0, "loaded chunks stay on the device")
+
+    def test_a_reused_chunk_id_holds_the_new_blocks(self):
+        _, w = self.worker(host_chunks=4)
+        self.store(w, 1, [0, 1], [0])
+        second = self.snapshot([4, 5])
+        self.store(w, 2, [4, 5], [0])
+        self.load(w, 3, [0], [7, 8])
+        self.assert_blocks([7, 8], second)
+        self.assertEqual(w.stats()["chunks_held"], 1)
+
+    def test_full_host_tier_moves_chunks_to_disk_and_loads_read_them_back(self):
+        _, w = self.worker(host_chunks=2, disk_chunks=6)
+        stored = self.snapshot(list(range(12)))
+        for c in range(6):
+            self.store(w, c, [2 * c, 2 * c + 1], [c])
+        s = w.stats()
+        self.assertGreater(s["disk_used_bytes"], 0)
+        self.assertLessEqual(s["host_used_bytes"], s["host_capacity_bytes"])
+        for t in self.kv:
+            t.zero_()
+        for c in range(6):
+            self.load(w, 10 + c, [c], [2 * c, 2 * c + 1])
+        self.assert_blocks(list(range(12)), stored)
+        self.assertGreater(w.stats()["disk_read_bytes"], 0)
+
+    def test_hinted_chunks_are_prefetched_before_their_load(self):
+        _, w = self.worker(host_chunks=4)
+        stored = self.snapshot([0, 1, 2, 3])
+        self.store(w, 1, [0, 1, 2, 3], [0, 1])
+        w.hint([0, 1, 3])  # chunk 3 was never stored: ignored
+        w.get_finished()
+        s = w.stats()
+        self.assertEqual(s["hinted_chunks"], 2)
+        self.assertGreater(s["prefetch_hits"], 0)
+        self.assertGreater(s["blocks_resident"], 0)
+        self.load(w, 2, [0, 1], [8, 9, 10, 11])
+        self.assert_blocks([8, 9, 10, 11], stored)
+        self.assertEqual(w.stats()["prefetch_misses"], 0)
+
+    def test_prefetched_chunks_never_loaded_go_back_to_the_host_tier(self):
+        _, w = self.worker(host_chunks=4)
+        stored = self.snapshot([0, 1])
+        self.store(w, 1, [0, 1], [0])
+        w.hint([0])
+        w.get_finished()
+        self.assertGreater(w.stats()["blocks_resident"], 0)
+        for _ in range(w.prefetch_steps + 1):
+            w.get_finished()
+        s = w.stats()
+        self.assertEqual(s["blocks_resident"], 0)
+        self.assertEqual(s["prefetches_dropped"], 1)
+        self.load(w, 2, [0], [5, 6])
+        self.assert_blocks([5, 6], stored)
+
+    def test_a_load_of_a_chunk_never_stored_is_a_typed_error(self):
+        import strata
+
+        _, w = self.worker(host_chunks=2)
+        with self.assertRaises(strata.InvalidState):
+            self.load(w, 1, [1], [0, 1])
+
+    def test_bad_settings_are_typed_errors(self):
+        import strata
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        # one chunk of one layer must fill whole strata pages
+        config = offloading_config(2, self.page // 4, 1, host_bytes=1 << 20)
+        with self.assertRaises(strata.InvalidArgument) as cm:
+            OffloadingSpecFactory.create_spec(config)
+        self.assertIn("set blocks_per_chunk to a multiple of 4", str(cm.exception))
+        with self.assertRaises(strata.InvalidArgument):
+            OffloadingSpecFactory.create_spec(offloading_config(2, self.page, 1, host_bytes=0))
+        with self.assertRaises(strata.InvalidArgument):  # a disk tier without a folder
+            OffloadingSpecFactory.create_spec(
+                offloading_config(2, self.page, 1, host_bytes=1 << 20, disk_bytes=1 << 20)
+            )
+
+
+def start_offload(model_dir, offload, disk_dir=None):
+    """Starts run_offload.py (stock vLLM, or strata's offload with ``disk_dir``)."""
+    env = dict(os.environ)
+    env.update(
+        STRATA_HOST_GRANULARITY="32KiB",  # one block of one layer: chunks of one block
+        STRATA_BACKEND="host",
+        STRATA_HOST_STRICT="0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONPATH=os.path.join(REPO, "python"),
+    )
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "run_offload.py"),
+        model_dir,
+        "--blocks",
+        str(BLOCKS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
+    if offload:
+        cmd += ["--offload", "--blocks-per-chunk", "1", "--host-bytes", str(HOST_BYTES)]
+        cmd += ["--disk-bytes", str(DISK_BYTES), "--disk-dir", disk_dir]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.offload = offload
+    return proc
+
+
+def result_of(proc):
+    """run_offload.py's RESULT line, once it exits."""
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"run_offload (offload={proc.offload}) failed, rc {proc.returncode}:\n"
+            f"{out[-3000:]}\n{err[-6000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_offload(model_dir, offload, disk_dir=None):
+    return result_of(start_offload(model_dir, offload, disk_dir))
+
+
+@unittest.skipUnless(HAVE_VLLM, "vLLM is not installed (.ci/vllm-env installs it)")
+class Engine(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(cls.tmp.cleanup)
+        model = os.path.join(cls.tmp.name, "llama")
+        disk = os.path.join(cls.tmp.name, "disk")
+        os.makedirs(disk)
+        write_model(model)  # before both runs start: they would race to write it
+        # Side by side: the engines' start-up mostly waits, so two at once take little longer.
+        runs = [start_offload(model, False), start_offload(model, True, disk)]
+        try:
+            cls.stock, cls.strata = [result_of(p) for p in runs]
+        finally:
+            for p in runs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        for name, r in (("stock recompute", cls.stock), ("strata offload", cls.strata)):
+            print(
+                f"\n{name}: {r['recomputed_tokens']} recomputed tokens "
+                f"({r['computed_tokens']} computed, {r['needed_tokens']} needed), "
+                f"{r['preemptions']} preemptions, {r['tokens_per_s']:.1f} tok/s",
+                file=sys.stderr,
+            )
+        print(f"strata offload figures: {json.dumps(cls.strata['strata'])}", file=sys.stderr)
+
+    def test_the_budget_forces_preemption(self):
+        self.assertGreater(self.stock["preemptions"], 0)
+        self.assertGreater(self.strata["preemptions"], 0)
+        self.assertGreater(self.stock["recomputed_tokens"], 0, "stock vLLM recomputed nothing")
+
+    def test_outputs_are_identical_to_stock_vllm(self):
+        stock = self.stock["outputs"]
+        self.assertEqual(len(stock), 8)
+        self.assertTrue(all(len(o) == MAX_TOKENS for o in stock))
+        self.assertEqual(len({tuple(o[:8]) for o in stock}), 8, "requests gave equal outputs")
+        self.assertEqual(self.strata["outputs"], stock)
+
+    def test_offload_recomputes_fewer_tokens_than_stock_recompute(self):
+        self.assertGreaterEqual(self.strata["recomputed_tokens"], 0)
+        self.assertLess(self.strata["recomputed_tokens"], self.stock["recomputed_tokens"])
+
+    def test_blocks_went_through_strata_tiers_and_came_back(self):
+        s = self.strata["strata"]
+        self.assertGreater(s["stored_chunks"], 0)
+        self.assertGreater(s["loaded_chunks"], 0)
+        self.assertGreater(s["disk_write_bytes"], 0, "the disk tier was never used")
+        self.assertLessEqual(s["host_used_bytes"], HOST_BYTES)
+        self.assertGreater(s["hinted_chunks"], 0, "preemptions were not hinted")
+        self.assertGreater(s["prefetch_hits"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
