@@ -165,7 +165,7 @@ fn sizes_are_aligned_distinct_and_hold_their_bytes() {
         assert_ne!(p, 0);
         assert_eq!(p % 256, 0, "size {s}");
         if s >= MIB {
-            assert_eq!(p % PAGE, 0, "large size {s} page-aligned");
+            assert_eq!(p % 512, 0, "large size {s} 512-byte aligned");
         }
         assert_eq!(a.size_of(p).unwrap(), s);
         assert_eq!(a.tag_of(p).unwrap(), 0);
@@ -252,8 +252,9 @@ fn bad_frees_are_errors_not_corruption() {
 
 #[test]
 fn large_allocation_over_fragmented_free_pages_needs_no_new_pages() {
-    // A device of 16 pages: A B C D take 4 each; the 8-page request can only be served by
-    // remapping B's and D's pages behind a new range.
+    // A device of 16 pages: A B C D take 4 each (one segment grown in place); the 8-page
+    // request can only be served by remapping free pages: B's behind D's, which are free at
+    // the segment's end (or B's and D's behind a new range).
     let e = env_with(32 * MIB, CachingConfig::default(), None);
     let a = &e.alloc;
     let blocks: Vec<u64> = (0..4).map(|_| a.allocate(8 * MIB, S0).unwrap()).collect();
@@ -274,7 +275,7 @@ fn large_allocation_over_fragmented_free_pages_needs_no_new_pages() {
     check(&e.backend, blocks[2], 8 * MIB, 2);
     let st = a.stats();
     assert_eq!(st.reserved_bytes, 32 * MIB);
-    assert!(st.counts.pages_recycled >= 8);
+    assert!(st.counts.pages_recycled >= 4, "{:?}", st.counts);
     ok(a);
     // The device is full now: one more page is out of memory, and nothing leaks.
     let err = a.allocate(PAGE, S0).unwrap_err();
@@ -1151,6 +1152,37 @@ fn a_failed_unlocked_growth_rolls_back() {
 }
 
 // ------------------------------------------------------------------ random walk
+
+#[test]
+fn mid_blocks_grow_their_segment_in_place() {
+    // Blocks of 1.5 MiB one after the other (a tensor growing step by step): each joins the
+    // free tail of the segment and the pages mapped right after it, so reserved follows
+    // allocated to the page instead of jumping by a 20 MiB segment or a page per block.
+    let e = env();
+    let a = &e.alloc;
+    let size = 3 * MIB / 2;
+    let mut live = Vec::new();
+    for i in 1..=12u64 {
+        let p = a.allocate(size, S0).unwrap();
+        fill(&e.backend, p, size, i);
+        live.push((p, size, i));
+        assert_eq!(
+            a.stats().reserved_bytes,
+            (i * size).div_ceil(PAGE) * PAGE,
+            "after {i} blocks"
+        );
+        ok(a);
+    }
+    assert!(live.windows(2).all(|w| w[1].0 == w[0].0 + size));
+    for blk in live {
+        check_and_free(a, &e.backend, blk);
+        ok(a);
+    }
+    // Trimming still returns whole pages: everything.
+    assert_eq!(a.empty_cache().unwrap(), 9 * PAGE);
+    assert_eq!(a.stats().reserved_bytes, 0);
+    ok(a);
+}
 
 #[test]
 fn large_sizes_share_pages() {

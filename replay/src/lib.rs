@@ -21,6 +21,7 @@ pub fn standard_traces(repo: &std::path::Path) -> Vec<std::path::PathBuf> {
         "llama-train.csv.gz",
         "llama-generate.csv.gz",
         "llama-mix.csv.gz",
+        "mixtral-moe-generate.csv.gz",
     ]
     .iter()
     .map(|f| dir.join(f))
@@ -202,8 +203,13 @@ mod tests {
     }
 
     #[test]
-    fn committed_training_traces_reserve_at_most_five_percent_over_their_peak() {
-        for name in ["llama-train.csv.gz", "llama-mix.csv.gz"] {
+    fn committed_traces_reserve_at_most_five_percent_over_their_peak() {
+        for name in [
+            "llama-train.csv.gz",
+            "llama-mix.csv.gz",
+            "llama-generate.csv.gz",
+            "mixtral-moe-generate.csv.gz",
+        ] {
             let trace = Trace::load(&traces().join(name), None).unwrap();
             let report = replay_fresh(&trace);
             assert_eq!(report.failed, 0);

@@ -68,6 +68,37 @@ impl VaArena {
         Some(start)
     }
 
+    /// Takes `len` units from the smallest free range that holds them with `room` more units
+    /// free after them (so that what is placed there can grow in place), else from the
+    /// smallest that holds them.
+    pub fn alloc_with_room(&mut self, len: u64, room: u64) -> Option<u64> {
+        let roomy = len.checked_add(room).filter(|&want| want <= self.largest());
+        match roomy.and_then(|want| self.by_len.range((want, 0)..).next().copied()) {
+            Some((_, start)) => self.alloc_at(start, len).then_some(start),
+            None => self.alloc(len),
+        }
+    }
+
+    /// Takes exactly `start..start+len` if it is entirely free; false (and nothing changes)
+    /// otherwise.
+    pub fn alloc_at(&mut self, start: u64, len: u64) -> bool {
+        if len == 0 || !self.is_free(start, len) {
+            return false;
+        }
+        let Some((&fs, &fl)) = self.by_start.range(..=start).next_back() else {
+            return false;
+        };
+        self.remove(fs, fl);
+        if start > fs {
+            self.insert(fs, start - fs);
+        }
+        let (end, fend) = (start + len, fs + fl);
+        if fend > end {
+            self.insert(end, fend - end);
+        }
+        true
+    }
+
     /// Returns `start..start+len`, coalescing with free neighbours. A range outside the arena
     /// or overlapping a free range is refused (and nothing changes).
     pub fn free(&mut self, start: u64, len: u64) -> Result<(), String> {
@@ -191,6 +222,18 @@ mod tests {
         a.free(0, 10).unwrap();
         a.check().unwrap();
         assert_eq!(a.fragments(), 1);
+        // Exact ranges: taken only when wholly free; room left after a placement.
+        assert!(a.alloc_at(40, 10));
+        assert!(!a.alloc_at(45, 10));
+        assert!(!a.alloc_at(95, 10));
+        a.check().unwrap();
+        assert_eq!(a.alloc_with_room(5, 20), Some(0)); // 0..40 is the smallest with room
+        assert!(a.is_free(5, 35));
+        assert_eq!(a.alloc_with_room(30, 40), Some(5)); // room nowhere: best fit
+        a.check().unwrap();
+        a.free(0, 35).unwrap();
+        a.free(40, 10).unwrap();
+        assert_eq!(a.free_units(), 100);
         assert_eq!(a.largest(), 100);
         assert_eq!(a.free_units(), 100);
     }

@@ -12,10 +12,21 @@ use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
 use super::{
     internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, Segment,
-    State, TagId,
+    State, TagId, CHUNKS_PER_PAGE,
 };
 use crate::mapped::{MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
+
+/// Where [`CachingAllocator::grow_run_in`] takes the new range's VA.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum VaChoice {
+    /// The smallest free range that holds it.
+    BestFit,
+    /// The smallest with this many free pages after it (room to grow in place), else best fit.
+    WithRoom(u64),
+    /// Exactly here (the caller checked that it is free, under the lock it still holds).
+    At(u64),
+}
 
 /// The allocator's lock, held.
 pub(super) type Guard<'a> = MutexGuard<'a, State>;
@@ -202,80 +213,98 @@ impl CachingAllocator {
     }
 
     /// Returns to their shared pages the runs of tag index `ti` whose blocks are all free, of
-    /// any class, so that their chunks can serve another class. Their blocks leave the bins
-    /// and the table; streams that freed them are ordered before `stream`, which the chunks'
-    /// next blocks are carved for. Returns the runs removed.
+    /// any class, so that their chunks can serve another class. Emptied runs are found by the
+    /// segments' `empty_runs` bits, without scanning blocks. Their blocks leave the bins and
+    /// the table; streams that freed them are ordered before `stream`, which the chunks' next
+    /// blocks are carved for. Returns the runs removed.
     fn reclaim_empty_runs(&self, st: &mut State, ti: usize, stream: StreamHandle) -> Result<usize> {
-        let mut doomed: Vec<(u32, usize)> = Vec::new();
+        let mut doomed: Vec<(u32, Carve)> = Vec::new();
         for (id, seg) in st.iter_segments() {
-            if !seg.shared || seg.tag as usize != ti || seg.mapped.is_empty() {
+            if seg.empty_runs == 0 || !seg.shared || seg.tag as usize != ti || seg.mapped.is_empty()
+            {
                 continue;
             }
-            if seg.live as usize == seg.blocks.len() {
-                continue;
-            }
-            let base = self.va_of(seg.start);
-            let mut busy = vec![false; seg.runs.len()];
-            for &b in &seg.blocks {
-                let blk = &st.blocks[b as usize];
-                if blk.state != BlockState::Free {
-                    let off = blk.ptr - base;
-                    let r = seg.runs.partition_point(|r| r.offset <= off);
-                    if let Some(flag) = r.checked_sub(1).and_then(|r| busy.get_mut(r)) {
-                        *flag = true;
-                    }
-                }
-            }
-            doomed.extend((0..seg.runs.len()).filter(|&r| !busy[r]).map(|r| (id, r)));
+            doomed.extend(
+                seg.runs
+                    .iter()
+                    .filter(|r| seg.empty_runs & (1 << self.run_of(seg, r.offset)) != 0)
+                    .map(|&r| (id, r)),
+            );
         }
         if doomed.is_empty() {
             return Ok(0);
         }
-        let mut streams = Vec::new();
-        for &(id, r) in &doomed {
+        // The blocks of the doomed runs, found by address.
+        let mut gone: Vec<u32> = Vec::new();
+        for &(id, run) in &doomed {
             let Some(seg) = st.segments[id as usize].as_ref() else {
                 continue;
             };
-            let run = seg.runs[r];
             let lo = self.va_of(seg.start) + run.offset;
-            for &b in &seg.blocks {
-                let blk = &st.blocks[b as usize];
-                if blk.ptr >= lo && blk.ptr < lo + run.len && blk.stream != stream {
-                    streams.push(blk.stream);
+            let class_bytes = self.classes.size(run.class as usize);
+            for i in 0..run.len / class_bytes {
+                match st.by_ptr.get(&(lo + i * class_bytes)) {
+                    Some(&b) => gone.push(b),
+                    None => return Err(internal(format!("run block {:#x} missing", lo))),
                 }
             }
         }
+        let mut streams: Vec<StreamHandle> = gone
+            .iter()
+            .map(|&b| st.blocks[b as usize].stream)
+            .filter(|&s| s != stream)
+            .collect();
         streams.sort_unstable();
         streams.dedup();
         for s in streams {
             self.order_after(st, s, stream)?;
         }
-        // Highest run index first, so the indexes of the runs still to remove hold.
-        doomed.sort_unstable_by(|a, b| b.cmp(a));
-        for &(id, r) in &doomed {
-            let Some(seg) = st.segments[id as usize].as_mut() else {
+        for &b in &gone {
+            let blk = &mut st.blocks[b as usize];
+            st.by_ptr.remove(&blk.ptr);
+            blk.state = BlockState::Dead;
+            blk.used_on = Vec::new();
+        }
+        let mut classes: Vec<u16> = doomed.iter().map(|(_, r)| r.class).collect();
+        classes.sort_unstable();
+        classes.dedup();
+        let State {
+            tags,
+            blocks,
+            segments,
+            freed,
+            ..
+        } = &mut *st;
+        for class in classes {
+            tags[ti].bins[class as usize].retain(|b| blocks[b as usize].state != BlockState::Dead);
+        }
+        for &(id, run) in &doomed {
+            let Some(seg) = segments[id as usize].as_mut() else {
                 continue;
             };
-            let run = seg.runs.remove(r);
-            let lo = self.va_of(seg.start) + run.offset;
-            let blocks = &st.blocks;
-            let (gone, kept): (Vec<u32>, Vec<u32>) = seg.blocks.iter().partition(|&&b| {
-                let p = blocks[b as usize].ptr;
-                p >= lo && p < lo + run.len
-            });
-            seg.blocks = kept;
-            let class_bytes = self.classes.size(run.class as usize);
-            st.tags[ti].bins[run.class as usize].retain(|b| !gone.contains(&b));
-            for b in gone {
-                let blk = &mut st.blocks[b as usize];
-                st.by_ptr.remove(&blk.ptr);
-                blk.state = BlockState::Dead;
-                blk.used_on = Vec::new();
-                st.free_ids.push(b);
-            }
-            st.freed.record(lo, run.len, class_bytes);
+            let chunk = self.run_of(seg, run.offset);
+            seg.runs.retain(|r| r.offset != run.offset);
+            seg.empty_runs &= !(1 << chunk);
+            seg.blocks
+                .retain(|&b| blocks[b as usize].state != BlockState::Dead);
+            freed.record(
+                self.va_of(seg.start) + run.offset,
+                run.len,
+                self.classes.size(run.class as usize),
+            );
         }
+        st.free_ids.extend(gone);
         Ok(doomed.len())
+    }
+
+    /// The first chunk of a run at `offset` in `seg` (0 outside shared pages).
+    #[inline]
+    pub(super) fn run_of(&self, seg: &Segment, offset: u64) -> u8 {
+        if seg.shared {
+            (offset / self.classes.chunk_size()) as u8
+        } else {
+            0
+        }
     }
 
     /// The first shared page of tag index `ti` with `len` free bytes: (segment, offset).
@@ -321,6 +350,8 @@ impl CachingAllocator {
             tag: ti as u32,
             blocks: Vec::new(),
             live: 0,
+            run_live: [0; CHUNKS_PER_PAGE as usize],
+            empty_runs: 0,
             mapped,
         });
         st.totals.add_pages(pages);
@@ -344,6 +375,7 @@ impl CachingAllocator {
             return;
         };
         let (base, ti) = (self.va_of(seg.start) + offset, seg.tag);
+        let run = self.run_of(seg, offset);
         let class_bytes = self.classes.size(class);
         let count = len / class_bytes;
         let mut ids = Vec::with_capacity(count as usize);
@@ -356,6 +388,7 @@ impl CachingAllocator {
                 tag: ti,
                 segment: seg_id,
                 class: class as u16,
+                run,
                 state: BlockState::Free,
                 stream,
                 used_on: Vec::new(),
@@ -376,6 +409,7 @@ impl CachingAllocator {
             let at = seg.runs.partition_point(|r| r.offset < offset);
             seg.runs.insert(at, carve);
             seg.blocks.extend(ids);
+            seg.empty_runs |= 1 << run;
         }
     }
 
@@ -393,8 +427,32 @@ impl CachingAllocator {
         pages: u64,
         requested: u64,
     ) -> Result<(u64, Vec<MappedPage>)> {
+        self.grow_run_in(guard, ti, VaChoice::BestFit, pages, requested)
+    }
+
+    /// [`Self::grow_run`] with a say in where the range goes (see [`VaChoice`]).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn grow_run_in(
+        &self,
+        guard: &mut Guard<'_>,
+        ti: usize,
+        choice: VaChoice,
+        pages: u64,
+        requested: u64,
+    ) -> Result<(u64, Vec<MappedPage>)> {
         let st = &mut **guard;
-        let (start, mut supply) = match st.va.alloc(pages) {
+        let taken = match choice {
+            VaChoice::BestFit => st.va.alloc(pages),
+            VaChoice::WithRoom(room) => st.va.alloc_with_room(pages, room),
+            VaChoice::At(start) => {
+                if !st.va.alloc_at(start, pages) {
+                    return Err(internal(format!("arena pages {start}+{pages} not free")));
+                }
+                Some(start)
+            }
+        };
+        let (start, mut supply) = match taken {
             Some(start) => match self.reserve_supply(st, pages, requested) {
                 Ok(supply) => (start, supply),
                 Err(e) => {

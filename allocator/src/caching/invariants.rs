@@ -205,6 +205,7 @@ impl CachingAllocator {
             return Err("a block is pending twice".into());
         }
         let mut seg_live: FxHashMap<u32, u32> = FxHashMap::default();
+        let mut run_live: FxHashMap<(u32, u8), u32> = FxHashMap::default();
         let mut allocated = 0u64;
         let mut blocks_bytes = 0u64;
         let mut live = 0u64;
@@ -264,7 +265,11 @@ impl CachingAllocator {
                     .iter()
                     .find(|r| r.offset <= off && off + b.size <= r.offset + r.len);
                 if b.tag != seg.tag
-                    || run.is_none_or(|r| r.class != b.class || (off - r.offset) % b.size != 0)
+                    || run.is_none_or(|r| {
+                        r.class != b.class
+                            || (off - r.offset) % b.size != 0
+                            || self.run_of(seg, r.offset) != b.run
+                    })
                 {
                     return Err(format!(
                         "small block {id} disagrees with its segment's tag or runs"
@@ -272,6 +277,7 @@ impl CachingAllocator {
                 }
                 if b.state != BlockState::Free {
                     *seg_live.entry(b.segment).or_default() += 1;
+                    *run_live.entry((b.segment, b.run)).or_default() += 1;
                 }
             }
             if b.state == BlockState::Live {
@@ -331,6 +337,31 @@ impl CachingAllocator {
                 return Err(format!(
                     "segment {id} counts {} live blocks, has {n}",
                     seg.live
+                ));
+            }
+            let mut empty = 0u32;
+            for r in &seg.runs {
+                let chunk = self.run_of(seg, r.offset);
+                let n = run_live.get(&(id, chunk)).copied().unwrap_or(0);
+                if n != seg.run_live[chunk as usize] {
+                    return Err(format!(
+                        "segment {id}: run at chunk {chunk} counts {} blocks out of bins, has {n}",
+                        seg.run_live[chunk as usize]
+                    ));
+                }
+                if n == 0 {
+                    empty |= 1 << chunk;
+                }
+            }
+            if seg.run_live.iter().map(|&n| u64::from(n)).sum::<u64>() != u64::from(seg.live) {
+                return Err(format!(
+                    "segment {id}: run counts do not add up to its live count"
+                ));
+            }
+            if empty != seg.empty_runs {
+                return Err(format!(
+                    "segment {id}: empty runs {:#x}, bits say {:#x}",
+                    empty, seg.empty_runs
                 ));
             }
             for &b in &seg.blocks {

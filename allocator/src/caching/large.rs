@@ -9,6 +9,11 @@
 //!   allocation on the segment's stream, lowest address among equals).
 //! - A segment whose blocks are all free leaves the table: its pages join the cache of free
 //!   page runs ([`super::RangeCache`]), where any stream may take them after an event.
+//! - A segment grows in place (PyTorch's expandable segments): a request that fits no extent
+//!   and no cached run maps the fewest new pages right after a segment of its stream whose
+//!   free tail, joined to them, holds it, when that VA is free. New segments map only the
+//!   pages their first block needs and are placed with room after them, so blocks of mid
+//!   sizes share pages without reserving a 20 MiB segment up front.
 //! - Whole free pages inside a segment stay mapped (a later block of the segment fills them)
 //!   until growth needs pages, `empty_cache` or sleep *cuts* them out: the segment splits
 //!   around them and they join the cache as a run, so trimming still returns whole pages.
@@ -20,16 +25,17 @@ use strata_vmm::StreamHandle;
 /// Alignment and rounding unit of large blocks (PyTorch's block rounding).
 pub const LARGE_ALIGN: u64 = 512;
 
-/// Requests below this many bytes get a segment of [`MID_SEGMENT_BYTES`] when the allocator
-/// already holds that much, so that several of them share pages (PyTorch's 20 MiB segments
-/// for requests below 10 MiB).
+/// Requests below this many bytes take a cached run of up to [`MID_SEGMENT_BYTES`] for their
+/// segment, and new segments for them leave that much room to grow in place, so that several
+/// of them share pages (PyTorch's 20 MiB segments for requests below 10 MiB).
 pub const MID_SIZE_LIMIT: u64 = 10 << 20;
 /// Segment size for requests below [`MID_SIZE_LIMIT`].
 pub const MID_SEGMENT_BYTES: u64 = 20 << 20;
 
-/// Pages of a new segment for a block of `len` bytes, when `reserved_pages` are held: the
-/// fewest that hold it, or for mid sizes up to [`MID_SEGMENT_BYTES`] but never more than are
-/// held already (a small workload does not reserve 20 MiB for its first block).
+/// Pages of a segment for a block of `len` bytes, when `reserved_pages` are held: the fewest
+/// that hold it, or for mid sizes up to [`MID_SEGMENT_BYTES`] but never more than are held
+/// already (a small workload does not take 20 MiB for its first block). Used for the cached
+/// run a new segment takes, and (with no cap) for the room left after a new segment.
 pub fn segment_pages(len: u64, page: u64, reserved_pages: u64) -> u64 {
     let need = len.div_ceil(page).max(1);
     if len >= MID_SIZE_LIMIT {
@@ -125,6 +131,15 @@ impl Extents {
         self.by_size.insert((tag, stream, e - s, s));
         self.bytes += e - s;
         (s, e - s)
+    }
+
+    /// The extent that ends at `end` and starts at or after `lo`: `(start, length)`.
+    pub fn ending_at(&self, end: u64, lo: u64) -> Option<(u64, u64)> {
+        self.by_addr
+            .range(lo..end)
+            .next_back()
+            .map(|(&s, &(l, _, _))| (s, l))
+            .filter(|&(s, l)| s + l == end)
     }
 
     /// Removes the extent at `start`; returns its length.

@@ -5,6 +5,7 @@
 
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
+use super::grow::{Guard, VaChoice};
 use super::large::{self, whole_pages, LargeSegment, LARGE_ALIGN};
 use super::{
     internal, Block, BlockState, CachedRun, CachingAllocator, MappedPage, State, TagId, LARGE,
@@ -63,8 +64,7 @@ impl CachingAllocator {
         } else {
             &[pages]
         };
-        for (i, &n) in tries.iter().enumerate() {
-            let last = i + 1 == tries.len();
+        for &n in tries {
             let st = &mut *guard;
             if let Some(start) = st.cache.best_fit(ti as u32, n) {
                 let run = st
@@ -80,24 +80,121 @@ impl CachingAllocator {
                 st.totals.counts.cache_hits += 1;
                 return self.new_large_segment(st, ti, start, n, run.payload, len, size, stream);
             }
-            let ooms = st.totals.counts.ooms;
-            match self.grow_run(&mut guard, ti, n, size) {
-                Ok((start, mapped)) => {
-                    let st = &mut *guard;
-                    st.totals.add_pages(n);
-                    st.tags[ti].totals.mapped_pages += n;
-                    st.totals.counts.cache_misses += 1;
-                    st.totals.counts.mappings_created += 1;
-                    return self.new_large_segment(st, ti, start, n, mapped, len, size, stream);
-                }
-                Err(e) if !last && (e.is_out_of_memory() || is_limit(&e)) => {
-                    // Only the fewest pages' failure is returned (and counted).
-                    guard.totals.counts.ooms = ooms;
-                }
-                Err(e) => return Err(e),
-            }
         }
-        Err(internal("no segment size tried".into()))
+        if let Some(ptr) = self.extend_large(&mut guard, ti, len, size, stream)? {
+            return Ok(ptr);
+        }
+        // A new segment of the fewest pages, with room after it to grow in place.
+        let room = large::segment_pages(len, self.page, u64::MAX);
+        let (start, mapped) =
+            self.grow_run_in(&mut guard, ti, VaChoice::WithRoom(room), pages, size)?;
+        let st = &mut *guard;
+        st.totals.add_pages(pages);
+        st.tags[ti].totals.mapped_pages += pages;
+        st.totals.counts.cache_misses += 1;
+        st.totals.counts.mappings_created += 1;
+        self.new_large_segment(st, ti, start, pages, mapped, len, size, stream)
+    }
+
+    /// Grows a segment of tag index `ti` and `stream` in place when the pages after it are free
+    /// in the arena: the fewest new pages that, joined to its free tail, hold `len` bytes
+    /// (expandable segments: blocks share pages without reserving a big segment up front).
+    /// Returns the block, or `None` when no segment can grow (or, after a race while the lock
+    /// was dropped, the new pages cannot hold it: they are then cached).
+    #[cold]
+    #[inline(never)]
+    fn extend_large(
+        &self,
+        guard: &mut Guard<'_>,
+        ti: usize,
+        len: u64,
+        requested: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
+        let Some((end, more)) = self.growable_segment(guard, ti, len, stream) else {
+            return Ok(None);
+        };
+        let (start, mapped) = self.grow_run_in(guard, ti, VaChoice::At(end), more, requested)?;
+        let st = &mut **guard;
+        st.totals.add_pages(more);
+        st.tags[ti].totals.mapped_pages += more;
+        st.totals.counts.cache_misses += 1;
+        st.totals.counts.mappings_created += 1;
+        // The segment may have been cut or cached while the lock was dropped: join whatever of
+        // this tag and stream ends here, else stand alone.
+        let joined = st
+            .large
+            .range(..start)
+            .next_back()
+            .filter(|(&s, seg)| {
+                s + seg.pages == start
+                    && seg.tag == ti as u32
+                    && seg.stream == stream
+                    && !seg.mapped.is_empty()
+            })
+            .map(|(&s, _)| s);
+        let first = match joined.and_then(|s| st.large.get_mut(&s).map(|seg| (s, seg))) {
+            Some((s, seg)) => {
+                seg.pages += more;
+                seg.mapped.extend(mapped);
+                s
+            }
+            None => {
+                let seg = LargeSegment {
+                    pages: more,
+                    tag: ti as u32,
+                    stream,
+                    mapped,
+                };
+                st.large.insert(start, seg);
+                start
+            }
+        };
+        let bounds = (self.va_of(first), self.va_of(start + more));
+        let (addr, avail) = st.extents.insert(
+            self.va_of(start),
+            more * self.page,
+            bounds,
+            ti as u32,
+            stream,
+        );
+        if avail >= len {
+            st.extents.remove(addr);
+            return self
+                .place_large(st, ti, addr, avail, len, requested, stream)
+                .map(Some);
+        }
+        if (addr, avail) == (bounds.0, bounds.1 - bounds.0) {
+            self.cache_free_segment(st, first)?;
+        }
+        Ok(None)
+    }
+
+    /// The segment of tag index `ti` and `stream` that needs the fewest new pages after it
+    /// (free in the arena) to hold `len` bytes with its free tail: (its end page, new pages).
+    fn growable_segment(
+        &self,
+        st: &State,
+        ti: usize,
+        len: u64,
+        stream: StreamHandle,
+    ) -> Option<(u64, u64)> {
+        st.large
+            .iter()
+            .filter(|(_, seg)| {
+                seg.tag == ti as u32 && seg.stream == stream && !seg.mapped.is_empty()
+            })
+            .filter_map(|(&s, seg)| {
+                let end = s + seg.pages;
+                let tail = st
+                    .extents
+                    .ending_at(self.va_of(end), self.va_of(s))
+                    .map_or(0, |(_, l)| l);
+                let more = (len - tail.min(len)).div_ceil(self.page);
+                (more > 0 && st.va.is_free(end, more)).then_some((more, end))
+            })
+            .min()
+            .map(|(more, end)| (end, more))
     }
 
     /// Publishes a segment of `pages` pages at arena page `start` for `stream` and places a
@@ -156,6 +253,7 @@ impl CachingAllocator {
             tag: ti as u32,
             segment: NO_SEGMENT,
             class: LARGE,
+            run: 0,
             state: BlockState::Live,
             stream,
             used_on: Vec::new(),
@@ -193,12 +291,27 @@ impl CachingAllocator {
                 "large block {addr:#x} overruns its segment"
             )));
         }
+        if (addr, len) == (lo, hi - lo) {
+            // The block was the whole segment (no extent to merge with).
+            return self.cache_segment(st, start);
+        }
         let (tag, stream) = (seg.tag, seg.stream);
         let (s, l) = st.extents.insert(addr, len, (lo, hi), tag, stream);
         if (s, l) != (lo, hi - lo) {
             return Ok(());
         }
-        st.extents.remove(s);
+        self.cache_free_segment(st, start)
+    }
+
+    /// Moves the wholly free segment at page `start` (one extent) out of the segment table:
+    /// its pages join the cache (or, while its tag sleeps, its VA returns to the arena).
+    fn cache_free_segment(&self, st: &mut State, start: u64) -> Result<()> {
+        st.extents.remove(self.va_of(start));
+        self.cache_segment(st, start)
+    }
+
+    /// Moves the segment at page `start`, with no block and no extent left, out of the table.
+    fn cache_segment(&self, st: &mut State, start: u64) -> Result<()> {
         let seg = st
             .large
             .remove(&start)
@@ -304,8 +417,4 @@ impl CachingAllocator {
         }
         moved
     }
-}
-
-fn is_limit(e: &Error) -> bool {
-    matches!(e, Error::LimitExceeded { .. })
 }

@@ -4,19 +4,21 @@
 //!   a size class (multiples of 256 B, four geometric sub-steps per power of two) and carved from
 //!   runs of a few 1/32-page chunks inside pages shared by all classes of a tag (classes larger
 //!   than a page: segments of their own). Freed blocks go back to their class's free list;
-//!   when a tag's pages have no room for a new run, runs whose blocks are all free return to
-//!   their page for any class before a page is mapped. Pages
-//!   and bins are per tag, so blocks of two tags never share a page.
+//!   when a tag's pages have no room for a new run, runs whose blocks are all free (found by
+//!   per-run counts, without scanning blocks) return to their page for any class before a
+//!   page is mapped. Pages and bins are per tag, so blocks of two tags never share a page.
 //! - **Large sizes** are rounded to 512 bytes and placed in *large segments*: runs of whole
 //!   pages mapped, page by page, behind a range of one VA arena reserved once (access set over
 //!   the whole run in one call; physical pages need not be contiguous), one tag and one stream
 //!   each. The rest of a segment's last page serves the next large allocation of its stream
 //!   (best fit over free extents, `large.rs`), so a size just above a page multiple does not
 //!   hold a whole extra page. A segment whose blocks are all free joins a cache of free page
-//!   runs, reused by splitting (best fit). When no free extent or cached run is big enough,
-//!   cached pages (and whole free pages cut out of segments) are unmapped and mapped again,
-//!   with pool pages if needed, behind a new VA range: a request that fits in the free pages
-//!   (cached + pool) never fails for want of a contiguous range.
+//!   runs, reused by splitting (best fit). When no free extent or cached run is big enough, a
+//!   segment of the stream grows in place if the VA after it is free (expandable segments),
+//!   else a new segment of the fewest pages is placed with room after it; either way cached
+//!   pages (and whole free pages cut out of segments) are unmapped and mapped again, with pool
+//!   pages if needed: a request that fits in the free pages (cached + pool) never fails for
+//!   want of a contiguous range.
 //! - **Streams.** A block freed on stream S is reusable at once on S. Another stream T takes it
 //!   only after an event recorded on S is waited on by T (`stream_wait_event`, no host block).
 //!   A block used on other streams ([`CachingAllocator::record_stream`]), or freed on a stream
@@ -153,6 +155,8 @@ struct Block {
     tag: u32,
     segment: u32,
     class: u16,
+    /// The first chunk of its run in its segment's page (0 outside shared pages).
+    run: u8,
     state: BlockState,
     /// Live: the stream it was allocated on. Free/Pending: the stream it was freed on.
     stream: StreamHandle,
@@ -168,6 +172,9 @@ struct Carve {
     class: u16,
 }
 
+// `Segment::empty_runs` has one bit per chunk.
+const _: () = assert!(CHUNKS_PER_PAGE <= 32);
+
 /// Pages of one tag carved into blocks: a shared page (one page, runs of chunks for any class
 /// of the tag) or a segment of its own for one class whose blocks exceed a page.
 struct Segment {
@@ -182,8 +189,36 @@ struct Segment {
     blocks: Vec<u32>,
     /// Blocks not in a bin (live or pending).
     live: u32,
+    /// Blocks not in a bin per run, by the run's first chunk.
+    run_live: [u32; CHUNKS_PER_PAGE as usize],
+    /// Bit `c` set: a run starts at chunk `c` and all its blocks are in bins (so an emptied run
+    /// is found without scanning blocks).
+    empty_runs: u32,
     /// The segment's pages (empty while the tag sleeps).
     mapped: Vec<MappedPage>,
+}
+
+impl Segment {
+    /// A block of the run at chunk `run` leaves its bin.
+    #[inline]
+    fn block_taken(&mut self, run: u8) {
+        let run = run as usize % CHUNKS_PER_PAGE as usize; // no bounds check
+        self.live += 1;
+        self.run_live[run] += 1;
+        self.empty_runs &= !(1 << run);
+    }
+
+    /// A block of the run at chunk `run` returns to its bin.
+    #[inline]
+    fn block_returned(&mut self, run: u8) {
+        let run = run as usize % CHUNKS_PER_PAGE as usize;
+        self.live -= 1;
+        let n = &mut self.run_live[run];
+        *n -= 1;
+        if *n == 0 {
+            self.empty_runs |= 1 << run;
+        }
+    }
 }
 
 struct TagState {
@@ -315,7 +350,7 @@ impl State {
         self.totals.on_alloc(size, b.size);
         self.totals.counts.small_allocs += 1;
         if let Some(Some(seg)) = self.segments.get_mut(b.segment as usize) {
-            seg.live += 1;
+            seg.block_taken(b.run);
         }
         Some(b.ptr)
     }
@@ -564,7 +599,7 @@ impl CachingAllocator {
         st.totals.on_free(b.requested, b.size);
         t.bins[b.class as usize].push(stream, id);
         if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
-            seg.live -= 1;
+            seg.block_returned(b.run);
         }
         Ok(())
     }

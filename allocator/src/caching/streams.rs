@@ -16,6 +16,11 @@ impl CachingAllocator {
         // Where the block is reusable once free: a small block on the freeing stream's list, a
         // large one in its segment, whose stream is the one it was allocated on.
         let home = if b.class == LARGE { b.stream } else { stream };
+        if asleep || (b.used_on.is_empty() && b.stream == home && stream == home) {
+            // Nothing to wait for (the common large free): no event, no list.
+            st.account_free(id);
+            return self.free_now(st, id, home);
+        }
         let mut wait: Vec<StreamHandle> = b.used_on.clone();
         wait.push(b.stream);
         wait.push(stream);
@@ -35,6 +40,20 @@ impl CachingAllocator {
             }
         }
         st.account_free(id);
+        if events.is_empty() {
+            return self.free_now(st, id, home);
+        }
+        let b = &mut st.blocks[id as usize];
+        b.stream = home;
+        b.used_on.clear();
+        b.state = BlockState::Pending;
+        st.pending.push(PendingFree { block: id, events });
+        st.totals.counts.pending_frees += 1;
+        Ok(())
+    }
+
+    /// A freed (accounted) block with nothing to wait for becomes reusable on `home`.
+    fn free_now(&self, st: &mut State, id: u32, home: StreamHandle) -> Result<()> {
         let ti = st.blocks[id as usize].tag as usize;
         if st.tags[ti].asleep {
             st.tags[ti].sleep.forget(id);
@@ -42,13 +61,7 @@ impl CachingAllocator {
         let b = &mut st.blocks[id as usize];
         b.stream = home;
         b.used_on.clear();
-        if events.is_empty() {
-            return self.recycle(st, id);
-        }
-        b.state = BlockState::Pending;
-        st.pending.push(PendingFree { block: id, events });
-        st.totals.counts.pending_frees += 1;
-        Ok(())
+        self.recycle(st, id)
     }
 
     /// A freed (accounted) block becomes reusable: small ones go to their bin, large ones to
@@ -60,7 +73,7 @@ impl CachingAllocator {
             b.state = BlockState::Free;
             let class = b.class as usize;
             if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
-                seg.live -= 1;
+                seg.block_returned(b.run);
             }
             st.tags[ti as usize].bins[class].push(stream, id);
             return Ok(());
