@@ -61,8 +61,13 @@ impl Supply {
     /// old ranges are the caller's to free.
     fn gather(self, pool: &PagePool, calls: &mut DriverCalls, requested: u64) -> Result<Vec<Page>> {
         let mut pages = self.ready;
-        let unmapped = unmap_pages(self.mapped, &mut pages, calls);
-        let fresh = unmapped.and_then(|()| match self.fresh {
+        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls);
+        // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
+        // gets the device's own pages in their place.
+        let foreign: Vec<Page> = pages.extract_if(.., |p| !p.is_home(pool)).collect();
+        let missing = self.fresh + foreign.len();
+        pool.give(foreign);
+        let fresh = unmapped.and_then(|()| match missing {
             0 => Ok(Vec::new()),
             n => pool.take(n),
         });
@@ -100,8 +105,11 @@ fn for_request(e: Error, requested: u64) -> Error {
     }
 }
 
-/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error.
+/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error. A page
+/// whose unmap failed may still be mapped: it goes to quarantine in `pool` (its home's
+/// counters), never into `out`, and its mapping is leaked.
 pub(super) fn unmap_pages(
+    pool: &PagePool,
     mapped: Vec<MappedPage>,
     out: &mut Vec<Page>,
     calls: &mut DriverCalls,
@@ -109,10 +117,14 @@ pub(super) fn unmap_pages(
     let mut first_err = None;
     for MappedPage { mapping, page } in mapped {
         calls.unmap += 1;
-        if let Err(e) = mapping.unmap() {
-            first_err.get_or_insert(e);
+        match mapping.try_unmap() {
+            Ok(_) => out.push(page),
+            Err((still_mapped, e)) => {
+                std::mem::forget(still_mapped);
+                first_err.get_or_insert(e);
+                pool.quarantine(page);
+            }
         }
-        out.push(page);
     }
     first_err.map_or(Ok(()), Err)
 }
@@ -624,7 +636,7 @@ impl CachingAllocator {
         first_err: &mut Option<Error>,
     ) {
         let mut calls = DriverCalls::default();
-        if let Err(e) = unmap_pages(mapped, out, &mut calls) {
+        if let Err(e) = unmap_pages(&self.pool, mapped, out, &mut calls) {
             first_err.get_or_insert(e);
         }
         calls.add_to(&mut st.totals.counts);
@@ -761,7 +773,7 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let released = MutexGuard::unlocked(guard, || {
             let mut pages = Vec::with_capacity(mapped.len());
-            let unmapped = unmap_pages(mapped, &mut pages, &mut calls);
+            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls);
             self.pool.release(pages);
             unmapped
         });

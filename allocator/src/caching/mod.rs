@@ -44,6 +44,7 @@ mod inflight;
 mod invariants;
 mod large;
 mod large_path;
+mod offload;
 mod sleep;
 mod stats;
 mod streams;
@@ -69,6 +70,7 @@ pub use bins::{
 };
 pub use cache::{CachedRun, RangeCache, Run};
 pub use large::{Extents, LargeSegment, LARGE_ALIGN};
+pub use offload::{Moved, SpillCounts, SpillStats, TierBytes};
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
@@ -192,6 +194,7 @@ struct TagState {
     asleep: bool,
     sleep: sleep::SleepData,
     totals: stats::TagTotals,
+    spill: offload::SpillCounts,
 }
 
 struct PendingFree {
@@ -268,6 +271,8 @@ struct State {
     limit: Option<u64>,
     /// Growth and shrinking whose driver calls run with the lock dropped.
     inflight: inflight::InFlightTable,
+    /// Migrations of all tags (`offload.rs`).
+    spill: offload::SpillCounts,
 }
 
 impl State {
@@ -391,6 +396,7 @@ impl TagState {
             asleep: false,
             sleep: sleep::SleepData::default(),
             totals: stats::TagTotals::default(),
+            spill: offload::SpillCounts::default(),
         }
     }
 }
@@ -470,6 +476,7 @@ impl CachingAllocator {
             totals: stats::Totals::default(),
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
+            spill: offload::SpillCounts::default(),
         };
         Ok(CachingAllocator {
             pool,
