@@ -205,6 +205,26 @@ int strata_sleep_to_disk(const char *tag, const char *dir);
  * it was not woken yet: call again. */
 int strata_wake(const char *tag);
 
+/* ---- Offload and onload: live allocations to another tier at the same addresses ---------- */
+
+/* Tiers are the KV ABI's STRATA_TIER_HOST (host memory mapped for the device: still usable, at
+ * link speed) and STRATA_TIER_DISK (an unlinked file in TMPDIR: not usable until onload). */
+
+/* Moves every live allocation of tag `tag`, on every device, to `tier` at the same addresses.
+ * STRATA_TIER_HOST: waits for the streams that used the tag's memory, gives its cached free
+ * memory back, then per segment copies on `stream` (NULL: the default stream) into host-memory
+ * pages, synchronizes `stream` and remaps them at the same addresses; kernels keep using the
+ * pointers (slower). New allocations of the tag still come from the device. A failure leaves
+ * the segment being moved intact on its old pages; those moved before it stay moved (call
+ * again). STRATA_TIER_DISK is strata_sleep_to_disk into TMPDIR. Other tiers:
+ * STRATA_INVALID_ARGUMENT; a sleeping tag: STRATA_INVALID_STATE. */
+int strata_offload(const char *tag, int tier, cudaStream_t stream);
+
+/* Brings tag `tag` back onto the devices' own memory at the same addresses: pages in host
+ * memory are copied back on `stream` (out of device memory leaves the rest where it is, still
+ * usable); a tag offloaded to disk is woken (strata_wake). */
+int strata_onload(const char *tag, cudaStream_t stream);
+
 /* ---- Harvest: opportunistic memory on peer GPUs ----------------------------------------- */
 
 /* What revoking an allocation costs (Harvest's two consistency choices). */
