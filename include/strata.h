@@ -225,6 +225,22 @@ int strata_offload(const char *tag, int tier, cudaStream_t stream);
  * usable); a tag offloaded to disk is woken (strata_wake). */
 int strata_onload(const char *tag, cudaStream_t stream);
 
+/* Where a tag's (or a device's) mapped pages are, and the migrations that moved them. */
+typedef struct strata_spill_stats_t {
+    uint64_t local_bytes;          /* the device's own memory */
+    uint64_t peer_bytes;           /* pages borrowed from a peer device */
+    uint64_t host_bytes;           /* host memory mapped for the device (offloaded) */
+    uint64_t migrations_to_host;   /* segments moved to host memory ... */
+    uint64_t migrations_to_device; /* ... and back onto the device */
+    uint64_t bytes_to_host;
+    uint64_t bytes_to_device;
+    uint64_t stalled_ns;           /* time callers waited on migrations */
+    uint64_t spare[4];             /* zero; room to grow */
+} strata_spill_stats_t;
+
+/* Fills *out for tag `tag` on `device`, or for the whole device when `tag` is NULL. */
+int strata_spill_stats(const char *tag, int device, strata_spill_stats_t *out);
+
 /* ---- Harvest: opportunistic memory on peer GPUs ----------------------------------------- */
 
 /* What revoking an allocation costs (Harvest's two consistency choices). */

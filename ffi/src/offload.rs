@@ -77,3 +77,75 @@ fn offload_to_host(name: &str, stream: CudaStream) -> Result<()> {
     }
     Ok(())
 }
+
+/// Where a tag's (or a device's) pages are and what moved them (`strata_spill_stats_t`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct strata_spill_stats_t {
+    /// Bytes of mapped pages in the device's own memory, borrowed from a peer, in host memory.
+    pub local_bytes: u64,
+    pub peer_bytes: u64,
+    pub host_bytes: u64,
+    /// Segments migrated to host memory / back to the device, and their bytes.
+    pub migrations_to_host: u64,
+    pub migrations_to_device: u64,
+    pub bytes_to_host: u64,
+    pub bytes_to_device: u64,
+    /// Nanoseconds callers waited on migrations.
+    pub stalled_ns: u64,
+    /// Zero; room to grow.
+    pub spare: [u64; 4],
+}
+
+impl From<strata_allocator::SpillStats> for strata_spill_stats_t {
+    fn from(s: strata_allocator::SpillStats) -> Self {
+        strata_spill_stats_t {
+            local_bytes: s.tiers.local,
+            peer_bytes: s.tiers.peer,
+            host_bytes: s.tiers.host,
+            migrations_to_host: s.counts.to_host,
+            migrations_to_device: s.counts.to_device,
+            bytes_to_host: s.counts.bytes_to_host,
+            bytes_to_device: s.counts.bytes_to_device,
+            stalled_ns: s.counts.stalled_ns,
+            spare: [0; 4],
+        }
+    }
+}
+
+/// Fills `*out` with the tier bytes and migrations of tag `tag` on `device`, or of the whole
+/// device when `tag` is NULL (zeros where nothing was allocated).
+///
+/// # Safety
+///
+/// `tag` is NULL or a NUL-terminated string; `out` is NULL (an error) or valid for writing one
+/// `strata_spill_stats_t`.
+#[no_mangle]
+pub unsafe extern "C" fn strata_spill_stats(
+    tag: *const c_char,
+    device: c_int,
+    out: *mut strata_spill_stats_t,
+) -> c_int {
+    boundary::status("strata_spill_stats", || {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let lease = if tag.is_null() {
+            None
+        } else {
+            // SAFETY: forwarded from this function's contract.
+            let name = unsafe { boundary::c_str("tag", tag) }?;
+            Some(tags::lease(name)?)
+        };
+        let g = global()?;
+        let d = g.ordinal(device)?;
+        let stats = g
+            .existing(d)
+            .map(|a| a.spill_stats(lease.as_ref().map(|l| l.id())))
+            .unwrap_or_default();
+        // SAFETY: `out` is non-NULL and valid for one write by this function's contract.
+        unsafe { out.write(stats.into()) };
+        Ok(())
+    })
+}

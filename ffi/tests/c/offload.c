@@ -21,11 +21,16 @@ int main(void) {
     CHECK(other != NULL);
     put_pattern(other, 5000, 7);
 
-    strata_stats_t before = stats_of(0);
+    strata_spill_stats_t s0, s1, dev;
+    CHECK_OK(strata_spill_stats("model", 0, &s0));
+    CHECK(s0.local_bytes > 0 && s0.host_bytes == 0 && s0.migrations_to_host == 0);
     CHECK_OK(strata_offload("model", STRATA_TIER_HOST, NULL));
-    strata_stats_t off = stats_of(0);
-    /* The pool's device pages went back (free), the allocator still maps the tag. */
-    CHECK(off.reserved_bytes <= before.reserved_bytes);
+    CHECK_OK(strata_spill_stats("model", 0, &s1));
+    CHECK(s1.local_bytes == 0 && s1.host_bytes > 0);
+    CHECK(s1.migrations_to_host > 0 && s1.bytes_to_host == s1.host_bytes);
+    CHECK_OK(strata_spill_stats(NULL, 0, &dev));
+    CHECK(dev.host_bytes == s1.host_bytes && dev.local_bytes > 0); /* the untagged block */
+    CHECK(strata_spill_stats("model", 0, NULL) == STRATA_INVALID_ARGUMENT);
     for (int i = 0; i < N; i++)
         CHECK(has_pattern(p[i], size[i] < 65536 ? size[i] : 65536, 100 + i));
     /* Usable while offloaded. */
@@ -34,6 +39,8 @@ int main(void) {
     CHECK(has_pattern(other, 5000, 7));
 
     CHECK_OK(strata_onload("model", NULL));
+    CHECK_OK(strata_spill_stats("model", 0, &s1));
+    CHECK(s1.host_bytes == 0 && s1.local_bytes > 0 && s1.migrations_to_device > 0);
     for (int i = 0; i < N; i++) {
         if (i == 1)
             CHECK(has_pattern(p[i], size[i], 555));
