@@ -225,6 +225,13 @@ int strata_offload(const char *tag, int tier, cudaStream_t stream);
  * usable); a tag offloaded to disk is woken (strata_wake). */
 int strata_onload(const char *tag, cudaStream_t stream);
 
+/* Overflow (off by default): with `tier` STRATA_TIER_HOST, allocations of tag `tag` that find
+ * a device out of memory succeed on host memory mapped for the device instead of returning
+ * NULL (slower; strata_onload moves them to the device once it has room); `tier` 0 turns it
+ * off (pages already taken stay until freed or onloaded). Applies to every device, including
+ * those first used later. Other tiers: STRATA_INVALID_ARGUMENT. */
+int strata_set_overflow(const char *tag, int tier);
+
 /* Where a tag's (or a device's) mapped pages are, and the migrations that moved them. */
 typedef struct strata_spill_stats_t {
     uint64_t local_bytes;          /* the device's own memory */

@@ -2,8 +2,13 @@
 //! (still device-accessible, at the link's speed) or to disk (sleep: not accessible until
 //! onload), `strata_onload` brings them back; pointers never change.
 
+use std::collections::HashSet;
 use std::ffi::{c_char, c_int};
+use std::sync::{Arc, OnceLock};
 
+use parking_lot::Mutex;
+use strata_allocator::{CachingAllocator, TagId};
+use strata_runtime::DeviceRuntime;
 use strata_vmm::{Error, Result};
 
 use crate::{boundary, global::global, sleeping, stream_of, tags, CudaStream};
@@ -64,6 +69,68 @@ pub unsafe extern "C" fn strata_onload(tag: *const c_char, stream: CudaStream) -
         }
         Ok(())
     })
+}
+
+/// Tags allowed to overflow onto host memory, process-wide: applied to every device's
+/// allocator, existing and created later ([`apply_to_new_device`]).
+fn overflowing() -> &'static Mutex<HashSet<TagId>> {
+    static TAGS: OnceLock<Mutex<HashSet<TagId>>> = OnceLock::new();
+    TAGS.get_or_init(Mutex::default)
+}
+
+/// Lets allocations of tag `tag` overflow onto host memory when a device is out of memory
+/// (`tier` STRATA_TIER_HOST), or stops it (`tier` 0). See `include/strata.h`.
+///
+/// # Safety
+///
+/// `tag` is NULL (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) -> c_int {
+    boundary::status("strata_set_overflow", || {
+        // SAFETY: forwarded from this function's contract.
+        let name = unsafe { boundary::c_str("tag", tag) }?;
+        let on = match tier {
+            0 => false,
+            TIER_HOST => true,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "overflow tier {tier} (0: off, STRATA_TIER_HOST = {TIER_HOST})"
+                )))
+            }
+        };
+        let id = tags::lease(name)?.id();
+        let g = global()?;
+        let mut set = overflowing().lock();
+        for device in g.devices() {
+            if let Some(a) = device.existing_allocator() {
+                set_overflow(device, a, id, on)?;
+            }
+        }
+        if on {
+            set.insert(id);
+        } else {
+            set.remove(&id);
+        }
+        Ok(())
+    })
+}
+
+fn set_overflow(device: &DeviceRuntime, a: &CachingAllocator, id: TagId, on: bool) -> Result<()> {
+    let to = if on {
+        Some(Arc::clone(device.host_pool()?))
+    } else {
+        None
+    };
+    a.set_overflow(id, to)
+}
+
+/// Applies the overflowing tags to a device's new allocator.
+pub fn apply_to_new_device(device: &DeviceRuntime, a: &CachingAllocator) -> Result<()> {
+    let set = overflowing().lock();
+    for &id in set.iter() {
+        set_overflow(device, a, id, true)?;
+    }
+    Ok(())
 }
 
 fn offload_to_host(name: &str, stream: CudaStream) -> Result<()> {

@@ -55,6 +55,7 @@ __all__ = [
     "library_path",
     "offload",
     "onload",
+    "set_overflow",
     "sleep",
     "spill_stats",
     "stats",
@@ -168,6 +169,16 @@ def onload(tags, stream=None):
     (copies ordered on `stream`; a tag offloaded to disk is woken)."""
     for n in _names(tags):
         _lib.check(_lib.lib().strata_onload(_lib.encode(n), _stream(stream)))
+
+
+def set_overflow(tags, tier="host"):
+    """Lets each tag's allocations overflow onto host memory when a device is out of memory
+    (tier "host"), or stops it (tier None). Off by default."""
+    code = 0 if tier is None else _TIERS.get(tier)
+    if code is None or code == _TIERS["disk"]:
+        raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"overflow tier {tier!r}: 'host' or None")
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_set_overflow(_lib.encode(n), code))
 
 
 def spill_stats(name=None, device=0):

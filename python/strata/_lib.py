@@ -174,6 +174,7 @@ PROTOTYPES = {
     "strata_sleep_to_disk": (_c_int, [_c_char_p, _c_char_p]),
     "strata_offload": (_c_int, [_c_char_p, _c_int, _c_void_p]),
     "strata_onload": (_c_int, [_c_char_p, _c_void_p]),
+    "strata_set_overflow": (_c_int, [_c_char_p, _c_int]),
     "strata_spill_stats": (_c_int, [_c_char_p, _c_int, ctypes.POINTER(SpillStats)]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),

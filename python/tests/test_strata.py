@@ -177,6 +177,10 @@ class TagSleepWakeTest(unittest.TestCase):
         self.assertEqual(_lib.memcpy_dtoh(ps[1], 4096), pattern(33, 4096))
         with self.assertRaises(strata.InvalidArgument):
             strata.offload("py-offload", tier="tape")
+        with self.assertRaises(strata.InvalidArgument):
+            strata.set_overflow("py-offload", tier="disk")
+        strata.set_overflow("py-offload")
+        strata.set_overflow("py-offload", tier=None)
         self.assertGreater(strata.spill_stats()["local_bytes"], 0)
         for p in ps:
             _lib.free(p)

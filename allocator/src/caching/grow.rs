@@ -59,17 +59,29 @@ impl Supply {
     /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
     /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
     /// old ranges are the caller's to free.
-    fn gather(self, pool: &PagePool, calls: &mut DriverCalls, requested: u64) -> Result<Vec<Page>> {
+    /// `overflow`: a pool (host memory, a peer's) whose pages stand in when `pool` is out of
+    /// memory (a tag that allows overflow); they return to it wherever they are freed.
+    fn gather(
+        self,
+        pool: &PagePool,
+        overflow: Option<&PagePool>,
+        calls: &mut DriverCalls,
+        requested: u64,
+    ) -> Result<Vec<Page>> {
         let mut pages = self.ready;
         let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls);
         // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
         // gets the device's own pages in their place.
-        let foreign: Vec<Page> = pages.extract_if(.., |p| !p.is_home(pool)).collect();
+        let (mut pages, foreign): (Vec<Page>, Vec<Page>) =
+            pages.into_iter().partition(|p| p.is_home(pool));
         let missing = self.fresh + foreign.len();
         pool.give(foreign);
         let fresh = unmapped.and_then(|()| match missing {
             0 => Ok(Vec::new()),
-            n => pool.take(n),
+            n => match (pool.take(n), overflow) {
+                (Err(e), Some(spill)) if e.is_out_of_memory() => spill.take(n),
+                (got, _) => got,
+            },
         });
         match fresh {
             Ok(fresh) => {
@@ -437,10 +449,11 @@ impl CachingAllocator {
             retiring,
             supply.pages(),
         );
+        let overflow = st.tags[ti].overflow.clone();
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let got = supply.gather(&self.pool, &mut calls, requested)?;
+                let got = supply.gather(&self.pool, overflow.as_deref(), &mut calls, requested)?;
                 self.map_run(start, got, &mut calls)
             }))
         });
@@ -616,7 +629,7 @@ impl CachingAllocator {
         let mut supply = self.reserve_supply(st, n, requested)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, &mut calls, requested);
+        let got = supply.gather(&self.pool, None, &mut calls, requested);
         calls.add_to(&mut st.totals.counts);
         for (start, len) in ranges {
             st.va.free(start, len).map_err(internal)?;

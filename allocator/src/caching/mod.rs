@@ -195,6 +195,8 @@ struct TagState {
     sleep: sleep::SleepData,
     totals: stats::TagTotals,
     spill: offload::SpillCounts,
+    /// Where growth takes pages when the device is out of memory (`offload.rs`).
+    overflow: Option<Arc<PagePool>>,
 }
 
 struct PendingFree {
@@ -397,6 +399,7 @@ impl TagState {
             sleep: sleep::SleepData::default(),
             totals: stats::TagTotals::default(),
             spill: offload::SpillCounts::default(),
+            overflow: None,
         }
     }
 }

@@ -80,16 +80,7 @@ impl CachingAllocator {
     /// pages with its contents; segments moved before it stay moved, and calling again moves
     /// the rest. A sleeping tag is [`Error::InvalidState`]; a tag never used moves nothing.
     pub fn offload(&self, tag: TagId, to: &Arc<PagePool>, stream: StreamHandle) -> Result<Moved> {
-        if to.device() != self.device || to.page_size() != self.page {
-            return Err(Error::InvalidArgument(format!(
-                "offloading device {}'s pages of {} bytes onto a pool for device {} with pages \
-                 of {}",
-                self.device,
-                self.page,
-                to.device(),
-                to.page_size()
-            )));
-        }
+        self.check_tier_pool(to)?;
         self.move_tag(tag, to, stream)
     }
 
@@ -99,6 +90,34 @@ impl CachingAllocator {
     /// memory leaves the rest where it is (still usable).
     pub fn onload(&self, tag: TagId, stream: StreamHandle) -> Result<Moved> {
         self.move_tag(tag, &self.pool, stream)
+    }
+
+    /// Lets allocations of `tag` overflow onto pages of `to` (a host pool of this device,
+    /// [`PagePool::new_host`]) when the device is out of memory: instead of
+    /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
+    /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
+    /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
+    pub fn set_overflow(&self, tag: TagId, to: Option<Arc<PagePool>>) -> Result<()> {
+        if let Some(to) = &to {
+            self.check_tier_pool(to)?;
+        }
+        let mut st = self.state.lock();
+        let ti = st.ensure_tag(tag, self.classes.len());
+        st.tags[ti].overflow = to;
+        Ok(())
+    }
+
+    fn check_tier_pool(&self, to: &PagePool) -> Result<()> {
+        if to.device() != self.device || to.page_size() != self.page {
+            return Err(Error::InvalidArgument(format!(
+                "device {}'s pages of {} bytes onto a pool for device {} with pages of {}",
+                self.device,
+                self.page,
+                to.device(),
+                to.page_size()
+            )));
+        }
+        Ok(())
     }
 
     /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`.

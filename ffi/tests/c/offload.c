@@ -1,6 +1,7 @@
 /* Offload and onload: a tag's allocations (small and large) move to host memory and back at
  * the same addresses with their contents, stay readable and writable while offloaded, and
- * the device memory they held is free meanwhile; disk offload is a sleep to TMPDIR; bad tiers
+ * the device memory they held is free meanwhile; overflow serves a full device from host
+ * memory for the tags that allow it; disk offload is a sleep to TMPDIR; bad tiers
  * and unknown tags are errors that change nothing. */
 #include "common.h"
 
@@ -62,6 +63,40 @@ int main(void) {
     CHECK_ERR("tier");
     CHECK(strata_offload(NULL, STRATA_TIER_HOST, NULL) == STRATA_INVALID_ARGUMENT);
     CHECK(strata_onload(NULL, NULL) == STRATA_INVALID_ARGUMENT);
+
+    /* Overflow: once the device is full, the overflowing tag is served from host memory and
+     * other tags still get NULL; onload moves its pages to the device once there is room. */
+    static void *hog[1024];
+    int nh = 0;
+    CHECK_OK(strata_tag_push("hog"));
+    while (nh < 1024 && (hog[nh] = strata_malloc(64 << 20, 0, NULL)) != NULL)
+        nh++;
+    while (nh < 1024 && (hog[nh] = strata_malloc(2 << 20, 0, NULL)) != NULL)
+        nh++;
+    CHECK_OK(strata_tag_pop());
+    CHECK(nh >= 4 && nh < 1024);
+    CHECK(strata_set_overflow("model", 5) == STRATA_INVALID_ARGUMENT);
+    CHECK_OK(strata_set_overflow("model", STRATA_TIER_HOST));
+    CHECK_OK(strata_tag_push("model"));
+    void *spill = strata_malloc(16 << 20, 0, NULL);
+    CHECK_OK(strata_tag_pop());
+    CHECK(spill != NULL);
+    put_pattern(spill, 65536, 77);
+    strata_spill_stats_t ov;
+    CHECK_OK(strata_spill_stats("model", 0, &ov));
+    CHECK(ov.host_bytes >= (16 << 20));
+    CHECK_OK(strata_tag_push("other"));
+    CHECK(strata_malloc(16 << 20, 0, NULL) == NULL);
+    CHECK_OK(strata_tag_pop());
+    for (int i = 0; i < nh; i++)
+        CHECK_OK(strata_free_checked(hog[i], 0, 0, NULL));
+    strata_empty_cache();
+    CHECK_OK(strata_onload("model", NULL));
+    CHECK_OK(strata_spill_stats("model", 0, &ov));
+    CHECK(ov.host_bytes == 0);
+    CHECK(has_pattern(spill, 65536, 77));
+    CHECK_OK(strata_set_overflow("model", 0));
+    CHECK_OK(strata_free_checked(spill, 16 << 20, 0, NULL));
 
     for (int i = 0; i < N; i++)
         CHECK_OK(strata_free_checked(p[i], size[i], 0, NULL));
