@@ -14,7 +14,7 @@ pub mod resource;
 
 pub use caching::{
     AllocatorCounts, AllocatorStats, CachingAllocator, CachingConfig, LiveAllocation, Moved,
-    SpillCounts, SpillStats, TagId, TagStats, TierBytes, UNTAGGED,
+    Revoked, SpillCounts, SpillStats, TagId, TagStats, TierBytes, UNTAGGED,
 };
 pub use direct::DirectResource;
 pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};

@@ -346,3 +346,71 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
     let c = e.alloc.spill_stats(None).counts;
     assert!(c.to_host > 0 && c.to_device > 0, "{c:?}");
 }
+
+/// A tag overflows onto a peer's pages; the lender takes them back: each segment moves to the
+/// device while it has room, then to host memory, at the same addresses with its bytes, the
+/// lender gets every page back, and each move is noticed exactly once.
+#[test]
+fn revoked_peer_pages_move_to_the_device_then_to_host_memory() {
+    let backend = strata_vmm::host::open(HostConfig {
+        devices: vec![16 * PAGE, 16 * PAGE],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    })
+    .expect("host backend");
+    let device = PagePool::new(Arc::clone(&backend), 0, manual()).unwrap();
+    let peer = PagePool::new(Arc::clone(&backend), 1, manual()).unwrap();
+    let host = PagePool::new_host(Arc::clone(&backend), 0, manual()).unwrap();
+    let alloc = CachingAllocator::new(Arc::clone(&device), CachingConfig::default()).unwrap();
+    alloc.set_overflow(1, Some(Arc::clone(&peer))).unwrap();
+    let mut hog = Vec::new();
+    while let Ok(p) = alloc.allocate_tagged(2 * MIB, S0, 2) {
+        hog.push(p);
+    }
+    let mut live = Vec::new();
+    for (i, size) in [4 * MIB, 3000, 6 * MIB, 2 * MIB].into_iter().enumerate() {
+        let p = alloc.allocate_tagged(size, S0, 1).unwrap();
+        fill(&backend, p, size, 50 + i as u64);
+        live.push((p, size, 50 + i as u64));
+    }
+    let lent = alloc.spill_stats(Some(1)).tiers.peer;
+    assert!(lent >= 12 * MIB, "{lent}");
+    assert_eq!(peer.stats().in_use as u64 * PAGE, lent);
+    // Room on the device for one segment or two, not all.
+    for p in hog.drain(..3) {
+        alloc.deallocate(p, S0).unwrap();
+    }
+    alloc.empty_cache().unwrap();
+    let moved = alloc.revoke(&peer, &host, S0).unwrap();
+    assert!(alloc.check_invariants().is_ok(), "{}", alloc.report());
+    for &(p, n, seed) in &live {
+        check(&backend, p, n, seed, "revoked");
+    }
+    let p = peer.stats();
+    assert_eq!(
+        (p.in_use, p.free > 0),
+        (0, true),
+        "every lent page back with the lender"
+    );
+    let t = alloc.spill_stats(Some(1)).tiers;
+    assert_eq!(t.peer, 0);
+    assert!(
+        t.local + t.host <= lent,
+        "cached free memory given back, the rest moved"
+    );
+    assert!(t.local > 0 && t.host > 0, "{t:?}");
+    let notices = alloc.take_revoked();
+    assert_eq!(notices.len(), moved);
+    assert_eq!(
+        notices.iter().map(|r| r.bytes).sum::<u64>(),
+        t.local + t.host
+    );
+    assert!(notices
+        .iter()
+        .all(|r| r.tag == 1 && r.from == strata_vmm::Location::Device(1)));
+    assert!(alloc.take_revoked().is_empty(), "each notice once");
+    // The tag no longer overflows onto the lender.
+    assert!(alloc.allocate_tagged(8 * MIB, S0, 1).is_err());
+    assert_eq!(peer.stats().in_use, 0);
+}

@@ -45,6 +45,7 @@ mod invariants;
 mod large;
 mod large_path;
 mod offload;
+mod revoke;
 mod sleep;
 mod stats;
 mod streams;
@@ -71,6 +72,7 @@ pub use bins::{
 pub use cache::{CachedRun, RangeCache, Run};
 pub use large::{Extents, LargeSegment, LARGE_ALIGN};
 pub use offload::{Moved, SpillCounts, SpillStats, TierBytes};
+pub use revoke::Revoked;
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
@@ -275,6 +277,8 @@ struct State {
     inflight: inflight::InFlightTable,
     /// Migrations of all tags (`offload.rs`).
     spill: offload::SpillCounts,
+    /// Revocation notices not yet taken (`revoke.rs`).
+    revoked: Vec<revoke::Revoked>,
 }
 
 impl State {
@@ -480,6 +484,7 @@ impl CachingAllocator {
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
             spill: offload::SpillCounts::default(),
+            revoked: Vec::new(),
         };
         Ok(CachingAllocator {
             pool,

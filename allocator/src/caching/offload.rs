@@ -41,7 +41,7 @@ pub struct SpillCounts {
 }
 
 impl SpillCounts {
-    fn add(&mut self, bytes: u64, onto_device: bool, stalled_ns: u64) {
+    pub(super) fn add(&mut self, bytes: u64, onto_device: bool, stalled_ns: u64) {
         if onto_device {
             self.to_device += 1;
             self.bytes_to_device += bytes;
@@ -93,7 +93,8 @@ impl CachingAllocator {
     }
 
     /// Lets allocations of `tag` overflow onto pages of `to` (a host pool of this device,
-    /// [`PagePool::new_host`]) when the device is out of memory: instead of
+    /// [`PagePool::new_host`], or a peer device's pool: borrowed memory that
+    /// [`revoke`](Self::revoke) gives back) when the device is out of memory: instead of
     /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
     /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
     /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
@@ -107,12 +108,19 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// A pool this allocator may map pages of: host memory for this device, or a peer
+    /// device's own pool, with this allocator's page size.
     fn check_tier_pool(&self, to: &PagePool) -> Result<()> {
-        if to.device() != self.device || to.page_size() != self.page {
+        let fits = match to.location() {
+            Location::Host => to.device() == self.device,
+            Location::Device(d) => d == to.device(),
+        };
+        if !fits || to.page_size() != self.page {
             return Err(Error::InvalidArgument(format!(
-                "device {}'s pages of {} bytes onto a pool for device {} with pages of {}",
+                "device {}'s pages of {} bytes onto a pool in {} for device {} with pages of {}",
                 self.device,
                 self.page,
+                to.location(),
                 to.device(),
                 to.page_size()
             )));
@@ -136,6 +144,7 @@ impl CachingAllocator {
             match (page.source(), page.phys().location()) {
                 (PageSource::Borrowed { .. }, _) => tiers.peer += bytes,
                 (_, Location::Host) => tiers.host += bytes,
+                (_, Location::Device(d)) if d != self.device => tiers.peer += bytes,
                 _ => tiers.local += bytes,
             }
         }
@@ -251,7 +260,7 @@ pub(super) fn streams_of_tag(st: &State, t32: u32) -> Vec<StreamHandle> {
 
 /// A run of a tag's pages that moves as one.
 #[derive(Clone, Copy)]
-enum Target {
+pub(super) enum Target {
     Segment(u32),
     /// A large segment, by first page.
     Large(u64),
@@ -274,7 +283,7 @@ fn targets_of(st: &State, t32: u32, to: &PagePool) -> Vec<(Target, u64)> {
     targets
 }
 
-fn mapped_of(st: &mut State, target: Target) -> Option<&mut Vec<MappedPage>> {
+pub(super) fn mapped_of(st: &mut State, target: Target) -> Option<&mut Vec<MappedPage>> {
     match target {
         Target::Segment(id) => st
             .segments
@@ -285,14 +294,14 @@ fn mapped_of(st: &mut State, target: Target) -> Option<&mut Vec<MappedPage>> {
     }
 }
 
-fn put_back(st: &mut State, target: Target, pages: Vec<MappedPage>) {
+pub(super) fn put_back(st: &mut State, target: Target, pages: Vec<MappedPage>) {
     if let Some(slot) = mapped_of(st, target) {
         *slot = pages;
     }
 }
 
 /// Every mapped page of tag index `ti` (or of every tag): segments, large segments, cache.
-fn pages_of(st: &State, ti: Option<u32>) -> impl Iterator<Item = &Page> {
+pub(super) fn pages_of(st: &State, ti: Option<u32>) -> impl Iterator<Item = &Page> {
     let ours = move |tag: u32| ti.is_none_or(|t| t == tag);
     let segments = st
         .iter_segments()
