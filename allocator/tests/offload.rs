@@ -20,6 +20,8 @@ struct Env {
     backend: Arc<dyn Backend>,
     device: Arc<PagePool>,
     host: Arc<PagePool>,
+    /// Device 1's pool: a lender for overflow and revocation.
+    peer: Arc<PagePool>,
     alloc: CachingAllocator,
 }
 
@@ -33,7 +35,7 @@ fn manual() -> PoolConfig {
     }
 }
 
-/// A 64 MiB device whose links run at 20 GB/s with 5 µs latency (what `STRATA_HOST_LINK`
+/// Two 64 MiB devices whose links run at 20 GB/s with 5 µs latency (what `STRATA_HOST_LINK`
 /// sets), so copies are really in flight on the stream while a migration waits.
 fn env() -> Env {
     let link = Link {
@@ -41,7 +43,7 @@ fn env() -> Env {
         latency: Duration::from_micros(5),
     };
     let backend = strata_vmm::host::open(HostConfig {
-        devices: vec![32 * PAGE],
+        devices: vec![32 * PAGE, 32 * PAGE],
         granularity: PAGE,
         strict: true,
         link: Some(LinkModel {
@@ -53,12 +55,14 @@ fn env() -> Env {
     .expect("host backend");
     let device = PagePool::new(Arc::clone(&backend), 0, manual()).expect("pool");
     let host = PagePool::new_host(Arc::clone(&backend), 0, manual()).expect("host pool");
+    let peer = PagePool::new(Arc::clone(&backend), 1, manual()).expect("peer pool");
     let alloc =
         CachingAllocator::new(Arc::clone(&device), CachingConfig::default()).expect("allocator");
     Env {
         backend,
         device,
         host,
+        peer,
         alloc,
     }
 }
@@ -98,6 +102,7 @@ fn consistent(e: &Env, when: &str) {
     );
     assert_eq!(e.device.stats().in_use as u64 * PAGE, all.local, "{when}");
     assert_eq!(e.host.stats().in_use as u64 * PAGE, all.host, "{when}");
+    assert_eq!(e.peer.stats().in_use as u64 * PAGE, all.peer, "{when}");
     for t in &stats.tags {
         let s = e.alloc.spill_stats(Some(t.tag)).tiers;
         assert_eq!(
@@ -257,8 +262,9 @@ fn bad_offloads_are_errors_that_change_nothing() {
     consistent(&e, "after refusals");
 }
 
-/// Allocations, frees, writes, offloads and onloads of two tags at random, a fault armed at a
-/// random step of some migrations (create, map, set_access, copy; failed unmaps are covered
+/// Allocations, frees, writes, offloads and onloads of two tags at random, tag 1 overflowing
+/// onto host memory and tag 2 onto the peer's pages when the device is full (tag 3 fills it),
+/// revocations of the peer's pages, a fault armed at a random step of some migrations (create, map, set_access, copy; failed unmaps are covered
 /// in `migrate.rs`: here an unmap of the tag's cached pages could fail first, and the
 /// allocator does not yet keep such a page's VA out of its arena); after every step every live allocation reads back its pattern through the same
 /// pointer, the invariants hold and every page is counted by the pool it came from.
@@ -275,6 +281,8 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
     // (ptr, size, seed, tag)
     let mut live: Vec<(u64, u64, u64, TagId)> = Vec::new();
     let mut faults = 0;
+    let mut revoked = 0;
+    e.alloc.set_overflow(1, Some(Arc::clone(&e.host))).unwrap();
     for step in 0..120u64 {
         let when = format!("step {step}");
         match rng.random_range(0..10) {
@@ -298,13 +306,44 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
                 let (p, _, _, _) = live.swap_remove(rng.random_range(0..live.len()));
                 e.alloc.deallocate(p, S0).unwrap();
             }
-            6 if !live.is_empty() => {
+            6 if rng.random_bool(0.5) => {
+                // Tag 3 fills the device; tag 2 (re)gets its peer overflow and allocates there.
+                e.alloc.set_overflow(2, Some(Arc::clone(&e.peer))).unwrap();
+                for hog in [12 * MIB, 2 * MIB, 2 * MIB] {
+                    while let Ok(p) = e.alloc.allocate_tagged(hog, S0, 3) {
+                        fill(&e.backend, p, 4096, step);
+                        live.push((p, 4096, step, 3));
+                    }
+                }
+                let size = rng.random_range(1..3 * MIB);
+                let p = e.alloc.allocate_tagged(size, S0, 2).unwrap();
+                fill(&e.backend, p, size, step);
+                live.push((p, size, step, 2));
+            }
+            7 if rng.random_bool(0.3) => {
+                let armed = rng.random_bool(0.3);
+                if armed {
+                    let op = ops[rng.random_range(0..ops.len())];
+                    injector(&e.backend).inject_fault(op, rng.random_range(1..6));
+                }
+                let got = e.alloc.revoke(&e.peer, &e.host, S0);
+                injector(&e.backend).clear_faults();
+                match got {
+                    Ok(_) => assert_eq!(e.peer.stats().in_use, 0, "{when}: all given back"),
+                    Err(Error::InjectedFault(_)) if armed => faults += 1,
+                    Err(err) => panic!("{when}: {err}"),
+                }
+                let notices = e.alloc.take_revoked();
+                assert!(notices.iter().all(|r| r.tag == 2), "{when}");
+                revoked += notices.len();
+            }
+            8 if !live.is_empty() => {
                 let k = rng.random_range(0..live.len());
                 fill(&e.backend, live[k].0, live[k].1, step);
                 live[k].2 = step;
             }
             _ => {
-                let tag = rng.random_range(1..=2);
+                let tag = rng.random_range(1..=3);
                 let armed = rng.random_bool(0.6);
                 if armed {
                     let op = ops[rng.random_range(0..ops.len())];
@@ -331,12 +370,20 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
         consistent(&e, &when);
     }
     assert!(faults >= 3, "faults hit migrations: {faults}");
+    assert!(revoked > 0, "revocations moved segments");
     // Room on the device for what is left, then everything back.
+    for &(p, _, _, tag) in &live {
+        if tag == 3 {
+            e.alloc.deallocate(p, S0).unwrap();
+        }
+    }
+    live.retain(|l| l.3 != 3);
     while live.iter().map(|l| l.1).sum::<u64>() > 8 * MIB {
         e.alloc.deallocate(live.pop().unwrap().0, S0).unwrap();
     }
     e.alloc.empty_cache().unwrap();
-    for tag in 1..=2 {
+    e.alloc.revoke(&e.peer, &e.host, S0).unwrap();
+    for tag in 1..=3 {
         e.alloc.onload(tag, S0).unwrap();
     }
     for &(p, n, seed, _) in &live {
