@@ -232,6 +232,31 @@ int strata_onload(const char *tag, cudaStream_t stream);
  * those first used later. Other tiers: STRATA_INVALID_ARGUMENT. */
 int strata_set_overflow(const char *tag, int tier);
 
+/* Overflow onto a peer: allocations of tag `tag` on every device in use but `lender` that find their
+ * device out of memory succeed on `lender`'s pages (borrowed memory, taken back by
+ * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation. */
+int strata_set_overflow_peer(const char *tag, int lender);
+
+/* One segment moved off a lender's pages by a revocation. */
+typedef struct strata_revoked_t {
+    int32_t device;    /* the device whose allocation moved */
+    int32_t lender;    /* the device that took its pages back */
+    int32_t to_device; /* 1: onto the device's own memory; 0: onto host memory */
+    uint32_t tag_id;   /* as in strata_tag_stats_t */
+    uint64_t ptr;      /* first byte of the segment: unchanged */
+    uint64_t bytes;
+} strata_revoked_t;
+
+/* The lender takes its pages back: every segment on device `lender`'s pages behind another
+ * device's allocations moves to that device's own memory, or to host memory when it is full,
+ * at the same addresses with its contents (copies ordered on `stream`); tags stop overflowing
+ * onto it. Each move is queued once for strata_take_revoked. */
+int strata_revoke_peer(int lender, cudaStream_t stream);
+
+/* Moves up to `capacity` revocation notices, oldest first, into out[0..*count); each notice
+ * is handed out once. */
+int strata_take_revoked(strata_revoked_t *out, size_t capacity, size_t *count);
+
 /* Where a tag's (or a device's) mapped pages are, and the migrations that moved them. */
 typedef struct strata_spill_stats_t {
     uint64_t local_bytes;          /* the device's own memory */

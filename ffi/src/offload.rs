@@ -216,3 +216,119 @@ pub unsafe extern "C" fn strata_spill_stats(
         Ok(())
     })
 }
+
+/// Lets allocations of tag `tag` on every device but `lender` overflow onto `lender`'s pages
+/// when their device is out of memory (borrowed memory `strata_revoke_peer` takes back).
+///
+/// # Safety
+///
+/// `tag` is NULL (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn strata_set_overflow_peer(tag: *const c_char, lender: c_int) -> c_int {
+    boundary::status("strata_set_overflow_peer", || {
+        // SAFETY: forwarded from this function's contract.
+        let name = unsafe { boundary::c_str("tag", tag) }?;
+        let id = tags::lease(name)?.id();
+        let g = global()?;
+        let peer = g.ordinal(lender)?;
+        let pool = g.devices()[peer].pool()?;
+        for (d, a) in g.existing_all() {
+            if d != peer {
+                a.set_overflow(id, Some(Arc::clone(pool)))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// One move of a revocation (`strata_revoked_t`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct strata_revoked_t {
+    /// The device whose allocation moved, and the lender it moved off.
+    pub device: i32,
+    pub lender: i32,
+    /// 1: onto the device's own memory; 0: onto host memory.
+    pub to_device: i32,
+    /// The tag's id (as in `strata_tag_stats_t`).
+    pub tag_id: u32,
+    /// First byte of the moved segment (unchanged) and its length.
+    pub ptr: u64,
+    pub bytes: u64,
+}
+
+fn revoked_queue() -> &'static Mutex<std::collections::VecDeque<strata_revoked_t>> {
+    static QUEUE: OnceLock<Mutex<std::collections::VecDeque<strata_revoked_t>>> = OnceLock::new();
+    QUEUE.get_or_init(Mutex::default)
+}
+
+/// Takes back every page of device `lender` behind other devices' allocations: each segment on
+/// them moves to its device's own memory, or host memory when that is full, at the same
+/// addresses (copies ordered on `stream`); the notices queue for `strata_take_revoked`.
+#[no_mangle]
+pub extern "C" fn strata_revoke_peer(lender: c_int, stream: CudaStream) -> c_int {
+    boundary::status("strata_revoke_peer", || {
+        let g = global()?;
+        let peer = g.ordinal(lender)?;
+        let Some(pool) = g.devices()[peer].existing_pool() else {
+            return Ok(());
+        };
+        let mut first = None;
+        for device in g.devices() {
+            let Some(a) = device.existing_allocator() else {
+                continue;
+            };
+            if device.device() as usize == peer {
+                continue;
+            }
+            let got = device
+                .host_pool()
+                .and_then(|host| a.revoke(pool, host, stream_of(stream)));
+            let mut queue = revoked_queue().lock();
+            for r in a.take_revoked() {
+                queue.push_back(strata_revoked_t {
+                    device: device.device() as i32,
+                    lender: peer as i32,
+                    to_device: i32::from(r.to == strata_vmm::Location::Device(device.device())),
+                    tag_id: r.tag,
+                    ptr: r.va,
+                    bytes: r.bytes,
+                });
+            }
+            if let Err(e) = got {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    })
+}
+
+/// Moves up to `capacity` revocation notices, oldest first, into `out[0..*count)`; each notice
+/// is handed out once.
+///
+/// # Safety
+///
+/// `out` is valid for writing `capacity` notices (or NULL with `capacity` 0); `count` is NULL
+/// (an error) or valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn strata_take_revoked(
+    out: *mut strata_revoked_t,
+    capacity: usize,
+    count: *mut usize,
+) -> c_int {
+    boundary::status("strata_take_revoked", || {
+        if count.is_null() || (out.is_null() && capacity > 0) {
+            return Err(Error::InvalidArgument("out or count is NULL".into()));
+        }
+        let mut queue = revoked_queue().lock();
+        let n = capacity.min(queue.len());
+        for (i, r) in queue.drain(..n).enumerate() {
+            // SAFETY: `i < capacity`, and `out` is valid for `capacity` writes by contract.
+            unsafe { out.add(i).write(r) };
+        }
+        // SAFETY: `count` is non-NULL and valid for one write by this function's contract.
+        unsafe { count.write(n) };
+        Ok(())
+    })
+}

@@ -1,7 +1,8 @@
 /* Offload and onload: a tag's allocations (small and large) move to host memory and back at
  * the same addresses with their contents, stay readable and writable while offloaded, and
  * the device memory they held is free meanwhile; overflow serves a full device from host
- * memory for the tags that allow it; disk offload is a sleep to TMPDIR; bad tiers
+ * memory (or a peer's) for the tags that allow it, and a peer's revocation moves them back;
+ * disk offload is a sleep to TMPDIR; bad tiers
  * and unknown tags are errors that change nothing. */
 #include "common.h"
 
@@ -97,6 +98,43 @@ int main(void) {
     CHECK(has_pattern(spill, 65536, 77));
     CHECK_OK(strata_set_overflow("model", 0));
     CHECK_OK(strata_free_checked(spill, 16 << 20, 0, NULL));
+
+    /* Overflow onto device 1's pages, then device 1 takes them back: the allocation moves
+     * to device 0 (room made first) at the same address, each move noticed once. */
+    nh = 0;
+    CHECK_OK(strata_tag_push("hog"));
+    while (nh < 1024 && (hog[nh] = strata_malloc(2 << 20, 0, NULL)) != NULL)
+        nh++;
+    CHECK_OK(strata_tag_pop());
+    CHECK_OK(strata_set_overflow_peer("model", 1));
+    CHECK_OK(strata_tag_push("model"));
+    void *lent = strata_malloc(8 << 20, 0, NULL);
+    CHECK_OK(strata_tag_pop());
+    CHECK(lent != NULL);
+    put_pattern(lent, 65536, 88);
+    CHECK_OK(strata_spill_stats("model", 0, &ov));
+    CHECK(ov.peer_bytes >= (8 << 20));
+    for (int i = 0; i < nh; i++)
+        CHECK_OK(strata_free_checked(hog[i], 0, 0, NULL));
+    strata_empty_cache();
+    CHECK_OK(strata_revoke_peer(1, NULL));
+    CHECK(has_pattern(lent, 65536, 88));
+    CHECK_OK(strata_spill_stats("model", 0, &ov));
+    CHECK(ov.peer_bytes == 0 && ov.host_bytes == 0);
+    strata_revoked_t rv[16];
+    size_t nrv = 0;
+    CHECK_OK(strata_take_revoked(rv, 16, &nrv));
+    CHECK(nrv >= 1);
+    uint64_t moved = 0;
+    for (size_t i = 0; i < nrv; i++) {
+        CHECK(rv[i].device == 0 && rv[i].lender == 1 && rv[i].to_device == 1);
+        moved += rv[i].bytes;
+    }
+    CHECK(moved >= (8 << 20));
+    CHECK_OK(strata_take_revoked(rv, 16, &nrv));
+    CHECK(nrv == 0);
+    CHECK(strata_take_revoked(rv, 16, NULL) == STRATA_INVALID_ARGUMENT);
+    CHECK_OK(strata_free_checked(lent, 8 << 20, 0, NULL));
 
     for (int i = 0; i < N; i++)
         CHECK_OK(strata_free_checked(p[i], size[i], 0, NULL));
