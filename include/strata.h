@@ -205,6 +205,74 @@ int strata_sleep_to_disk(const char *tag, const char *dir);
  * it was not woken yet: call again. */
 int strata_wake(const char *tag);
 
+/* ---- Offload and onload: live allocations to another tier at the same addresses ---------- */
+
+/* Tiers are the KV ABI's STRATA_TIER_HOST (host memory mapped for the device: still usable, at
+ * link speed) and STRATA_TIER_DISK (an unlinked file in TMPDIR: not usable until onload). */
+
+/* Moves every live allocation of tag `tag`, on every device, to `tier` at the same addresses.
+ * STRATA_TIER_HOST: waits for the streams that used the tag's memory, gives its cached free
+ * memory back, then per segment copies on `stream` (NULL: the default stream) into host-memory
+ * pages, synchronizes `stream` and remaps them at the same addresses; kernels keep using the
+ * pointers (slower). New allocations of the tag still come from the device. A failure leaves
+ * the segment being moved intact on its old pages; those moved before it stay moved (call
+ * again). STRATA_TIER_DISK is strata_sleep_to_disk into TMPDIR. Other tiers:
+ * STRATA_INVALID_ARGUMENT; a sleeping tag: STRATA_INVALID_STATE. */
+int strata_offload(const char *tag, int tier, cudaStream_t stream);
+
+/* Brings tag `tag` back onto the devices' own memory at the same addresses: pages in host
+ * memory are copied back on `stream` (out of device memory leaves the rest where it is, still
+ * usable); a tag offloaded to disk is woken (strata_wake). */
+int strata_onload(const char *tag, cudaStream_t stream);
+
+/* Overflow (off by default): with `tier` STRATA_TIER_HOST, allocations of tag `tag` that find
+ * a device out of memory succeed on host memory mapped for the device instead of returning
+ * NULL (slower; strata_onload moves them to the device once it has room); `tier` 0 turns it
+ * off (pages already taken stay until freed or onloaded). Applies to every device, including
+ * those first used later. Other tiers: STRATA_INVALID_ARGUMENT. */
+int strata_set_overflow(const char *tag, int tier);
+
+/* Overflow onto a peer: allocations of tag `tag` on every device in use but `lender` that find their
+ * device out of memory succeed on `lender`'s pages (borrowed memory, taken back by
+ * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation. */
+int strata_set_overflow_peer(const char *tag, int lender);
+
+/* One segment moved off a lender's pages by a revocation. */
+typedef struct strata_revoked_t {
+    int32_t device;    /* the device whose allocation moved */
+    int32_t lender;    /* the device that took its pages back */
+    int32_t to_device; /* 1: onto the device's own memory; 0: onto host memory */
+    uint32_t tag_id;   /* as in strata_tag_stats_t */
+    uint64_t ptr;      /* first byte of the segment: unchanged */
+    uint64_t bytes;
+} strata_revoked_t;
+
+/* The lender takes its pages back: every segment on device `lender`'s pages behind another
+ * device's allocations moves to that device's own memory, or to host memory when it is full,
+ * at the same addresses with its contents (copies ordered on `stream`); tags stop overflowing
+ * onto it. Each move is queued once for strata_take_revoked. */
+int strata_revoke_peer(int lender, cudaStream_t stream);
+
+/* Moves up to `capacity` revocation notices, oldest first, into out[0..*count); each notice
+ * is handed out once. */
+int strata_take_revoked(strata_revoked_t *out, size_t capacity, size_t *count);
+
+/* Where a tag's (or a device's) mapped pages are, and the migrations that moved them. */
+typedef struct strata_spill_stats_t {
+    uint64_t local_bytes;          /* the device's own memory */
+    uint64_t peer_bytes;           /* pages borrowed from a peer device */
+    uint64_t host_bytes;           /* host memory mapped for the device (offloaded) */
+    uint64_t migrations_to_host;   /* segments moved to host memory ... */
+    uint64_t migrations_to_device; /* ... and back onto the device */
+    uint64_t bytes_to_host;
+    uint64_t bytes_to_device;
+    uint64_t stalled_ns;           /* time callers waited on migrations */
+    uint64_t spare[4];             /* zero; room to grow */
+} strata_spill_stats_t;
+
+/* Fills *out for tag `tag` on `device`, or for the whole device when `tag` is NULL. */
+int strata_spill_stats(const char *tag, int device, strata_spill_stats_t *out);
+
 /* ---- Harvest: opportunistic memory on peer GPUs ----------------------------------------- */
 
 /* What revoking an allocation costs (Harvest's two consistency choices). */

@@ -13,8 +13,8 @@ pub mod pool;
 pub mod resource;
 
 pub use caching::{
-    AllocatorCounts, AllocatorStats, CachingAllocator, CachingConfig, LiveAllocation, TagId,
-    TagStats, UNTAGGED,
+    AllocatorCounts, AllocatorStats, CachingAllocator, CachingConfig, LiveAllocation, Moved,
+    Revoked, SpillCounts, SpillStats, TagId, TagStats, TierBytes, UNTAGGED,
 };
 pub use direct::DirectResource;
 pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};

@@ -8,7 +8,8 @@
 //!   one mapping per page, with one `set_access` over the whole run. Building one is all or
 //!   nothing: on an error every page mapped so far is unmapped and every page returns to its
 //!   pool. Dropping one unmaps every page, then returns every page the same way; a page whose
-//!   unmap failed is released (it may still be mapped, so it never reaches the free list).
+//!   unmap failed is quarantined ([`PagePool::quarantine`]: it may still be mapped, so it is
+//!   neither reused nor released).
 //!
 //! Callers that keep pages in tables of their own (the caching allocator recycles pages one by
 //! one) build a run and take its pages out with [`MappedRun::into_mapped_pages`]; from then on
@@ -253,6 +254,38 @@ impl MappedRun {
             .collect()
     }
 
+    /// Owns pages mapped back to back from `va` again (the inverse of
+    /// [`MappedRun::into_mapped_pages`]): each page still counted in use by its home pool
+    /// (see [`Page`]), `pool` the run's own (its page size; where pages without another home
+    /// return). Pages not mapped at `va + i * page_size`, one page each, are handed back with
+    /// [`Error::InvalidArgument`], untouched.
+    #[allow(clippy::result_large_err)]
+    pub fn from_mapped_pages(
+        pool: &Arc<PagePool>,
+        va: DevicePtr,
+        pages: Vec<MappedPage>,
+    ) -> std::result::Result<MappedRun, (Vec<MappedPage>, Error)> {
+        let page_size = pool.page_size();
+        let misplaced = pages.iter().enumerate().any(|(i, m)| {
+            m.mapping.va() != va + i as u64 * page_size
+                || m.mapping.size() != page_size
+                || !Arc::ptr_eq(m.mapping.phys(), m.page.phys())
+        });
+        if misplaced {
+            let e = Error::InvalidArgument(format!(
+                "pages given as a run at {va:#x} are not mapped back to back there"
+            ));
+            return Err((pages, e));
+        }
+        let (mappings, pages): (Vec<Mapping>, Vec<Page>) =
+            pages.into_iter().map(|m| (m.mapping, m.page)).unzip();
+        Ok(MappedRun {
+            mappings,
+            lease: PageLease::from_pages(pool, pages),
+            va,
+        })
+    }
+
     /// Unmaps every page now and hands them to the caller, still counted in use by the pool.
     /// On an unmap error every page is still unmapped or released, and the first error is
     /// returned (the pages whose unmap succeeded went back to the pool).
@@ -264,23 +297,25 @@ impl MappedRun {
         }
     }
 
-    /// Unmaps every mapping; pages whose unmap failed leave the lease and are released.
+    /// Unmaps every mapping; a page whose unmap failed leaves the lease for quarantine
+    /// ([`PagePool::quarantine`]: never reused, never released, since it may still be mapped)
+    /// and its mapping is leaked with it. Returns the first error.
     fn unmap_all(&mut self) -> Option<Error> {
         let mut first = None;
         let mut failed = Vec::new();
         for (i, mapping) in std::mem::take(&mut self.mappings).into_iter().enumerate() {
-            if let Err(e) = mapping.unmap() {
+            if let Err((still_mapped, e)) = mapping.try_unmap() {
+                std::mem::forget(still_mapped);
                 first.get_or_insert(e);
                 failed.push(i);
             }
         }
         if !failed.is_empty() {
-            let mut lost = Vec::with_capacity(failed.len());
+            self.lease.unlend(failed.len());
             for i in failed.into_iter().rev() {
-                lost.push(self.lease.pages.swap_remove(i));
+                let page = self.lease.pages.remove(i);
+                self.lease.pool.quarantine(page);
             }
-            self.lease.unlend(lost.len());
-            self.lease.pool.release(lost);
         }
         first
     }

@@ -5,7 +5,7 @@
 //! the free list is short it creates the missing pages itself, with no lock held across the
 //! driver calls (kvcached#371: no lock held while waiting on the refill thread).
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -23,13 +23,18 @@ pub enum PageSource {
     Borrowed { lender: u32 },
 }
 
-/// One granularity-sized page of physical memory and its source. Pages go back to the pool
-/// through [`PagePool::give`] or [`PagePool::release`]; dropping one elsewhere releases its
-/// memory but leaves the pool's counters behind.
+/// One granularity-sized page of physical memory, its source and its home: the pool that
+/// created or adopted it and counts it. Pages go back through [`PagePool::give`],
+/// [`PagePool::release`] or [`PagePool::detach`] of *any* pool: each page is routed to its
+/// home, so an owner holding pages of several pools (device pages next to host pages after a
+/// migration) gives them all back to the one pool it knows. Dropping one elsewhere releases
+/// its memory but leaves the pool's counters behind.
 #[derive(Debug)]
 pub struct Page {
     phys: Arc<PhysicalMemory>,
     source: PageSource,
+    /// The pool that counts this page (weak: pages on a pool's own free list point at it).
+    home: Weak<Inner>,
 }
 
 impl Page {
@@ -43,6 +48,11 @@ impl Page {
 
     pub fn size(&self) -> u64 {
         self.phys.size()
+    }
+
+    /// Whether `pool` counts this page (took or adopted it).
+    pub fn is_home(&self, pool: &PagePool) -> bool {
+        std::ptr::eq(self.home.as_ptr(), Arc::as_ptr(&pool.inner))
     }
 }
 
@@ -96,6 +106,9 @@ pub struct PoolStats {
     pub created_on_demand: u64,
     /// Pages not created here (reclaimed or borrowed) adopted, ever.
     pub adopted_total: u64,
+    /// Pages whose unmap failed, kept out of the free list and never released (their memory
+    /// may still be mapped): leaked on purpose, ever.
+    pub quarantined: u64,
     pub limit: Option<u64>,
 }
 
@@ -117,6 +130,7 @@ struct State {
     released_total: u64,
     created_on_demand: u64,
     adopted_total: u64,
+    quarantined: u64,
     last_activity: Instant,
     /// The last refill ran out of memory: wait for pages to come back before trying again.
     refill_blocked: bool,
@@ -205,6 +219,7 @@ impl PagePool {
                 released_total: 0,
                 created_on_demand: 0,
                 adopted_total: 0,
+                quarantined: 0,
                 last_activity: Instant::now(),
                 refill_blocked: false,
                 refill_after_demand: false,
@@ -307,31 +322,35 @@ impl PagePool {
         }
     }
 
-    /// Gives pages back to the free list (the worker trims above the high watermark).
+    /// Gives pages back to the free list (the worker trims above the high watermark). Pages
+    /// of other pools go back to theirs (see [`Page`]).
     pub fn give(&self, pages: Vec<Page>) {
-        if pages.is_empty() {
-            return;
-        }
-        let mut state = self.inner.state.lock();
-        state.last_activity = Instant::now();
-        state.uncount(pages.len(), borrowed_count(&pages));
-        state.refill_blocked = false;
-        state.free.extend(pages);
-        if state.free.len() > self.inner.config.high_watermark {
-            self.inner.wake_worker.notify_one();
+        if let Some(own) = self.route_home(pages, Inner::give) {
+            self.inner.give(own);
         }
     }
 
-    /// Releases pages straight to the driver (their memory returns to the device).
+    /// Releases pages straight to the driver (their memory returns to the device). Pages of
+    /// other pools are uncounted there (see [`Page`]).
     pub fn release(&self, pages: Vec<Page>) {
-        let n = pages.len();
-        let borrowed = borrowed_count(&pages);
-        drop(pages);
-        let mut state = self.inner.state.lock();
-        state.uncount(n, borrowed);
-        state.released_total += n as u64;
-        state.refill_blocked = false;
-        self.inner.wake_worker.notify_one();
+        if let Some(own) = self.route_home(pages, Inner::release) {
+            self.inner.release(own);
+        }
+    }
+
+    /// Sends the pages of other pools to their homes (through `back`: `give` or `release`
+    /// there) and returns this pool's own, or `None` when none are left. A page whose home
+    /// pool is gone is dropped (its memory released).
+    #[inline]
+    fn route_home(&self, pages: Vec<Page>, back: fn(&Inner, Vec<Page>)) -> Option<Vec<Page>> {
+        if pages.is_empty() {
+            return None;
+        }
+        if pages.iter().all(|p| p.is_home(self)) {
+            return Some(pages);
+        }
+        let own = route_foreign(&self.inner, pages, back);
+        (!own.is_empty()).then_some(own)
     }
 
     /// Takes a page that was not created by this pool (reclaimed or borrowed) into its
@@ -351,7 +370,11 @@ impl PagePool {
             _ => state.in_use += 1,
         }
         state.adopted_total += 1;
-        Ok(Page { phys, source })
+        Ok(Page {
+            phys,
+            source,
+            home: Arc::downgrade(&self.inner),
+        })
     }
 
     /// Takes a page in use out of this pool's accounting without releasing its memory (the
@@ -359,8 +382,27 @@ impl PagePool {
     /// pool's `adopt`, as MIRAGE does when parameter pages become KV pages and back.
     pub fn detach(&self, page: Page) -> (Arc<PhysicalMemory>, PageSource) {
         let borrowed = borrowed_count(std::slice::from_ref(&page));
-        self.inner.state.lock().uncount(1, borrowed);
+        match page.home.upgrade() {
+            Some(home) if !page.is_home(self) => home.state.lock().uncount(1, borrowed),
+            Some(_) => self.inner.state.lock().uncount(1, borrowed),
+            None => {}
+        }
         (page.phys, page.source)
+    }
+
+    /// Takes a page whose unmap failed out of use for good: uncounted from its home pool like
+    /// a release, counted in `PoolStats::quarantined`, and its memory leaked rather than
+    /// released or reused (it may still be mapped somewhere).
+    #[cold]
+    pub fn quarantine(&self, page: Page) {
+        let borrowed = borrowed_count(std::slice::from_ref(&page));
+        let home = page.home.upgrade();
+        let inner = home.as_deref().unwrap_or(&self.inner);
+        let mut state = inner.state.lock();
+        state.uncount(1, borrowed);
+        state.quarantined += 1;
+        drop(state);
+        std::mem::forget(page.phys);
     }
 
     /// Releases free pages until at most `keep` remain; returns how many were released. The
@@ -404,6 +446,7 @@ impl PagePool {
             released_total: state.released_total,
             created_on_demand: state.created_on_demand,
             adopted_total: state.adopted_total,
+            quarantined: state.quarantined,
             limit: state.limit,
         }
     }
@@ -458,7 +501,51 @@ impl Drop for PagePool {
     }
 }
 
+/// Splits off the pages whose home is not `own` and hands each group to its home through
+/// `back`; returns `own`'s pages.
+#[cold]
+#[inline(never)]
+fn route_foreign(own: &Arc<Inner>, pages: Vec<Page>, back: fn(&Inner, Vec<Page>)) -> Vec<Page> {
+    let (mine, mut foreign): (Vec<Page>, Vec<Page>) = pages
+        .into_iter()
+        .partition(|p| std::ptr::eq(p.home.as_ptr(), Arc::as_ptr(own)));
+    while let Some(first) = foreign.first() {
+        let home = first.home.clone();
+        let (same, rest): (Vec<Page>, Vec<Page>) = foreign
+            .into_iter()
+            .partition(|p| Weak::ptr_eq(&p.home, &home));
+        foreign = rest;
+        match home.upgrade() {
+            Some(inner) => back(&inner, same),
+            None => drop(same),
+        }
+    }
+    mine
+}
+
 impl Inner {
+    fn give(&self, pages: Vec<Page>) {
+        let mut state = self.state.lock();
+        state.last_activity = Instant::now();
+        state.uncount(pages.len(), borrowed_count(&pages));
+        state.refill_blocked = false;
+        state.free.extend(pages);
+        if state.free.len() > self.config.high_watermark {
+            self.wake_worker.notify_one();
+        }
+    }
+
+    fn release(&self, pages: Vec<Page>) {
+        let n = pages.len();
+        let borrowed = borrowed_count(&pages);
+        drop(pages);
+        let mut state = self.state.lock();
+        state.uncount(n, borrowed);
+        state.released_total += n as u64;
+        state.refill_blocked = false;
+        self.wake_worker.notify_one();
+    }
+
     /// Checks that `extra` more pages fit under the limit.
     fn admit(&self, state: &State, extra: usize) -> Result<()> {
         let Some(limit) = state.limit else {
@@ -476,7 +563,7 @@ impl Inner {
         Ok(())
     }
 
-    fn create_pages(&self, n: usize) -> Result<Vec<Page>> {
+    fn create_pages(self: &Arc<Self>, n: usize) -> Result<Vec<Page>> {
         let location = self.location;
         let mut pages = Vec::with_capacity(n);
         for _ in 0..n {
@@ -490,12 +577,13 @@ impl Inner {
             pages.push(Page {
                 phys: Arc::new(phys),
                 source: PageSource::Fresh,
+                home: Arc::downgrade(self),
             });
         }
         Ok(pages)
     }
 
-    fn run_worker(&self) {
+    fn run_worker(self: Arc<Self>) {
         let tick = Duration::from_millis(50);
         let mut state = self.state.lock();
         loop {

@@ -230,9 +230,70 @@ fn a_failure_at_any_step_leaves_the_run_as_it_was() {
     }
 }
 
+/// The staging mapping's unmaps (the first `N` unmap calls of a migration): when one refuses,
+/// the run keeps its old pages and data, the staging pages that did unmap go back to the
+/// destination pool, and the one still mapped is quarantined there: never reused, never
+/// released, counted.
+#[test]
+fn a_failed_unmap_of_the_staging_pages_quarantines_that_page() {
+    const N: u64 = 3;
+    for nth in 1..=N {
+        let b = backend(8);
+        let (device, hostp) = pools(&b);
+        let res = Arc::new(Reservation::new(&b, N * PAGE, 0).unwrap());
+        let va = res.ptr();
+        let mut run = MappedRun::take(&device, &res, va, N as usize, &RW).unwrap();
+        let data = pattern(N * PAGE, nth);
+        b.write(va, &data).unwrap();
+        let live = b.live_counts();
+        host(&b).inject_fault(FaultOp::Unmap, nth);
+        let err = run
+            .migrate(&hostp, StreamHandle::DEFAULT, &[], &RW)
+            .unwrap_err();
+        host(&b).clear_faults();
+        assert!(
+            matches!(err, Error::InjectedFault("unmap")),
+            "#{nth}: {err}"
+        );
+        assert_eq!(run.pool().location(), D0);
+        assert_eq!(read(&b, va, N * PAGE), data, "#{nth}: data intact");
+        let h = hostp.stats();
+        assert_eq!((h.in_use, h.free, h.quarantined), (0, N as usize - 1, 1));
+        assert_eq!(device.stats().in_use, N as usize);
+        // The quarantined page's staging mapping stays: one mapping more than before.
+        assert_eq!(b.live_counts().mappings, live.mappings + 1, "#{nth}");
+        run.migrate(&hostp, StreamHandle::DEFAULT, &[], &RW)
+            .unwrap();
+        assert_eq!(read(&b, va, N * PAGE), data, "#{nth}: moved after all");
+        assert_eq!(hostp.stats().quarantined, 1);
+    }
+}
+
+/// A run unmapped while an unmap fails: the page still mapped is quarantined (not released,
+/// not reused), the others go back, and the error is returned.
+#[test]
+fn a_run_whose_unmap_fails_quarantines_that_page() {
+    let b = backend(4);
+    let (device, _) = pools(&b);
+    let res = Arc::new(Reservation::new(&b, 2 * PAGE, 0).unwrap());
+    let run = MappedRun::take(&device, &res, res.ptr(), 2, &RW).unwrap();
+    let created = device.stats().created_total;
+    host(&b).inject_fault(FaultOp::Unmap, 2);
+    let err = run.unmap().unwrap_err();
+    host(&b).clear_faults();
+    assert!(matches!(err, Error::InjectedFault("unmap")), "{err}");
+    let s = device.stats();
+    assert_eq!((s.in_use, s.free, s.quarantined), (0, 1, 1));
+    assert_eq!((s.created_total, s.released_total), (created, 0));
+    assert_eq!(device.take(2).unwrap().len(), 2);
+    assert_eq!(
+        device.stats().created_total,
+        created + 1,
+        "a new page, not the mapped one"
+    );
+}
+
 /// The run's own pages unmap last first; when one refuses, those already unmapped map back.
-/// (The staging mapping's unmaps, the first `N` calls, are not armed here: a staging page whose
-/// unmap fails is released while mapped, which `MappedRun` reports as a deferred error.)
 #[test]
 fn a_failed_unmap_of_the_old_pages_maps_the_others_back() {
     const N: u64 = 3;

@@ -40,5 +40,6 @@ fn create_allocator(rt: &Runtime, device: usize) -> Result<&CachingAllocator> {
     }
     let a = rt.allocator(device as i64)?;
     crate::sleeping::apply_to_new_device(&sleeping, a)?;
+    crate::offload::apply_to_new_device(&rt.devices()[device], a)?;
     Ok(a)
 }

@@ -25,6 +25,7 @@ mod global;
 mod handles;
 mod harvest;
 mod kv;
+mod offload;
 mod params;
 mod pie;
 mod sleep;
@@ -371,21 +372,26 @@ pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
     boundary::status("strata_wake", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let lease = tags::lease(name)?;
-        let id = lease.id();
-        let g = global()?;
-        let mut sleeping = sleeping::lock();
-        let mut woke = sleeping.contains(&id);
-        for (_, a) in g.existing_all() {
-            if a.is_asleep(id) {
-                a.wake(id)?;
-                woke = true;
-            }
-        }
-        if !woke {
-            return Err(Error::InvalidState(format!("tag {name:?} is not asleep")));
-        }
-        sleeping.remove(&id);
-        Ok(())
+        wake_tag(name)
     })
+}
+
+/// Wakes tag `name` on every device where it sleeps (see `strata_wake`).
+pub(crate) fn wake_tag(name: &str) -> Result<()> {
+    let lease = tags::lease(name)?;
+    let id = lease.id();
+    let g = global()?;
+    let mut sleeping = sleeping::lock();
+    let mut woke = sleeping.contains(&id);
+    for (_, a) in g.existing_all() {
+        if a.is_asleep(id) {
+            a.wake(id)?;
+            woke = true;
+        }
+    }
+    if !woke {
+        return Err(Error::InvalidState(format!("tag {name:?} is not asleep")));
+    }
+    sleeping.remove(&id);
+    Ok(())
 }

@@ -168,6 +168,11 @@ fn c_threads() {
 }
 
 #[test]
+fn c_offload_onload() {
+    c_test("offload");
+}
+
+#[test]
 fn c_sleep_wake() {
     c_test("sleep_wake");
 }

@@ -53,8 +53,12 @@ __all__ = [
     "device_count",
     "empty_cache",
     "library_path",
+    "offload",
+    "onload",
     "set_memory_fraction",
+    "set_overflow",
     "sleep",
+    "spill_stats",
     "stats",
     "tag",
     "tag_stats",
@@ -138,6 +142,53 @@ def wake(tags):
     disk (zeros if it slept without copies)."""
     for n in _names(tags):
         _lib.check(_lib.lib().strata_wake(_lib.encode(n)))
+
+
+_TIERS = {"host": 1, "disk": 2}
+
+
+def _stream(stream):
+    """A stream handle for the C ABI: None (the default stream), an int, or an object with
+    `cuda_stream` (torch.cuda.Stream)."""
+    if stream is None:
+        return None
+    return getattr(stream, "cuda_stream", stream)
+
+
+def offload(tags, tier="host", stream=None):
+    """Moves each tag's live allocations to `tier` at the same addresses: "host" (host memory
+    mapped for the device: pointers and tensors stay usable, slower; copies ordered on
+    `stream`) or "disk" (a sleep to a file in TMPDIR: unusable until onload)."""
+    if tier not in _TIERS:
+        raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"tier {tier!r}: one of {', '.join(_TIERS)}")
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_offload(_lib.encode(n), _TIERS[tier], _stream(stream)))
+
+
+def onload(tags, stream=None):
+    """Brings each tag's allocations back onto the device's own memory at the same addresses
+    (copies ordered on `stream`; a tag offloaded to disk is woken)."""
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_onload(_lib.encode(n), _stream(stream)))
+
+
+def set_overflow(tags, tier="host"):
+    """Lets each tag's allocations overflow onto host memory when a device is out of memory
+    (tier "host"), or stops it (tier None). Off by default."""
+    code = 0 if tier is None else _TIERS.get(tier)
+    if code is None or code == _TIERS["disk"]:
+        raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"overflow tier {tier!r}: 'host' or None")
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_set_overflow(_lib.encode(n), code))
+
+
+def spill_stats(name=None, device=0):
+    """Tier bytes (local, peer, host) and migrations of tag `name` on `device`, or of the
+    whole device when `name` is None (strata_spill_stats_t) as a dict."""
+    s = _lib.SpillStats()
+    tag = None if name is None else _lib.encode(name)
+    _lib.check(_lib.lib().strata_spill_stats(tag, device, s))
+    return _lib.as_dict(s)
 
 
 def empty_cache():

@@ -119,6 +119,22 @@ class Stats(ctypes.Structure):
     ]
 
 
+class SpillStats(ctypes.Structure):
+    """strata_spill_stats_t."""
+
+    _fields_ = [
+        ("local_bytes", ctypes.c_uint64),
+        ("peer_bytes", ctypes.c_uint64),
+        ("host_bytes", ctypes.c_uint64),
+        ("migrations_to_host", ctypes.c_uint64),
+        ("migrations_to_device", ctypes.c_uint64),
+        ("bytes_to_host", ctypes.c_uint64),
+        ("bytes_to_device", ctypes.c_uint64),
+        ("stalled_ns", ctypes.c_uint64),
+        ("spare", ctypes.c_uint64 * 4),
+    ]
+
+
 class TagStats(ctypes.Structure):
     """strata_tag_stats_t."""
 
@@ -167,6 +183,10 @@ PROTOTYPES = {
     "strata_sleep": (_c_int, [_c_char_p, _c_int]),
     "strata_wake": (_c_int, [_c_char_p]),
     "strata_sleep_to_disk": (_c_int, [_c_char_p, _c_char_p]),
+    "strata_offload": (_c_int, [_c_char_p, _c_int, _c_void_p]),
+    "strata_onload": (_c_int, [_c_char_p, _c_void_p]),
+    "strata_set_overflow": (_c_int, [_c_char_p, _c_int]),
+    "strata_spill_stats": (_c_int, [_c_char_p, _c_int, ctypes.POINTER(SpillStats)]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),
     "strata_stream_synchronize": (_c_int, [_c_void_p]),

@@ -131,3 +131,51 @@ class KvTorchTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class _Allocation:
+    """Owner of a `strata_malloc` block exported through DLPack (freed by the test)."""
+
+    def _dlpack_released(self):
+        pass
+
+
+def cpu_memory():
+    """Device memory is CPU-accessible (the host backend outside strict mode)."""
+    if torch is None:
+        return False
+    with kv.KvSpace(layers=1, kv_heads=HEADS, head_dim=DIM, max_requests=1, max_tokens=4096) as s:
+        return s.tensor(0, "k").dlpack_device_type == 1
+
+
+@unittest.skipUnless(cpu_memory(), "needs torch and CPU-accessible (non-strict) memory")
+class AllocatorOffloadTorchTest(unittest.TestCase):
+    """A tensor over a `strata_malloc` block (a CPU tensor through DLPack outside strict mode;
+    on a GPU, `gpu_torch_checks.py`'s pluggable-allocator route is where this is owed)."""
+
+    def test_tensor_keeps_its_data_ptr_and_bytes_across_offload_and_onload(self):
+        from strata import _dlpack, _lib
+
+        n = (3 << 20) // 4
+        with strata.tag("torch-offload"):
+            ptr = _lib.malloc(n * 4)
+        try:
+            capsule = _dlpack.capsule(
+                _Allocation(), ptr, _dlpack.CPU, 0, _dlpack.dtype_of("float32", 4), [n], [1]
+            )
+            t = torch.from_dlpack(capsule)
+            t.copy_(torch.arange(n, dtype=torch.float32))
+            expected = t.clone()
+            strata.offload("torch-offload", tier="host")
+            self.assertGreater(strata.spill_stats("torch-offload")["host_bytes"], 0)
+            self.assertEqual(t.data_ptr(), ptr)
+            self.assertTrue(torch.equal(t, expected), "bit-identical while offloaded")
+            t[:16] = -1.0  # usable while offloaded
+            expected[:16] = -1.0
+            strata.onload("torch-offload")
+            self.assertEqual(strata.spill_stats("torch-offload")["host_bytes"], 0)
+            self.assertEqual(t.data_ptr(), ptr)
+            self.assertTrue(torch.equal(t, expected), "bit-identical after onload")
+            del t
+        finally:
+            _lib.free(ptr)

@@ -165,6 +165,40 @@ class TagSleepWakeTest(unittest.TestCase):
         for p in w + [k]:
             _lib.free(p)
 
+    def test_offload_to_host_and_back_keeps_addresses_and_contents(self):
+        with strata.tag("py-offload"):
+            ps = [_lib.malloc(s) for s in (5000, 3 << 20)]
+        for i, p in enumerate(ps):
+            _lib.memcpy_htod(p, pattern(20 + i, 4096))
+        before = strata.spill_stats("py-offload")
+        self.assertEqual(before["host_bytes"], 0)
+        strata.offload("py-offload", tier="host")
+        off = strata.spill_stats("py-offload")
+        self.assertEqual(off["local_bytes"], 0)
+        self.assertEqual(off["host_bytes"], before["local_bytes"])
+        self.assertGreater(off["migrations_to_host"], 0)
+        # Usable at the same addresses while offloaded.
+        self.assertEqual(_lib.memcpy_dtoh(ps[0], 4096), pattern(20, 4096))
+        _lib.memcpy_htod(ps[1], pattern(33, 4096))
+        strata.onload("py-offload")
+        on = strata.spill_stats("py-offload")
+        self.assertEqual((on["host_bytes"], on["local_bytes"]), (0, before["local_bytes"]))
+        self.assertEqual(_lib.memcpy_dtoh(ps[0], 4096), pattern(20, 4096))
+        self.assertEqual(_lib.memcpy_dtoh(ps[1], 4096), pattern(33, 4096))
+        strata.offload("py-offload", tier="disk")
+        self.assertEqual(strata.tag_stats("py-offload")["asleep"], 1)
+        strata.onload("py-offload")
+        self.assertEqual(_lib.memcpy_dtoh(ps[1], 4096), pattern(33, 4096))
+        with self.assertRaises(strata.InvalidArgument):
+            strata.offload("py-offload", tier="tape")
+        with self.assertRaises(strata.InvalidArgument):
+            strata.set_overflow("py-offload", tier="disk")
+        strata.set_overflow("py-offload")
+        strata.set_overflow("py-offload", tier=None)
+        self.assertGreater(strata.spill_stats()["local_bytes"], 0)
+        for p in ps:
+            _lib.free(p)
+
     def test_sleep_is_all_or_nothing(self):
         with strata.tag("py-atomic"):
             p = _lib.malloc(1000)

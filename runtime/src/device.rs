@@ -26,6 +26,8 @@ pub struct DeviceRuntime {
     device: u32,
     config: RuntimeConfig,
     allocator: OnceLock<CachingAllocator>,
+    /// Host-memory pages mapped for this device (offloaded tags), created on first use.
+    host_pool: OnceLock<Arc<PagePool>>,
     pool: OnceLock<Arc<PagePool>>,
     init: Mutex<()>,
 }
@@ -44,6 +46,7 @@ impl DeviceRuntime {
             device,
             config,
             allocator: OnceLock::new(),
+            host_pool: OnceLock::new(),
             pool: OnceLock::new(),
             init: Mutex::new(()),
         }
@@ -68,6 +71,26 @@ impl DeviceRuntime {
     /// The pool if it was already created.
     pub fn existing_pool(&self) -> Option<&Arc<PagePool>> {
         self.pool.get()
+    }
+
+    /// The pool of host-memory pages this device maps (accounted to the host, not the
+    /// device), created on first use with the device pool's configuration; the caching
+    /// allocator offloads tags onto it ([`CachingAllocator::offload`]). A backend without
+    /// host VMM memory is [`Error::Unsupported`](strata_vmm::Error::Unsupported).
+    pub fn host_pool(&self) -> Result<&Arc<PagePool>> {
+        if let Some(p) = self.host_pool.get() {
+            return Ok(p);
+        }
+        let _guard = self.init.lock();
+        if let Some(p) = self.host_pool.get() {
+            return Ok(p);
+        }
+        let pool = PagePool::new_host(
+            Arc::clone(&self.backend),
+            self.device,
+            self.config.pool.clone(),
+        )?;
+        Ok(self.host_pool.get_or_init(|| pool))
     }
 
     /// The caching allocator over [`DeviceRuntime::pool`], created on first use.

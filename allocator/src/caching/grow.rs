@@ -70,12 +70,29 @@ impl Supply {
     /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
     /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
     /// old ranges are the caller's to free.
-    fn gather(self, pool: &PagePool, calls: &mut DriverCalls, requested: u64) -> Result<Vec<Page>> {
+    /// `overflow`: a pool (host memory, a peer's) whose pages stand in when `pool` is out of
+    /// memory (a tag that allows overflow); they return to it wherever they are freed.
+    fn gather(
+        self,
+        pool: &PagePool,
+        overflow: Option<&PagePool>,
+        calls: &mut DriverCalls,
+        requested: u64,
+    ) -> Result<Vec<Page>> {
         let mut pages = self.ready;
-        let unmapped = unmap_pages(self.mapped, &mut pages, calls);
-        let fresh = unmapped.and_then(|()| match self.fresh {
+        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls);
+        // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
+        // gets the device's own pages in their place.
+        let (mut pages, foreign): (Vec<Page>, Vec<Page>) =
+            pages.into_iter().partition(|p| p.is_home(pool));
+        let missing = self.fresh + foreign.len();
+        pool.give(foreign);
+        let fresh = unmapped.and_then(|()| match missing {
             0 => Ok(Vec::new()),
-            n => pool.take(n),
+            n => match (pool.take(n), overflow) {
+                (Err(e), Some(spill)) if e.is_out_of_memory() => spill.take(n),
+                (got, _) => got,
+            },
         });
         match fresh {
             Ok(fresh) => {
@@ -111,8 +128,11 @@ fn for_request(e: Error, requested: u64) -> Error {
     }
 }
 
-/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error.
+/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error. A page
+/// whose unmap failed may still be mapped: it goes to quarantine in `pool` (its home's
+/// counters), never into `out`, and its mapping is leaked.
 pub(super) fn unmap_pages(
+    pool: &PagePool,
     mapped: Vec<MappedPage>,
     out: &mut Vec<Page>,
     calls: &mut DriverCalls,
@@ -120,10 +140,14 @@ pub(super) fn unmap_pages(
     let mut first_err = None;
     for MappedPage { mapping, page } in mapped {
         calls.unmap += 1;
-        if let Err(e) = mapping.unmap() {
-            first_err.get_or_insert(e);
+        match mapping.try_unmap() {
+            Ok(_) => out.push(page),
+            Err((still_mapped, e)) => {
+                std::mem::forget(still_mapped);
+                first_err.get_or_insert(e);
+                pool.quarantine(page);
+            }
         }
-        out.push(page);
     }
     first_err.map_or(Ok(()), Err)
 }
@@ -483,10 +507,11 @@ impl CachingAllocator {
             retiring,
             supply.pages(),
         );
+        let overflow = st.tags[ti].overflow.clone();
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let got = supply.gather(&self.pool, &mut calls, requested)?;
+                let got = supply.gather(&self.pool, overflow.as_deref(), &mut calls, requested)?;
                 self.map_run(start, got, &mut calls)
             }))
         });
@@ -662,7 +687,7 @@ impl CachingAllocator {
         let mut supply = self.reserve_supply(st, n, requested)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, &mut calls, requested);
+        let got = supply.gather(&self.pool, None, &mut calls, requested);
         calls.add_to(&mut st.totals.counts);
         for (start, len) in ranges {
             st.va.free(start, len).map_err(internal)?;
@@ -682,7 +707,7 @@ impl CachingAllocator {
         first_err: &mut Option<Error>,
     ) {
         let mut calls = DriverCalls::default();
-        if let Err(e) = unmap_pages(mapped, out, &mut calls) {
+        if let Err(e) = unmap_pages(&self.pool, mapped, out, &mut calls) {
             first_err.get_or_insert(e);
         }
         calls.add_to(&mut st.totals.counts);
@@ -819,7 +844,7 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let released = MutexGuard::unlocked(guard, || {
             let mut pages = Vec::with_capacity(mapped.len());
-            let unmapped = unmap_pages(mapped, &mut pages, &mut calls);
+            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls);
             self.pool.release(pages);
             unmapped
         });

@@ -46,6 +46,8 @@ mod inflight;
 mod invariants;
 mod large;
 mod large_path;
+mod offload;
+mod revoke;
 mod sleep;
 mod stats;
 mod streams;
@@ -71,6 +73,8 @@ pub use bins::{
 };
 pub use cache::{CachedRun, RangeCache, Run};
 pub use large::{Extents, LargeSegment, LARGE_ALIGN};
+pub use offload::{Moved, SpillCounts, SpillStats, TierBytes};
+pub use revoke::Revoked;
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
@@ -227,6 +231,9 @@ struct TagState {
     asleep: bool,
     sleep: sleep::SleepData,
     totals: stats::TagTotals,
+    spill: offload::SpillCounts,
+    /// Where growth takes pages when the device is out of memory (`offload.rs`).
+    overflow: Option<Arc<PagePool>>,
 }
 
 struct PendingFree {
@@ -303,6 +310,10 @@ struct State {
     limit: Option<u64>,
     /// Growth and shrinking whose driver calls run with the lock dropped.
     inflight: inflight::InFlightTable,
+    /// Migrations of all tags (`offload.rs`).
+    spill: offload::SpillCounts,
+    /// Revocation notices not yet taken (`revoke.rs`).
+    revoked: Vec<revoke::Revoked>,
 }
 
 impl State {
@@ -426,6 +437,8 @@ impl TagState {
             asleep: false,
             sleep: sleep::SleepData::default(),
             totals: stats::TagTotals::default(),
+            spill: offload::SpillCounts::default(),
+            overflow: None,
         }
     }
 }
@@ -505,6 +518,8 @@ impl CachingAllocator {
             totals: stats::Totals::default(),
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
+            spill: offload::SpillCounts::default(),
+            revoked: Vec::new(),
         };
         Ok(CachingAllocator {
             pool,

@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use super::grow::DriverCalls;
-use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
+use super::{BlockState, CachingAllocator, MappedPage, State, TagId};
 use crate::pool::Page;
 
 /// Bytes moved per step of the disk pipelines (and the host memory each of its buffers holds).
@@ -156,19 +156,7 @@ impl CachingAllocator {
         }
         let t32 = ti as u32;
         self.drain_pending(st, Some(t32))?;
-        let mut streams: Vec<StreamHandle> = Vec::new();
-        for b in st
-            .blocks
-            .iter()
-            .filter(|b| b.tag == t32 && b.state != BlockState::Dead)
-        {
-            streams.push(b.stream);
-            streams.extend(b.used_on.iter().copied());
-        }
-        for start in st.cache.starts_of_tag(t32) {
-            streams.extend(st.cache.get(start).map(|r| r.stream));
-        }
-        streams.extend(st.large.values().filter(|s| s.tag == t32).map(|s| s.stream));
+        let streams = super::offload::streams_of_tag(st, t32);
         self.sync_streams(st, streams)?;
 
         let live: Vec<(u32, DevicePtr, u64)> = st
@@ -195,15 +183,7 @@ impl CachingAllocator {
 
         let mut pages: Vec<Page> = Vec::new();
         let mut first_err = None;
-        self.cut_free_pages(st, None, Some(t32));
-        for start in st.cache.starts_of_tag(t32) {
-            if let Some(run) = st.cache.remove(start) {
-                st.totals.sub_pages(run.pages);
-                st.tags[ti].totals.mapped_pages -= run.pages;
-                self.unmap_into(st, run.payload, &mut pages, &mut first_err);
-                st.va.free(start, run.pages).map_err(internal)?;
-            }
-        }
+        self.drop_cached_of_tag(st, ti, &mut pages, &mut first_err)?;
         let segs: Vec<u32> = st
             .iter_segments()
             .filter(|(_, s)| s.tag == t32)

@@ -1,0 +1,321 @@
+//! Offload and onload per tag: a tag's live pages move onto other physical memory (host memory
+//! for [`CachingAllocator::offload`], the device's own pages for
+//! [`CachingAllocator::onload`]) at the same addresses, one segment at a time through
+//! [`MappedRun::migrate`]. Pointers stay valid throughout; only the speed of access changes.
+//!
+//! Pages remember their home pool ([`Page`](crate::Page)), so a host page freed while its tag
+//! is offloaded goes back to the host pool from any of the allocator's release paths, and
+//! growth never maps another pool's cached page behind a new allocation (`grow.rs`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use strata_vmm::{Access, Error, Location, Result, StreamHandle};
+
+use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
+use crate::mapped::MappedRun;
+use crate::pool::{Page, PagePool, PageSource};
+
+/// Bytes of mapped pages by where their memory is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierBytes {
+    /// The device's own memory.
+    pub local: u64,
+    /// Pages borrowed from a peer device.
+    pub peer: u64,
+    /// Host memory mapped for the device.
+    pub host: u64,
+}
+
+/// Migrations of the allocator (or of one tag) since it was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpillCounts {
+    /// Runs moved off the device (to host memory) and their bytes.
+    pub to_host: u64,
+    pub bytes_to_host: u64,
+    /// Runs moved onto the device's own pages and their bytes.
+    pub to_device: u64,
+    pub bytes_to_device: u64,
+    /// Nanoseconds callers waited on migrations (copies and remaps).
+    pub stalled_ns: u64,
+}
+
+impl SpillCounts {
+    pub(super) fn add(&mut self, bytes: u64, onto_device: bool, stalled_ns: u64) {
+        if onto_device {
+            self.to_device += 1;
+            self.bytes_to_device += bytes;
+        } else {
+            self.to_host += 1;
+            self.bytes_to_host += bytes;
+        }
+        self.stalled_ns = self.stalled_ns.saturating_add(stalled_ns);
+    }
+}
+
+/// Where a tag's (or the allocator's) pages are and what moved them there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpillStats {
+    pub tiers: TierBytes,
+    pub counts: SpillCounts,
+}
+
+/// What one [`CachingAllocator::offload`] or [`CachingAllocator::onload`] moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Moved {
+    /// Segments migrated.
+    pub runs: u64,
+    pub bytes: u64,
+}
+
+impl CachingAllocator {
+    /// Moves every live allocation of `tag` onto pages of `to` (a host pool of this device,
+    /// [`PagePool::new_host`]) at the same addresses: the pointers stay valid and usable by
+    /// the device, at the link's speed. The tag's cached free memory is given back first, so
+    /// the device memory it held is free for others. Work on the streams that used the tag's
+    /// memory is waited for; the copies are queued on `stream` and it is synchronized before
+    /// each remap. New allocations of the tag still come from the device.
+    ///
+    /// A failure (out of host memory included) leaves the segment being moved on its old
+    /// pages with its contents; segments moved before it stay moved, and calling again moves
+    /// the rest. A sleeping tag is [`Error::InvalidState`]; a tag never used moves nothing.
+    pub fn offload(&self, tag: TagId, to: &Arc<PagePool>, stream: StreamHandle) -> Result<Moved> {
+        self.check_tier_pool(to)?;
+        self.move_tag(tag, to, stream)
+    }
+
+    /// Moves every page of `tag` that is not the device's own (offloaded to host memory)
+    /// back onto the device's pages at the same addresses; the reverse of
+    /// [`offload`](Self::offload), with the same ordering and failure behaviour. Out of device
+    /// memory leaves the rest where it is (still usable).
+    pub fn onload(&self, tag: TagId, stream: StreamHandle) -> Result<Moved> {
+        self.move_tag(tag, &self.pool, stream)
+    }
+
+    /// Lets allocations of `tag` overflow onto pages of `to` (a host pool of this device,
+    /// [`PagePool::new_host`], or a peer device's pool: borrowed memory that
+    /// [`revoke`](Self::revoke) gives back) when the device is out of memory: instead of
+    /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
+    /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
+    /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
+    pub fn set_overflow(&self, tag: TagId, to: Option<Arc<PagePool>>) -> Result<()> {
+        if let Some(to) = &to {
+            self.check_tier_pool(to)?;
+        }
+        let mut st = self.state.lock();
+        let ti = st.ensure_tag(tag, self.classes.len());
+        st.tags[ti].overflow = to;
+        Ok(())
+    }
+
+    /// A pool this allocator may map pages of: host memory for this device, or a peer
+    /// device's own pool, with this allocator's page size.
+    fn check_tier_pool(&self, to: &PagePool) -> Result<()> {
+        let fits = match to.location() {
+            Location::Host => to.device() == self.device,
+            Location::Device(d) => d == to.device(),
+        };
+        if !fits || to.page_size() != self.page {
+            return Err(Error::InvalidArgument(format!(
+                "device {}'s pages of {} bytes onto a pool in {} for device {} with pages of {}",
+                self.device,
+                self.page,
+                to.location(),
+                to.device(),
+                to.page_size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`.
+    pub fn spill_stats(&self, tag: Option<TagId>) -> SpillStats {
+        let st = self.state.lock();
+        let ti = match tag {
+            None => None,
+            Some(t) => match st.tag_slot(t) {
+                Some(i) => Some(i as u32),
+                None => return SpillStats::default(),
+            },
+        };
+        let mut tiers = TierBytes::default();
+        for page in pages_of(&st, ti) {
+            let bytes = page.size();
+            match (page.source(), page.phys().location()) {
+                (PageSource::Borrowed { .. }, _) => tiers.peer += bytes,
+                (_, Location::Host) => tiers.host += bytes,
+                (_, Location::Device(d)) if d != self.device => tiers.peer += bytes,
+                _ => tiers.local += bytes,
+            }
+        }
+        let counts = match ti {
+            None => st.spill,
+            Some(i) => st.tags[i as usize].spill,
+        };
+        SpillStats { tiers, counts }
+    }
+
+    fn move_tag(&self, tag: TagId, to: &Arc<PagePool>, stream: StreamHandle) -> Result<Moved> {
+        let mut guard = self.state.lock();
+        let Some(ti) = guard.tag_slot(tag) else {
+            return Ok(Moved::default());
+        };
+        while guard.inflight.growing(ti as u32) {
+            self.settled.wait(&mut guard);
+        }
+        let st = &mut *guard;
+        if st.tags[ti].asleep {
+            return Err(Error::InvalidState(format!(
+                "tag {tag} is asleep: wake it before moving its pages"
+            )));
+        }
+        let t32 = ti as u32;
+        self.drain_pending(st, Some(t32))?;
+        let streams = streams_of_tag(st, t32);
+        self.sync_streams(st, streams)?;
+        let mut dropped = Vec::new();
+        let mut first_err = None;
+        self.drop_cached_of_tag(st, ti, &mut dropped, &mut first_err)?;
+        self.pool.give(dropped);
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+
+        let onto_device = Arc::ptr_eq(to, &self.pool);
+        let grants = [(Location::Device(self.device), Access::ReadWrite)];
+        let mut moved = Moved::default();
+        for (target, start) in targets_of(st, t32, to) {
+            let Some(mapped) = mapped_of(st, target) else {
+                continue;
+            };
+            let pages = std::mem::take(mapped);
+            let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages)
+                .map_err(|(back, e)| {
+                    put_back(st, target, back);
+                    internal(e.to_string())
+                })?;
+            let began = Instant::now();
+            let migrated = run.migrate(to, stream, &[], &grants);
+            let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            put_back(st, target, run.into_mapped_pages());
+            let m = migrated?;
+            st.spill.add(m.bytes, onto_device, stalled);
+            st.tags[ti].spill.add(m.bytes, onto_device, stalled);
+            moved.runs += 1;
+            moved.bytes += m.bytes;
+        }
+        Ok(moved)
+    }
+
+    /// Gives up the cached free memory of tag index `ti`: whole free pages of its large
+    /// segments, its cached runs and its small segments without a live block. Their pages are
+    /// unmapped into `pages` (the first unmap error in `first_err`), their ranges freed.
+    pub(super) fn drop_cached_of_tag(
+        &self,
+        st: &mut State,
+        ti: usize,
+        pages: &mut Vec<Page>,
+        first_err: &mut Option<Error>,
+    ) -> Result<()> {
+        let t32 = ti as u32;
+        self.cut_free_pages(st, None, Some(t32));
+        for start in st.cache.starts_of_tag(t32) {
+            if let Some(run) = st.cache.remove(start) {
+                st.totals.sub_pages(run.pages);
+                st.tags[ti].totals.mapped_pages -= run.pages;
+                self.unmap_into(st, run.payload, pages, first_err);
+                st.va.free(start, run.pages).map_err(internal)?;
+            }
+        }
+        let empty: Vec<u32> = st
+            .iter_segments()
+            .filter(|(_, s)| s.tag == t32 && s.live == 0)
+            .map(|(i, _)| i)
+            .collect();
+        for id in empty {
+            self.release_segment_now(st, id, pages, first_err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The streams that may touch tag index `t32`'s memory: those its blocks were allocated,
+/// freed or used on, and those of its cached runs and large segments.
+pub(super) fn streams_of_tag(st: &State, t32: u32) -> Vec<StreamHandle> {
+    let mut streams = Vec::new();
+    for b in st
+        .blocks
+        .iter()
+        .filter(|b| b.tag == t32 && b.state != BlockState::Dead)
+    {
+        streams.push(b.stream);
+        streams.extend(b.used_on.iter().copied());
+    }
+    for start in st.cache.starts_of_tag(t32) {
+        streams.extend(st.cache.get(start).map(|r| r.stream));
+    }
+    streams.extend(st.large.values().filter(|s| s.tag == t32).map(|s| s.stream));
+    streams
+}
+
+/// A run of a tag's pages that moves as one.
+#[derive(Clone, Copy)]
+pub(super) enum Target {
+    Segment(u32),
+    /// A large segment, by first page.
+    Large(u64),
+}
+
+/// The segments of tag index `t32` with a page not already in `to`, with their first pages.
+fn targets_of(st: &State, t32: u32, to: &PagePool) -> Vec<(Target, u64)> {
+    let elsewhere = |m: &[MappedPage]| m.iter().any(|p| !p.page.is_home(to));
+    let mut targets: Vec<(Target, u64)> = st
+        .iter_segments()
+        .filter(|(_, s)| s.tag == t32 && elsewhere(&s.mapped))
+        .map(|(i, s)| (Target::Segment(i), s.start))
+        .collect();
+    targets.extend(
+        st.large
+            .iter()
+            .filter(|(_, s)| s.tag == t32 && elsewhere(&s.mapped))
+            .map(|(&start, _)| (Target::Large(start), start)),
+    );
+    targets
+}
+
+pub(super) fn mapped_of(st: &mut State, target: Target) -> Option<&mut Vec<MappedPage>> {
+    match target {
+        Target::Segment(id) => st
+            .segments
+            .get_mut(id as usize)
+            .and_then(Option::as_mut)
+            .map(|s| &mut s.mapped),
+        Target::Large(start) => st.large.get_mut(&start).map(|s| &mut s.mapped),
+    }
+}
+
+pub(super) fn put_back(st: &mut State, target: Target, pages: Vec<MappedPage>) {
+    if let Some(slot) = mapped_of(st, target) {
+        *slot = pages;
+    }
+}
+
+/// Every mapped page of tag index `ti` (or of every tag): segments, large segments, cache.
+pub(super) fn pages_of(st: &State, ti: Option<u32>) -> impl Iterator<Item = &Page> {
+    let ours = move |tag: u32| ti.is_none_or(|t| t == tag);
+    let segments = st
+        .iter_segments()
+        .filter(move |(_, s)| ours(s.tag))
+        .flat_map(|(_, s)| s.mapped.iter());
+    let large = st
+        .large
+        .values()
+        .filter(move |s| ours(s.tag))
+        .flat_map(|s| s.mapped.iter());
+    let cached = (0..st.tags.len() as u32)
+        .filter(move |&t| ours(t))
+        .flat_map(|t| st.cache.starts_of_tag(t))
+        .filter_map(|start| st.cache.get(start))
+        .flat_map(|r| r.payload.iter());
+    segments.chain(large).chain(cached).map(|m| &m.page)
+}

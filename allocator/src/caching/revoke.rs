@@ -1,0 +1,131 @@
+//! Revocation of borrowed pages behind live allocations: a lender (a peer device whose pool a
+//! tag overflowed onto) takes its pages back. Every segment on its pages moves to the device's
+//! own pages if there is room, else to host memory, at the same addresses
+//! ([`MappedRun::migrate`]); the lender's pages go back to its pool as each segment moves. Each
+//! move is one [`Revoked`] notice, handed out once by [`CachingAllocator::take_revoked`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use strata_vmm::{Access, DevicePtr, Location, Result, StreamHandle};
+
+use super::offload::{mapped_of, pages_of, put_back, streams_of_tag, Target};
+use super::{internal, CachingAllocator, State, TagId};
+use crate::mapped::MappedRun;
+use crate::pool::PagePool;
+
+/// One segment moved off a lender's pages by [`CachingAllocator::revoke`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Revoked {
+    pub tag: TagId,
+    /// First byte of the segment (unchanged).
+    pub va: DevicePtr,
+    pub bytes: u64,
+    /// The lender's memory it was on.
+    pub from: Location,
+    /// Where it is now: this device or host memory.
+    pub to: Location,
+}
+
+impl CachingAllocator {
+    /// Gives every page of `lender` back: tags stop overflowing onto it, their cached free
+    /// memory goes, and each segment with a page of `lender` moves to this device's pages,
+    /// or to `fallback`'s (host memory) when the device is out of memory, at the same
+    /// addresses, copies ordered on `stream` after the streams that used the tag's memory.
+    /// Data and addresses never change. Returns how many segments moved; what moved where is
+    /// queued for [`take_revoked`](Self::take_revoked).
+    ///
+    /// A failure other than out of memory on both tiers (or on the way to `fallback`) leaves
+    /// the segment on the lender's pages, intact, and returns the error: those moved before
+    /// it are queued, and calling again moves the rest.
+    pub fn revoke(
+        &self,
+        lender: &PagePool,
+        fallback: &Arc<PagePool>,
+        stream: StreamHandle,
+    ) -> Result<usize> {
+        let mut guard = self.state.lock();
+        while guard.inflight.iter().next().is_some() {
+            self.settled.wait(&mut guard);
+        }
+        let st = &mut *guard;
+        for t in &mut st.tags {
+            if t.overflow
+                .as_deref()
+                .is_some_and(|p| std::ptr::eq(p, lender))
+            {
+                t.overflow = None;
+            }
+        }
+        let affected: Vec<usize> = (0..st.tags.len())
+            .filter(|&ti| pages_of(st, Some(ti as u32)).any(|p| p.is_home(lender)))
+            .collect();
+        for &ti in &affected {
+            self.drain_pending(st, Some(ti as u32))?;
+            let streams = streams_of_tag(st, ti as u32);
+            self.sync_streams(st, streams)?;
+            let mut dropped = Vec::new();
+            let mut first_err = None;
+            self.drop_cached_of_tag(st, ti, &mut dropped, &mut first_err)?;
+            self.pool.give(dropped);
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+        }
+        let mut moved = 0;
+        for (target, start, ti) in lent_targets(st, lender) {
+            let Some(mapped) = mapped_of(st, target) else {
+                continue;
+            };
+            let pages = std::mem::take(mapped);
+            let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages)
+                .map_err(|(back, e)| {
+                    put_back(st, target, back);
+                    internal(e.to_string())
+                })?;
+            let grants = [(Location::Device(self.device), Access::ReadWrite)];
+            let began = Instant::now();
+            let mut migrated = run.migrate(&self.pool, stream, &[], &grants);
+            if migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
+                migrated = run.migrate(fallback, stream, &[], &grants);
+            }
+            let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            put_back(st, target, run.into_mapped_pages());
+            let m = migrated?;
+            let onto_device = m.to == Location::Device(self.device);
+            st.spill.add(m.bytes, onto_device, stalled);
+            st.tags[ti].spill.add(m.bytes, onto_device, stalled);
+            st.revoked.push(Revoked {
+                tag: st.tags[ti].tag,
+                va: m.va,
+                bytes: m.bytes,
+                from: m.from,
+                to: m.to,
+            });
+            moved += 1;
+        }
+        Ok(moved)
+    }
+
+    /// The revocation notices not yet taken, oldest first; each is handed out once.
+    pub fn take_revoked(&self) -> Vec<Revoked> {
+        std::mem::take(&mut self.state.lock().revoked)
+    }
+}
+
+/// Segments with a page of `lender`: (target, first page, tag index).
+fn lent_targets(st: &State, lender: &PagePool) -> Vec<(Target, u64, usize)> {
+    let lent = |m: &[super::MappedPage]| m.iter().any(|p| p.page.is_home(lender));
+    let mut targets: Vec<(Target, u64, usize)> = st
+        .iter_segments()
+        .filter(|(_, s)| lent(&s.mapped))
+        .map(|(i, s)| (Target::Segment(i), s.start, s.tag as usize))
+        .collect();
+    targets.extend(
+        st.large
+            .iter()
+            .filter(|(_, s)| lent(&s.mapped))
+            .map(|(&start, s)| (Target::Large(start), start, s.tag as usize)),
+    );
+    targets
+}
