@@ -119,6 +119,11 @@ impl PoolStats {
     }
 }
 
+/// How often a take that ran out of memory while pages were settling looks again.
+const SETTLE_RETRIES: u32 = 3;
+/// The longest a take waits for pages being created or released to settle.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
+
 struct State {
     free: Vec<Page>,
     in_use: usize,
@@ -126,6 +131,8 @@ struct State {
     borrowed: usize,
     /// Pages being created outside the lock, counted against the limit.
     pending: usize,
+    /// Pages being released outside the lock (trims): their memory is not back yet.
+    releasing: usize,
     created_total: u64,
     released_total: u64,
     created_on_demand: u64,
@@ -151,6 +158,8 @@ struct Inner {
     config: PoolConfig,
     state: Mutex<State>,
     wake_worker: Condvar,
+    /// Notified when pages being created or released outside the lock have settled.
+    settled: Condvar,
 }
 
 /// Physical pages of one device. Shared as `Arc<PagePool>`.
@@ -221,12 +230,14 @@ impl PagePool {
                 adopted_total: 0,
                 quarantined: 0,
                 last_activity: Instant::now(),
+                releasing: 0,
                 refill_blocked: false,
                 refill_after_demand: false,
                 limit: config.limit,
                 shutdown: false,
             }),
             wake_worker: Condvar::new(),
+            settled: Condvar::new(),
             config,
         });
         let worker = if inner.config.background {
@@ -291,6 +302,36 @@ impl PagePool {
     #[cold]
     #[inline(never)]
     fn take_slow(&self, n: usize) -> Result<Vec<Page>> {
+        let mut attempts = 0;
+        loop {
+            match self.try_take_slow(n) {
+                Err(e) if e.is_out_of_memory() && attempts < SETTLE_RETRIES => {
+                    // The driver said no while the worker (or another take) was creating or
+                    // releasing pages outside the lock: that memory is about to be free, or
+                    // in the free list. Wait for it to settle and look again, rather than
+                    // report an out-of-memory that a moment later is not true.
+                    let mut state = self.inner.state.lock();
+                    if state.pending == 0 && state.releasing == 0 {
+                        return Err(e);
+                    }
+                    while state.pending > 0 || state.releasing > 0 {
+                        if self
+                            .inner
+                            .settled
+                            .wait_for(&mut state, SETTLE_WAIT)
+                            .timed_out()
+                        {
+                            return Err(e);
+                        }
+                    }
+                    attempts += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn try_take_slow(&self, n: usize) -> Result<Vec<Page>> {
         let mut state = self.inner.state.lock();
         // The free list may have grown since `take` looked: hand out exactly `n`. Free pages
         // are already held, so only the missing ones count as more against the limit.
@@ -305,6 +346,7 @@ impl PagePool {
         let created = self.inner.create_pages(missing);
         let mut state = self.inner.state.lock();
         state.pending -= missing;
+        self.inner.settled.notify_all();
         match created {
             Ok(fresh) => {
                 state.created_total += fresh.len() as u64;
@@ -416,11 +458,13 @@ impl PagePool {
             }
             let released = state.free.split_off(keep);
             state.released_total += released.len() as u64;
+            state.releasing += released.len();
             state.refill_blocked = false;
             released
         };
         let n = released.len();
         drop(released); // driver calls outside the lock
+        self.inner.released_outside_lock(n);
         n
     }
 
@@ -546,6 +590,12 @@ impl Inner {
         self.wake_worker.notify_one();
     }
 
+    /// `n` pages counted in `releasing` are back with the driver.
+    fn released_outside_lock(&self, n: usize) {
+        self.state.lock().releasing -= n;
+        self.settled.notify_all();
+    }
+
     /// Checks that `extra` more pages fit under the limit.
     fn admit(&self, state: &State, extra: usize) -> Result<()> {
         let Some(limit) = state.limit else {
@@ -606,13 +656,17 @@ impl Inner {
                     let created = self.create_pages(want);
                     state = self.state.lock();
                     state.pending -= want;
+                    self.settled.notify_all();
                     match created {
                         // A trim while these were created asked for an empty pool: release.
                         Ok(pages) if state.refill_after_demand => {
-                            state.created_total += pages.len() as u64;
-                            state.released_total += pages.len() as u64;
+                            let n = pages.len();
+                            state.created_total += n as u64;
+                            state.released_total += n as u64;
+                            state.releasing += n;
                             drop(state);
                             drop(pages);
+                            self.released_outside_lock(n);
                             state = self.state.lock();
                             continue;
                         }
@@ -636,9 +690,12 @@ impl Inner {
                     self.config.low_watermark
                 };
                 let released = state.free.split_off(keep);
-                state.released_total += released.len() as u64;
+                let n = released.len();
+                state.released_total += n as u64;
+                state.releasing += n;
                 drop(state);
                 drop(released);
+                self.released_outside_lock(n);
                 state = self.state.lock();
                 continue;
             }
