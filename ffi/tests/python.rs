@@ -81,6 +81,7 @@ fn python_kv_tensors_through_dlpack() {
         "test_spill_to_host_and_disk_and_back_bit_for_bit_at_the_same_address",
         "test_lost_blocks_called_back_once_each_then_recomputed_in_place",
         "test_tensor_keeps_its_data_ptr_and_bytes_across_offload_and_onload",
+        "test_tensor_keeps_its_data_ptr_and_bytes_when_a_lender_takes_its_pages_back",
     ] {
         assert!(
             stderr.contains(&format!("{test} (")),

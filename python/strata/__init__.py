@@ -20,6 +20,7 @@ target/release or target/debug.
 """
 
 import contextlib
+import ctypes
 import os
 
 from . import _lib
@@ -57,11 +58,14 @@ __all__ = [
     "onload",
     "set_memory_fraction",
     "set_overflow",
+    "set_overflow_peer",
+    "revoke_peer",
     "sleep",
     "spill_stats",
     "stats",
     "tag",
     "tag_stats",
+    "take_revoked",
     "version",
     "wake",
 ]
@@ -180,6 +184,39 @@ def set_overflow(tags, tier="host"):
         raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"overflow tier {tier!r}: 'host' or None")
     for n in _names(tags):
         _lib.check(_lib.lib().strata_set_overflow(_lib.encode(n), code))
+
+
+def set_overflow_peer(tags, lender):
+    """Lets each tag's allocations on every device in use but `lender` overflow onto
+    `lender`'s pages (borrowed memory) when their device is out of memory. `set_overflow(tag,
+    None)` or a `revoke_peer(lender)` turns it off."""
+    for n in _names(tags):
+        _lib.check(_lib.lib().strata_set_overflow_peer(_lib.encode(n), lender))
+
+
+def revoke_peer(lender, stream=None):
+    """Device `lender` takes its pages back: allocations on them move to their own device's
+    memory (or host memory when it is full) at the same addresses, contents kept (copies
+    ordered on `stream`). Returns the moves, as `take_revoked` would."""
+    _lib.check(_lib.lib().strata_revoke_peer(lender, _stream(stream)))
+    return take_revoked()
+
+
+def take_revoked():
+    """The revocation notices not taken yet, oldest first, each handed out once: dicts with
+    `device`, `lender`, `to_device` (True: onto the device's own memory; False: host memory),
+    `tag_id`, `ptr` and `bytes`."""
+    out = []
+    batch = (_lib.Revoked * 64)()
+    while True:
+        count = ctypes.c_size_t()
+        _lib.check(_lib.lib().strata_take_revoked(batch, len(batch), ctypes.byref(count)))
+        for r in batch[: count.value]:
+            notice = _lib.as_dict(r)
+            notice["to_device"] = bool(notice["to_device"])
+            out.append(notice)
+        if count.value < len(batch):
+            return out
 
 
 def spill_stats(name=None, device=0):

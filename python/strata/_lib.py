@@ -135,6 +135,19 @@ class SpillStats(ctypes.Structure):
     ]
 
 
+class Revoked(ctypes.Structure):
+    """strata_revoked_t."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("lender", ctypes.c_int32),
+        ("to_device", ctypes.c_int32),
+        ("tag_id", ctypes.c_uint32),
+        ("ptr", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+    ]
+
+
 class TagStats(ctypes.Structure):
     """strata_tag_stats_t."""
 
@@ -186,6 +199,12 @@ PROTOTYPES = {
     "strata_offload": (_c_int, [_c_char_p, _c_int, _c_void_p]),
     "strata_onload": (_c_int, [_c_char_p, _c_void_p]),
     "strata_set_overflow": (_c_int, [_c_char_p, _c_int]),
+    "strata_set_overflow_peer": (_c_int, [_c_char_p, _c_int]),
+    "strata_revoke_peer": (_c_int, [_c_int, _c_void_p]),
+    "strata_take_revoked": (
+        _c_int,
+        [ctypes.POINTER(Revoked), _c_size_t, ctypes.POINTER(_c_size_t)],
+    ),
     "strata_spill_stats": (_c_int, [_c_char_p, _c_int, ctypes.POINTER(SpillStats)]),
     "strata_stream_create": (_c_int, [_c_int, ctypes.POINTER(_c_void_p)]),
     "strata_stream_destroy": (_c_int, [_c_void_p]),

@@ -179,3 +179,52 @@ class AllocatorOffloadTorchTest(unittest.TestCase):
             del t
         finally:
             _lib.free(ptr)
+
+    def test_tensor_keeps_its_data_ptr_and_bytes_when_a_lender_takes_its_pages_back(self):
+        """A tag overflows onto device 1's pages while device 0 is full; device 1 revokes them.
+        The tensor's pages move to device 0 at the same address, bytes unchanged, and the move
+        is noticed exactly once."""
+        from strata import _dlpack, _lib
+
+        hog = []
+        with strata.tag("torch-hog"):
+            while True:
+                try:
+                    hog.append(_lib.malloc(2 << 20))
+                except strata.OutOfMemory:
+                    break
+        n = (4 << 20) // 4
+        ptr = None
+        try:
+            with strata.tag("torch-lent"):  # a tag exists while pushed or holding memory
+                strata.set_overflow_peer("torch-lent", 1)
+                ptr = _lib.malloc(n * 4)
+            self.assertGreaterEqual(strata.spill_stats("torch-lent")["peer_bytes"], n * 4)
+            capsule = _dlpack.capsule(
+                _Allocation(), ptr, _dlpack.CPU, 0, _dlpack.dtype_of("float32", 4), [n], [1]
+            )
+            t = torch.from_dlpack(capsule)
+            t.copy_(torch.arange(n, dtype=torch.float32))
+            expected = t.clone()
+            for p in hog:
+                _lib.free(p)
+            hog = []
+            strata.empty_cache()
+            moved = strata.revoke_peer(1)
+            self.assertEqual(len(moved), 1, moved)
+            self.assertEqual((moved[0]["device"], moved[0]["lender"]), (0, 1))
+            self.assertTrue(moved[0]["to_device"], "device 0 had room again")
+            self.assertLessEqual(moved[0]["ptr"], ptr)
+            self.assertGreaterEqual(moved[0]["ptr"] + moved[0]["bytes"], ptr + n * 4)
+            self.assertEqual(strata.take_revoked(), [], "each notice is handed out once")
+            stats = strata.spill_stats("torch-lent")
+            self.assertEqual((stats["peer_bytes"], stats["host_bytes"]), (0, 0))
+            self.assertEqual(t.data_ptr(), ptr)
+            self.assertTrue(torch.equal(t, expected), "bit-identical after the revocation")
+            del t
+        finally:
+            for p in hog:
+                _lib.free(p)
+            if ptr is not None:
+                strata.set_overflow("torch-lent", None)
+                _lib.free(ptr)
