@@ -20,6 +20,7 @@ fn python_transformers_generate_on_strata_kv() {
             "test_mixtral_moe_greedy_matches_dynamic_cache",
             "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
             "test_crop_returns_the_pages_past_the_tokens_kept",
+            "test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills",
             "test_llama_offload_matches_dynamic_cache",
             "test_qwen2_gqa_offload_matches_dynamic_cache",
             "test_offload_under_host_link_matches_dynamic_cache",

@@ -264,14 +264,23 @@ class StrataCache(Cache):
             )
         if not self._requests:
             self._admit()
-        # Whole pages at a time: the next tokens up to the page's end need no call.
-        page = self._tokens_per_page
-        upto = min(-(-tokens // page) * page, self.max_cache_len)
+        upto = self._rows_upto(tokens)
         for i, r in enumerate(self._requests):
             if self._held[i] < tokens:
                 self._append(r, self._held[i], upto)
                 self._held[i] = upto
         self._mapped = upto
+
+    def _rows_upto(self, tokens):
+        """The tokens each row is counted as holding when it holds `tokens`. Whole pages at a
+        time, so the next tokens up to the page's end need no call, unless the space has a host
+        or disk tier: there a page counted full keeps its lower-tier copy as clean when it is
+        restored, and a later spill would copy nothing of the tokens written since, so rows
+        count exactly the tokens held."""
+        if self._tiers["host_bytes"] or self._tiers["disk_bytes"]:
+            return tokens
+        page = self._tokens_per_page
+        return min(-(-tokens // page) * page, self.max_cache_len)
 
     def _append(self, request, held, upto):
         while True:
@@ -290,8 +299,7 @@ class StrataCache(Cache):
     def _unhold(self, tokens):
         """Every row keeps the pages of its first `tokens` positions; the pages past them go
         back to the pool."""
-        page = self._tokens_per_page
-        upto = min(-(-tokens // page) * page, self.max_cache_len)
+        upto = self._rows_upto(tokens)
         for i, r in enumerate(self._requests):
             if self._held[i] > upto:
                 r.truncate(upto)

@@ -177,6 +177,46 @@ class StrataCacheTest(unittest.TestCase):
             with self.assertRaises(strata.InvalidArgument):
                 cache.crop(3)
 
+    def test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills(self):
+        """With a host tier, a partly written page must not count as full: a page counted full
+        keeps its host copy as clean when restored, and a later spill would then copy nothing
+        and bring back the tokens of the first spill only."""
+        from strata.transformers import StrataCache
+
+        model = tiny("Llama")
+        cfg = model.config
+        heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+        layers = cfg.num_hidden_layers
+        torch.manual_seed(3)
+        written = {layer: ([], []) for layer in range(layers)}
+
+        def write(cache, tokens):
+            for layer in range(layers):
+                k, v = torch.randn(2, 1, heads, tokens, dim)
+                written[layer][0].append(k)
+                written[layer][1].append(v)
+                cache.update(k, v, layer)
+
+        with StrataCache(cfg, max_cache_len=2048, host_bytes=8 << 20) as cache:
+            write(cache, 3)
+            self.assertLess(3, cache.stats()["tokens_per_block"], "the tokens share one page")
+            (row,) = cache._requests
+            for more in (2, 4):
+                row.spill("host")
+                cache.space.make_resident([row])
+                write(cache, more)
+            row.spill("host")
+            cache.space.make_resident([row])
+            same = [
+                (
+                    torch.equal(cache.layers[layer].keys, torch.cat(written[layer][0], dim=2)),
+                    torch.equal(cache.layers[layer].values, torch.cat(written[layer][1], dim=2)),
+                )
+                for layer in range(layers)
+            ]
+            cache.space.check()
+        self.assertEqual(same, [(True, True)] * layers, "(K, V) of each layer as written")
+
     def test_crop_returns_the_pages_past_the_tokens_kept(self):
         from strata.transformers import StrataCache
 
