@@ -264,10 +264,10 @@ fn bad_offloads_are_errors_that_change_nothing() {
 
 /// Allocations, frees, writes, offloads and onloads of two tags at random, tag 1 overflowing
 /// onto host memory and tag 2 onto the peer's pages when the device is full (tag 3 fills it),
-/// revocations of the peer's pages, a fault armed at a random step of some migrations (create, map, set_access, copy; failed unmaps are covered
-/// in `migrate.rs`: here an unmap of the tag's cached pages could fail first, and the
-/// allocator does not yet keep such a page's VA out of its arena); after every step every live allocation reads back its pattern through the same
-/// pointer, the invariants hold and every page is counted by the pool it came from.
+/// revocations of the peer's pages, a fault armed at a random step of some migrations (create,
+/// map, set_access, copy, unmap: a page whose unmap failed is quarantined and its VA never
+/// handed out again); after every step every live allocation reads back its pattern through
+/// the same pointer, the invariants hold and every page is counted by the pool it came from.
 #[test]
 fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
     let e = env();
@@ -277,6 +277,7 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
         FaultOp::Map,
         FaultOp::SetAccess,
         FaultOp::Copy,
+        FaultOp::Unmap,
     ];
     // (ptr, size, seed, tag)
     let mut live: Vec<(u64, u64, u64, TagId)> = Vec::new();
@@ -460,4 +461,46 @@ fn revoked_peer_pages_move_to_the_device_then_to_host_memory() {
     // The tag no longer overflows onto the lender.
     assert!(alloc.allocate_tagged(8 * MIB, S0, 1).is_err());
     assert_eq!(peer.stats().in_use, 0);
+}
+
+/// A page whose unmap failed while the cache was emptied may still be mapped: it is
+/// quarantined and its VA is never handed out again, so later allocations (which would land
+/// on it first) map elsewhere and keep their bytes.
+#[test]
+fn a_page_whose_unmap_failed_keeps_its_va_out_of_later_allocations() {
+    let e = env();
+    let p = e.alloc.allocate_tagged(8 * MIB, S0, 1).unwrap();
+    e.alloc.deallocate(p, S0).unwrap();
+    injector(&e.backend).inject_fault(FaultOp::Unmap, 1);
+    let emptied = e.alloc.empty_cache();
+    injector(&e.backend).clear_faults();
+    assert!(
+        matches!(emptied, Err(Error::InjectedFault(_))),
+        "{emptied:?}"
+    );
+    strata_vmm::check_deferred().ok();
+    assert_eq!(e.device.stats().quarantined, 1);
+    let mut held = Vec::new();
+    for step in 0u64.. {
+        match e.alloc.allocate_tagged(PAGE, S0, 1) {
+            Ok(q) => {
+                fill(&e.backend, q, PAGE, step);
+                held.push((q, step));
+            }
+            Err(Error::OutOfMemory { .. } | Error::LimitExceeded { .. }) => break,
+            Err(err) => panic!("allocation {step} after the failed unmap: {err}"),
+        }
+    }
+    assert!(
+        held.len() >= 4,
+        "the device still serves allocations: {}",
+        held.len()
+    );
+    for &(q, seed) in &held {
+        check(&e.backend, q, PAGE, seed, "after the failed unmap");
+    }
+    e.alloc.check_invariants().unwrap();
+    for (q, _) in held {
+        e.alloc.deallocate(q, S0).unwrap();
+    }
 }

@@ -7,7 +7,7 @@
 //! the streams that may touch them are synchronized) and take the VA; outside it they unmap,
 //! create, map, set access or release; under the lock again they publish or roll back.
 
-use parking_lot::MutexGuard;
+use parking_lot::{Mutex, MutexGuard};
 use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
 use super::{
@@ -78,9 +78,10 @@ impl Supply {
         overflow: Option<&PagePool>,
         calls: &mut DriverCalls,
         requested: u64,
+        stuck: &Mutex<Vec<DevicePtr>>,
     ) -> Result<Vec<Page>> {
         let mut pages = self.ready;
-        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls);
+        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls, stuck);
         // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
         // gets the device's own pages in their place.
         let (mut pages, foreign): (Vec<Page>, Vec<Page>) =
@@ -130,12 +131,14 @@ fn for_request(e: Error, requested: u64) -> Error {
 
 /// Unmaps pages (one mapping each) into `out`, all of them; returns the first error. A page
 /// whose unmap failed may still be mapped: it goes to quarantine in `pool` (its home's
-/// counters), never into `out`, and its mapping is leaked.
+/// counters), never into `out`, its mapping is leaked, and its address joins `stuck` so that
+/// its VA is never handed out again.
 pub(super) fn unmap_pages(
     pool: &PagePool,
     mapped: Vec<MappedPage>,
     out: &mut Vec<Page>,
     calls: &mut DriverCalls,
+    stuck: &Mutex<Vec<DevicePtr>>,
 ) -> Result<()> {
     let mut first_err = None;
     for MappedPage { mapping, page } in mapped {
@@ -143,6 +146,7 @@ pub(super) fn unmap_pages(
         match mapping.try_unmap() {
             Ok(_) => out.push(page),
             Err((still_mapped, e)) => {
+                stuck.lock().push(still_mapped.va());
                 std::mem::forget(still_mapped);
                 first_err.get_or_insert(e);
                 pool.quarantine(page);
@@ -480,7 +484,7 @@ impl CachingAllocator {
             Some(start) => match self.reserve_supply(st, pages, requested) {
                 Ok(supply) => (start, supply),
                 Err(e) => {
-                    st.va.free(start, pages).map_err(internal)?;
+                    self.free_va(st, start, pages)?;
                     return Err(e);
                 }
             },
@@ -511,7 +515,13 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let got = supply.gather(&self.pool, overflow.as_deref(), &mut calls, requested)?;
+                let got = supply.gather(
+                    &self.pool,
+                    overflow.as_deref(),
+                    &mut calls,
+                    requested,
+                    &self.stuck_va,
+                )?;
                 self.map_run(start, got, &mut calls)
             }))
         });
@@ -554,7 +564,7 @@ impl CachingAllocator {
             ranges.extend(record.target);
         }
         for (start, len) in ranges {
-            st.va.free(start, len).map_err(internal)?;
+            self.free_va(st, start, len)?;
         }
         Ok(())
     }
@@ -687,10 +697,10 @@ impl CachingAllocator {
         let mut supply = self.reserve_supply(st, n, requested)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, None, &mut calls, requested);
+        let got = supply.gather(&self.pool, None, &mut calls, requested, &self.stuck_va);
         calls.add_to(&mut st.totals.counts);
         for (start, len) in ranges {
-            st.va.free(start, len).map_err(internal)?;
+            self.free_va(st, start, len)?;
         }
         if got.as_ref().is_err_and(Error::is_out_of_memory) {
             st.totals.counts.ooms += 1;
@@ -707,7 +717,7 @@ impl CachingAllocator {
         first_err: &mut Option<Error>,
     ) {
         let mut calls = DriverCalls::default();
-        if let Err(e) = unmap_pages(&self.pool, mapped, out, &mut calls) {
+        if let Err(e) = unmap_pages(&self.pool, mapped, out, &mut calls, &self.stuck_va) {
             first_err.get_or_insert(e);
         }
         calls.add_to(&mut st.totals.counts);
@@ -786,7 +796,7 @@ impl CachingAllocator {
     ) -> Result<()> {
         let ((start, pages), mapped) = self.release_segment(st, id)?;
         self.unmap_into(st, mapped, out, first_err);
-        st.va.free(start, pages).map_err(internal)
+        self.free_va(st, start, pages)
     }
 
     /// Empties the cache (see [`CachingAllocator::empty_cache`]). Under the lock: completed
@@ -844,7 +854,7 @@ impl CachingAllocator {
         let mut calls = DriverCalls::default();
         let released = MutexGuard::unlocked(guard, || {
             let mut pages = Vec::with_capacity(mapped.len());
-            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls);
+            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls, &self.stuck_va);
             self.pool.release(pages);
             unmapped
         });
@@ -853,6 +863,30 @@ impl CachingAllocator {
         self.settle(st, id, false)?;
         released?;
         first_err.map_or(Ok(count * self.page), Err)
+    }
+
+    /// Returns arena pages `start..start + len` to the arena, except pages whose unmap failed
+    /// ([`unmap_pages`]): those may still be mapped, so they stay taken for good.
+    pub(super) fn free_va(&self, st: &mut State, start: u64, len: u64) -> Result<()> {
+        st.va.free(start, len).map_err(internal)?;
+        let mut stuck = self.stuck_va.lock();
+        if !stuck.is_empty() {
+            let mut kept = Ok(());
+            stuck.retain(|&ptr| {
+                let page = self.page_of(ptr);
+                if !(start..start + len).contains(&page) {
+                    return true;
+                }
+                if st.va.alloc_at(page, 1) {
+                    st.stuck_pages.push(page);
+                } else {
+                    kept = Err(internal(format!("stuck arena page {page} not free")));
+                }
+                false
+            });
+            kept?;
+        }
+        Ok(())
     }
 
     pub(super) fn oom(&self, st: &mut State, requested: u64) -> Error {

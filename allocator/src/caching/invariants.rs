@@ -45,6 +45,9 @@ impl CachingAllocator {
         for (s, r) in st.cache.iter() {
             regions.push((s, r.pages, format!("cached run at page {s}")));
         }
+        for &s in &st.stuck_pages {
+            regions.push((s, 1, format!("stuck page {s} (failed unmap)")));
+        }
         let mut inflight_pages = 0u64;
         for record in st.inflight.iter() {
             for &(s, l) in record.target.iter().chain(&record.retiring) {

@@ -317,7 +317,7 @@ impl CachingAllocator {
             .remove(&start)
             .ok_or_else(|| internal("large segment vanished".into()))?;
         if seg.mapped.is_empty() {
-            st.va.free(start, seg.pages).map_err(internal)
+            self.free_va(st, start, seg.pages)
         } else {
             st.cache.insert(
                 start,

@@ -314,6 +314,8 @@ struct State {
     spill: offload::SpillCounts,
     /// Revocation notices not yet taken (`revoke.rs`).
     revoked: Vec<revoke::Revoked>,
+    /// Arena pages taken for good: their unmap failed and they may still be mapped.
+    stuck_pages: Vec<u64>,
 }
 
 impl State {
@@ -458,6 +460,9 @@ pub struct CachingAllocator {
     state: Mutex<State>,
     /// Notified whenever an in-flight growth ends (`sleep` waits for those of its tag).
     settled: Condvar,
+    /// Addresses of pages whose unmap failed (they may still be mapped): when the range
+    /// holding one returns to the arena, that page stays taken for good ([`Self::free_va`]).
+    stuck_va: Mutex<Vec<DevicePtr>>,
 }
 
 impl CachingAllocator {
@@ -520,6 +525,7 @@ impl CachingAllocator {
             inflight: inflight::InFlightTable::default(),
             spill: offload::SpillCounts::default(),
             revoked: Vec::new(),
+            stuck_pages: Vec::new(),
         };
         Ok(CachingAllocator {
             pool,
@@ -533,6 +539,7 @@ impl CachingAllocator {
             arena,
             state: Mutex::new(state),
             settled: Condvar::new(),
+            stuck_va: Mutex::new(Vec::new()),
         })
     }
 

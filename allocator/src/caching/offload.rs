@@ -224,7 +224,7 @@ impl CachingAllocator {
                 st.totals.sub_pages(run.pages);
                 st.tags[ti].totals.mapped_pages -= run.pages;
                 self.unmap_into(st, run.payload, pages, first_err);
-                st.va.free(start, run.pages).map_err(internal)?;
+                self.free_va(st, start, run.pages)?;
             }
         }
         let empty: Vec<u32> = st
