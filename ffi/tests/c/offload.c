@@ -103,9 +103,12 @@ int main(void) {
      * to device 0 (room made first) at the same address, each move noticed once. */
     nh = 0;
     CHECK_OK(strata_tag_push("hog"));
+    while (nh < 1024 && (hog[nh] = strata_malloc(64 << 20, 0, NULL)) != NULL)
+        nh++;
     while (nh < 1024 && (hog[nh] = strata_malloc(2 << 20, 0, NULL)) != NULL)
         nh++;
     CHECK_OK(strata_tag_pop());
+    CHECK(nh < 1024); /* the device is full, whatever its size */
     CHECK_OK(strata_set_overflow_peer("model", 1));
     CHECK_OK(strata_tag_push("model"));
     void *lent = strata_malloc(8 << 20, 0, NULL);
