@@ -13,7 +13,7 @@ use std::time::Instant;
 use strata_vmm::{Access, Error, Location, Result, StreamHandle};
 
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
-use crate::mapped::MappedRun;
+use crate::mapped::{MappedRun, Migrated};
 use crate::pool::{Page, PagePool, PageSource};
 
 /// Bytes of mapped pages by where their memory is.
@@ -181,30 +181,54 @@ impl CachingAllocator {
             return Err(e);
         }
 
-        let onto_device = Arc::ptr_eq(to, &self.pool);
-        let grants = [(Location::Device(self.device), Access::ReadWrite)];
         let mut moved = Moved::default();
         for (target, start) in targets_of(st, t32, to) {
-            let Some(mapped) = mapped_of(st, target) else {
-                continue;
-            };
-            let pages = std::mem::take(mapped);
-            let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages)
-                .map_err(|(back, e)| {
-                    put_back(st, target, back);
-                    internal(e.to_string())
-                })?;
-            let began = Instant::now();
-            let migrated = run.migrate(to, stream, &[], &grants);
-            let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            put_back(st, target, run.into_mapped_pages());
-            let m = migrated?;
-            st.spill.add(m.bytes, onto_device, stalled);
-            st.tags[ti].spill.add(m.bytes, onto_device, stalled);
-            moved.runs += 1;
-            moved.bytes += m.bytes;
+            if let Some(m) = self.migrate_target(st, target, start, ti, &[to], stream)? {
+                moved.runs += 1;
+                moved.bytes += m.bytes;
+            }
         }
         Ok(moved)
+    }
+
+    /// Moves the pages of `target` (at arena page `start`, tag index `ti`) at the same
+    /// address onto the first of `pools` that has room, and counts the move and the time it
+    /// stalled in the spill stats. `None`: the target has no mapped pages.
+    pub(super) fn migrate_target(
+        &self,
+        st: &mut State,
+        target: Target,
+        start: u64,
+        ti: usize,
+        pools: &[&Arc<PagePool>],
+        stream: StreamHandle,
+    ) -> Result<Option<Migrated>> {
+        let Some(mapped) = mapped_of(st, target) else {
+            return Ok(None);
+        };
+        let pages = std::mem::take(mapped);
+        let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages).map_err(
+            |(back, e)| {
+                put_back(st, target, back);
+                internal(e.to_string())
+            },
+        )?;
+        let grants = [(Location::Device(self.device), Access::ReadWrite)];
+        let began = Instant::now();
+        let mut migrated = Err(internal("no pool to migrate onto".into()));
+        for pool in pools {
+            migrated = run.migrate(pool, stream, &[], &grants);
+            if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
+                break;
+            }
+        }
+        let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        put_back(st, target, run.into_mapped_pages());
+        let m = migrated?;
+        let onto_device = m.to == Location::Device(self.device);
+        st.spill.add(m.bytes, onto_device, stalled);
+        st.tags[ti].spill.add(m.bytes, onto_device, stalled);
+        Ok(Some(m))
     }
 
     /// Gives up the cached free memory of tag index `ti`: whole free pages of its large

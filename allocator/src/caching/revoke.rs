@@ -5,13 +5,11 @@
 //! move is one [`Revoked`] notice, handed out once by [`CachingAllocator::take_revoked`].
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use strata_vmm::{Access, DevicePtr, Location, Result, StreamHandle};
+use strata_vmm::{DevicePtr, Location, Result, StreamHandle};
 
-use super::offload::{mapped_of, pages_of, put_back, streams_of_tag, Target};
-use super::{internal, CachingAllocator, State, TagId};
-use crate::mapped::MappedRun;
+use super::offload::{pages_of, streams_of_tag, Target};
+use super::{CachingAllocator, State, TagId};
 use crate::pool::PagePool;
 
 /// One segment moved off a lender's pages by [`CachingAllocator::revoke`].
@@ -74,27 +72,10 @@ impl CachingAllocator {
         }
         let mut moved = 0;
         for (target, start, ti) in lent_targets(st, lender) {
-            let Some(mapped) = mapped_of(st, target) else {
+            let pools = [&self.pool, fallback];
+            let Some(m) = self.migrate_target(st, target, start, ti, &pools, stream)? else {
                 continue;
             };
-            let pages = std::mem::take(mapped);
-            let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages)
-                .map_err(|(back, e)| {
-                    put_back(st, target, back);
-                    internal(e.to_string())
-                })?;
-            let grants = [(Location::Device(self.device), Access::ReadWrite)];
-            let began = Instant::now();
-            let mut migrated = run.migrate(&self.pool, stream, &[], &grants);
-            if migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
-                migrated = run.migrate(fallback, stream, &[], &grants);
-            }
-            let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            put_back(st, target, run.into_mapped_pages());
-            let m = migrated?;
-            let onto_device = m.to == Location::Device(self.device);
-            st.spill.add(m.bytes, onto_device, stalled);
-            st.tags[ti].spill.add(m.bytes, onto_device, stalled);
             st.revoked.push(Revoked {
                 tag: st.tags[ti].tag,
                 va: m.va,
