@@ -51,6 +51,7 @@ mod revoke;
 mod sleep;
 mod stats;
 mod streams;
+mod unmap;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
