@@ -434,16 +434,16 @@ impl PagePool {
 
     /// Takes a page whose unmap failed out of use for good: uncounted from its home pool like
     /// a release, counted in `PoolStats::quarantined`, and its memory leaked rather than
-    /// released or reused (it may still be mapped somewhere).
+    /// released or reused (it may still be mapped somewhere). A page whose home pool is gone
+    /// is counted nowhere.
     #[cold]
     pub fn quarantine(&self, page: Page) {
         let borrowed = borrowed_count(std::slice::from_ref(&page));
-        let home = page.home.upgrade();
-        let inner = home.as_deref().unwrap_or(&self.inner);
-        let mut state = inner.state.lock();
-        state.uncount(1, borrowed);
-        state.quarantined += 1;
-        drop(state);
+        if let Some(home) = page.home.upgrade() {
+            let mut state = home.state.lock();
+            state.uncount(1, borrowed);
+            state.quarantined += 1;
+        }
         std::mem::forget(page.phys);
     }
 
