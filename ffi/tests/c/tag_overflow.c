@@ -6,26 +6,6 @@
 
 #define ROUNDS 70000 /* more than the 65,536 names registered at once */
 
-/* Fills device 0 under tag "hog"; returns how many blocks it took (freed by `unhog`). */
-static void *hog[1024];
-static int fill_device(void) {
-    int n = 0;
-    CHECK_OK(strata_tag_push("hog"));
-    while (n < 1024 && (hog[n] = strata_malloc(64 << 20, 0, NULL)) != NULL)
-        n++;
-    while (n < 1024 && (hog[n] = strata_malloc(2 << 20, 0, NULL)) != NULL)
-        n++;
-    CHECK_OK(strata_tag_pop());
-    CHECK(n < 1024);
-    return n;
-}
-
-static void unhog(int n) {
-    for (int i = 0; i < n; i++)
-        CHECK_OK(strata_free_checked(hog[i], 0, 0, NULL));
-    strata_empty_cache();
-}
-
 /* Allocates 4 MiB under `tag` on device 0; frees it; returns whether it succeeded. */
 static int allocates(const char *tag) {
     CHECK_OK(strata_tag_push(tag));
@@ -58,7 +38,8 @@ int main(void) {
     CHECK(t.tag_id == peer0.tag_id);
 
     /* On a full device the two still overflow; the newest names do not. */
-    int n = fill_device();
+    static void *hog[1024];
+    int n = fill_device(0, hog, 1024);
     CHECK(allocates("to-host") && allocates("to-peer"));
     for (int i = ROUNDS - 8; i < ROUNDS; i++) {
         snprintf(name, sizeof name, "request-%d", i);
@@ -69,7 +50,7 @@ int main(void) {
     CHECK_OK(strata_set_overflow("to-host", 0));
     CHECK_OK(strata_revoke_peer(1, NULL));
     CHECK(!allocates("to-host") && !allocates("to-peer"));
-    unhog(n);
+    free_all(0, hog, n);
     for (int i = 0; i < ROUNDS; i++) {
         snprintf(name, sizeof name, "again-%d", i);
         CHECK_OK(strata_tag_push(name));
