@@ -143,8 +143,8 @@ int strata_free_checked(void *ptr, size_t size, int device, cudaStream_t stream)
 /* Creates the allocators of devices 0..device_count-1 now (else on first use). */
 void strata_init(int device_count);
 
-/* Unmaps every cached page on every device and returns it, and the pools' free pages, to the
- * driver. Live allocations stay. The pools refill only once allocations ask for pages again,
+/* Unmaps every cached page on every device and returns it, and the pools' free pages (host
+ * memory kept for offloaded tags included), to the driver. Live allocations stay. The pools refill only once allocations ask for pages again,
  * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 

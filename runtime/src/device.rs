@@ -99,6 +99,11 @@ impl DeviceRuntime {
         })
     }
 
+    /// The host pool if it was already created.
+    pub fn existing_host_pool(&self) -> Option<&Arc<PagePool>> {
+        self.host_pool.get()
+    }
+
     /// The caching allocator over [`DeviceRuntime::pool`], created on first use.
     #[inline]
     pub fn allocator(&self) -> Result<&CachingAllocator> {
