@@ -231,7 +231,8 @@ int strata_onload(const char *tag, cudaStream_t stream);
  * off (pages already taken stay until freed or onloaded). Applies to every device, including
  * those first used later. Replaces a strata_set_overflow_peer of the tag. A tag set to
  * overflow is in use: its name is not released (strata_tag_push). Other tiers:
- * STRATA_INVALID_ARGUMENT. */
+ * STRATA_INVALID_ARGUMENT; a driver that cannot map host memory (CUDA before 12.2):
+ * STRATA_UNSUPPORTED, also before any device was used. */
 int strata_set_overflow(const char *tag, int tier);
 
 /* Overflow onto a peer: allocations of tag `tag` on every device in use but `lender` that find their

@@ -119,6 +119,11 @@ pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) ->
         let lease = tags::lease(name)?;
         let id = lease.id();
         let g = global()?;
+        if on {
+            // Devices first used later get the setting too, on creation: a backend that
+            // cannot map host memory at all (CUDA before 12.2) refuses it here instead.
+            g.backend().granularity(strata_vmm::Location::Host)?;
+        }
         let mut set = overflowing().lock();
         for device in g.devices() {
             if let Some(a) = device.existing_allocator() {
