@@ -143,8 +143,8 @@ int strata_free_checked(void *ptr, size_t size, int device, cudaStream_t stream)
 /* Creates the allocators of devices 0..device_count-1 now (else on first use). */
 void strata_init(int device_count);
 
-/* Unmaps every cached page on every device and returns it, and the pools' free pages, to the
- * driver. Live allocations stay. The pools refill only once allocations ask for pages again,
+/* Unmaps every cached page on every device and returns it, and the pools' free pages (host
+ * memory kept for offloaded tags included), to the driver. Live allocations stay. The pools refill only once allocations ask for pages again,
  * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 
@@ -171,9 +171,9 @@ int strata_tag_stats(const char *tag, int device, strata_tag_stats_t *out);
 /* Pushes tag `name` (non-empty UTF-8, at most 256 bytes) on the calling thread's tag stack: the
  * thread's allocations carry it until the matching strata_tag_pop. Blocks of different tags
  * never share a page. At most 65,536 names are registered at once: when that many are, the
- * names no longer in use (pushed by no thread, nothing live or asleep under them) are released
- * (strata_tag_stats then calls them unknown; pushed again they start from zero). Only with
- * 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
+ * names no longer in use (pushed by no thread, nothing live or asleep under them, not set to
+ * overflow) are released (strata_tag_stats then calls them unknown; pushed again they start
+ * from zero). Only with 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
 int strata_tag_push(const char *name);
 
 /* Pops the calling thread's tag stack (STRATA_INVALID_STATE when empty). */
@@ -229,12 +229,17 @@ int strata_onload(const char *tag, cudaStream_t stream);
  * a device out of memory succeed on host memory mapped for the device instead of returning
  * NULL (slower; strata_onload moves them to the device once it has room); `tier` 0 turns it
  * off (pages already taken stay until freed or onloaded). Applies to every device, including
- * those first used later. Other tiers: STRATA_INVALID_ARGUMENT. */
+ * those first used later. Replaces a strata_set_overflow_peer of the tag. A tag set to
+ * overflow is in use: its name is not released (strata_tag_push). Other tiers:
+ * STRATA_INVALID_ARGUMENT; a driver that cannot map host memory (CUDA before 12.2):
+ * STRATA_UNSUPPORTED, also before any device was used. */
 int strata_set_overflow(const char *tag, int tier);
 
 /* Overflow onto a peer: allocations of tag `tag` on every device in use but `lender` that find their
  * device out of memory succeed on `lender`'s pages (borrowed memory, taken back by
- * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation. */
+ * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation; replaced
+ * by strata_set_overflow(tag, STRATA_TIER_HOST). The tag is in use until then, as with
+ * strata_set_overflow. */
 int strata_set_overflow_peer(const char *tag, int lender);
 
 /* One segment moved off a lender's pages by a revocation. */

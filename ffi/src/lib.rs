@@ -188,8 +188,9 @@ pub extern "C" fn strata_init(device_count: c_int) {
 }
 
 /// PyTorch's reset hook (`torch.cuda.empty_cache`): unmaps every cached page of every device
-/// and returns it, and the page pools' free pages, to the driver. Live allocations stay. The
-/// pools refill again only once allocations ask for pages.
+/// and returns it, and the page pools' free pages (the host pools' of offloaded tags too), to
+/// the driver. Live allocations stay. The pools refill again only once allocations ask for
+/// pages.
 #[no_mangle]
 pub extern "C" fn strata_empty_cache() {
     boundary::void("strata_empty_cache", || {
@@ -200,6 +201,9 @@ pub extern "C" fn strata_empty_cache() {
                 first.get_or_insert(e);
             }
             a.pool().trim(0);
+        }
+        for host in g.devices().iter().filter_map(|d| d.existing_host_pool()) {
+            host.trim(0);
         }
         first.map_or(Ok(()), Err)
     })
