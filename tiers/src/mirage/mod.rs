@@ -22,7 +22,7 @@ use strata_vmm::{DevicePtr, Event, Result};
 
 pub use controller::{Decision, KvPressure, ModelId, ModelSpec, RemapController};
 pub use plan::{Buffering, LayerPlan};
-pub use registry::{Applied, ParamRegistry};
+pub use registry::{Applied, ParamRegistry, StreamStats};
 
 use crate::transfer::TransferEngine;
 
@@ -130,11 +130,14 @@ impl Mirage {
         &self.kv_pool
     }
 
-    /// KV pressure as the pool sees it, with `pages_short` pages the KV cache could not get.
+    /// KV pressure as the pool sees it, with `pages_short` pages the KV cache could not get:
+    /// the pages it could hand out count its free list and what the device still has room for,
+    /// since the pool trims free pages above its high watermark back to the driver (counting
+    /// the free list alone, a reversion could wait forever for pages that were released).
     pub fn pressure(&self, pages_short: usize) -> KvPressure {
         KvPressure {
             pages_short,
-            free_pages: self.kv_pool.stats().free,
+            available_pages: self.kv_pool.available(),
         }
     }
 
@@ -188,6 +191,11 @@ impl Mirage {
         after: u32,
     ) -> Result<Option<(u32, Arc<Event>)>> {
         self.registry.prepare_next(&self.engine, model, after)
+    }
+
+    /// See [`ParamRegistry::stream_stats`].
+    pub fn stream_stats(&self, model: ModelId) -> Result<StreamStats> {
+        self.registry.stream_stats(model)
     }
 
     /// See [`ParamRegistry::layer_done`].
