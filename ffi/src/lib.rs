@@ -199,7 +199,10 @@ pub extern "C" fn strata_empty_cache() {
             if let Err(e) = a.empty_cache() {
                 first.get_or_insert(e);
             }
-            a.pool().trim(0);
+        }
+        // Every pool, also those only KV spaces and parameters took pages from (no allocator).
+        for pool in g.devices().iter().filter_map(|d| d.existing_pool()) {
+            pool.trim(0);
         }
         first.map_or(Ok(()), Err)
     })

@@ -1,7 +1,8 @@
 /* MIRAGE parameters through the C API: bad input, registration, the idle budget from a prefill
  * report, an idle model's layers remapped to the device pool under KV pressure (the serving
  * model untouched), every layer readable with its bytes through prepare_layer / layer_done on a
- * stream, then with the look-ahead (prepare_next) and its counters, reversion, unregistering. */
+ * stream, then with the look-ahead (prepare_next) and its counters, dynamic reversion after the
+ * pool let its pages go (empty_cache), reversion of everything, unregistering. */
 #include <stdlib.h>
 
 #include "common.h"
@@ -133,8 +134,22 @@ int main(void) {
     CHECK(s.slot_loads == 2 * m + 1 + s.loads_ahead);
     CHECK(s.load_waits <= s.streamed_runs);
 
-    /* Reversion: pages back, layers at their own addresses again with their bytes. */
+    /* Dynamic reversion: the pool gives its free pages (the reclaimed ones among them) back to
+     * the driver, yet the device has room, so a step without a shortage brings every layer
+     * back. It used to count the pool's free pages only, and wait for ever. */
     CHECK_OK(strata_stream_synchronize(st));
+    strata_empty_cache();
+    CHECK(stats_of(0).pool_free_bytes == 0);
+    CHECK_OK(strata_params_step(0, 0, &decisions));
+    CHECK(decisions == 1);
+    s = stats_of_model(idle);
+    CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);
+    for (uint32_t l = 0; l < LAYERS; l++) check_layer(idle, l, want, got);
+
+    /* Reversion of everything at once: pages back, layers at their own addresses again with
+     * their bytes. */
+    CHECK_OK(strata_params_step(0, 4, &decisions));
+    CHECK(decisions == 1 && stats_of_model(idle).remapped_layers >= 2);
     CHECK_OK(strata_params_revert_all(0));
     s = stats_of_model(idle);
     CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);
