@@ -87,7 +87,7 @@ def run(args, model, ids, mask, device):
     print(f"generated  {args.batch} x {new} tokens in {elapsed:.2f} s: {args.batch * new / elapsed:.1f} tokens/s")
     print(f"pool       capped at {human(limit)}; KV {human(kv['kv_bytes'])} in {kv['pages']} pages, "
           f"{kv['pool_adopted_pages']} of them the idle model's parameter pages")
-    print("reclaim    " + ", ".join(f"token {t}: {n} layers remapped" for t, n in reclaims)
+    print("reclaim    " + ", ".join(f"token {t}: {n} layer{'s' * (n != 1)} remapped" for t, n in reclaims)
           + f" (the KV cache ran out; {human(remapped['layer_bytes'])} a layer, T_T "
           f"{remapped['transfer_ns'] / 1e6:.2f} ms)")
     print(f"idle model {remapped['remapped_layers']} of {remapped['layers']} layers remapped, "
