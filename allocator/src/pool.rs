@@ -470,28 +470,6 @@ impl PagePool {
         n
     }
 
-    /// Pages a `take` could hand out now: the free list, plus the pages the limit and the
-    /// device's free memory still allow creating (the free pages a trim released count here
-    /// again). An estimate: other users of the device may take its free memory first.
-    pub fn available(&self) -> usize {
-        let page = self.inner.page_size;
-        let (free, under_limit) = {
-            let state = self.inner.state.lock();
-            let held = (state.free.len() + state.in_use + state.pending) as u64 * page;
-            let under = state.limit.map(|l| l.saturating_sub(held) / page);
-            (state.free.len(), under)
-        };
-        let on_device = match self.inner.location {
-            Location::Device(d) => self.inner.backend.mem_info(d).ok().map(|m| m.free / page),
-            _ => None,
-        };
-        let creatable = match (under_limit, on_device) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(u64::MAX),
-        };
-        free.saturating_add(usize::try_from(creatable).unwrap_or(usize::MAX))
-    }
-
     /// Counts `n` pages in use as lent to a peer (`lent = true`) or back from it.
     pub(crate) fn mark_lent(&self, n: usize, lent: bool) {
         let mut state = self.inner.state.lock();

@@ -580,11 +580,11 @@ fn reversion_comes_when_the_device_has_room_after_the_pool_trimmed_its_free_page
     // watermark, or empty_cache): nothing is free, yet the device has room for every layer.
     assert_eq!(kv_pool.trim(0), 2);
     let device_free = b.mem_info(0).unwrap().free / PAGE;
-    assert_eq!(kv_pool.available() as u64, device_free);
+    assert_eq!(m.available_pages() as u64, device_free);
     assert!(device_free >= 2);
     // No room under the pool's limit: the layers stay remapped.
     kv_pool.set_limit(Some(0));
-    assert_eq!(kv_pool.available(), 0);
+    assert_eq!(m.available_pages(), 0);
     assert!(m.step(m.pressure(0)).unwrap().is_empty());
     // Room again: every layer comes back.
     kv_pool.set_limit(None);

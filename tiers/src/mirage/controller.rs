@@ -40,7 +40,7 @@ pub struct KvPressure {
     pub pages_short: usize,
     /// Pages the KV pool could hand out now (candidates for dynamic reversion): free ones, and
     /// the ones its limit and the device's free memory still allow creating
-    /// ([`PagePool::available`](strata_allocator::PagePool::available)).
+    /// ([`Mirage::available_pages`](super::Mirage::available_pages)).
     pub available_pages: usize,
 }
 
