@@ -150,7 +150,9 @@ class MirageTest(unittest.TestCase):
         )
         self.assertTrue(torch.equal(self.idle_tokens(idle, idle_params, 24), idle_expected))
         resident = addresses(idle)
-        cache = self.serve_until_the_idle_model_gives_a_layer(serving, serving_params, serving_expected, 24, LONG_PROMPTS)
+        cache = self.serve_until_the_idle_model_gives_a_layer(
+            serving, serving_params, serving_expected, 24, LONG_PROMPTS
+        )
         self.assertEqual(idle_params.stats()["remapped_layers"], 1)
         # The requests finish: their pages go back to the pool, which gives its free pages back
         # to the driver (as its worker does above its high watermark; empty_cache does it now).

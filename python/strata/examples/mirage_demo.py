@@ -39,11 +39,16 @@ def run(args, model, ids, mask, device):
         start = time.perf_counter()
         with idle_params.serving(), torch.no_grad():
             out = idle.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=IDLE_TOKENS, min_new_tokens=IDLE_TOKENS, do_sample=False
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=IDLE_TOKENS,
+                min_new_tokens=IDLE_TOKENS,
+                do_sample=False,
             )
         seconds = time.perf_counter() - start
         after = idle_params.stats()
-        moved = {k: after[k] - before[k] for k in ("streamed_runs", "slot_loads", "loads_ahead", "found_prepared", "load_waits")}
+        counters = ("streamed_runs", "slot_loads", "loads_ahead", "found_prepared", "load_waits")
+        moved = {k: after[k] - before[k] for k in counters}
         return out, seconds, after, moved
 
     serving_params = mirage.ModelParams(model, cap=0)  # the serving model is never remapped
