@@ -296,11 +296,15 @@ class ModelParams:
     def set_active(self, active=True):
         """Marks the model serving (remapped last) or idle. Becoming active runs one controller
         step without a shortage (`reclaim(0)`): remapped layers come back while the device has
-        room for them (dynamic reversion)."""
+        room for them (dynamic reversion; best effort: if the pages cannot be had after all, the
+        layers stay remapped and stream)."""
         self._report()
         self._model.set_active(active)
         if active:
-            reclaim(0, self.device)
+            try:
+                reclaim(0, self.device)
+            except _lib.OutOfMemory:
+                pass  # the room the step counted on went elsewhere: the layers stay remapped
 
     def stats(self):
         """The model's figures (`strata_params_model_stats_t`): layers, `remapped_layers`,
