@@ -17,7 +17,9 @@ use strata_vmm::{Backend, CreateFlags, Error, Location, PhysicalMemory, Result};
 pub enum PageSource {
     /// Created on this device for the pool.
     Fresh,
-    /// Reclaimed from the parameters of a model (MIRAGE); `owner` names the model.
+    /// Reclaimed from the parameters of a model (MIRAGE); `owner` names the model it came from
+    /// (provenance only: the model may since have been unregistered, and model ids are never
+    /// reused; a reversion takes any reclaimed page back as `Fresh`).
     Reclaimed { owner: u32 },
     /// Borrowed from a peer device (Harvest); `lender` is its ordinal.
     Borrowed { lender: u32 },

@@ -70,6 +70,10 @@ fn structs_have_the_header_layout() {
     assert_eq!(std::mem::size_of::<strata_tag_stats_t>(), 96);
     assert_eq!(std::mem::size_of::<Status>(), 4);
     assert_eq!(
+        std::mem::size_of::<crate::params::strata_params_model_stats_t>(),
+        128
+    );
+    assert_eq!(
         std::mem::size_of::<crate::harvest::strata_harvest_handle_t>(),
         32
     );
