@@ -12,10 +12,12 @@
 //!
 //! (`benches/callgrind_pairs.sh` does this for several sizes and prints the figures.)
 //! Host backend unless `STRATA_BACKEND` says otherwise; the pool runs no background thread, so
-//! the count does not depend on timing.
+//! the count does not depend on timing. It also prints the wall-clock time per pair of the
+//! loop (`benches/pair_rounds.sh` alternates builds and keeps each one's best).
 
 use std::hint::black_box;
 use std::sync::Arc;
+use std::time::Instant;
 
 use strata_allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
 use strata_vmm::StreamHandle;
@@ -36,8 +38,11 @@ fn main() {
     let s = StreamHandle::DEFAULT;
     let p = caching.allocate(size, s).expect("warm-up allocate");
     caching.deallocate(p, s).expect("warm-up free");
+    let start = Instant::now();
     for _ in 0..pairs {
         let p = caching.allocate(black_box(size), s).expect("allocate");
         caching.deallocate(black_box(p), s).expect("deallocate");
     }
+    let ns = start.elapsed().as_nanos() as f64 / pairs.max(1) as f64;
+    println!("{size} B: {ns:.2} ns per pair");
 }
