@@ -181,7 +181,8 @@ struct Carve {
 const _: () = assert!(CHUNKS_PER_PAGE <= 256);
 
 /// The slot in [`State::run_live`] of the run starting at chunk `run` of segment `segment`
-/// (segments of one class have one run, at chunk 0).
+/// (segments of one class have one run, at chunk 0). Fits a `u32` below 2^27 segments; the
+/// segment table and this one would take over 30 GiB of host memory before that.
 #[inline]
 fn run_slot(segment: u32, run: u8) -> u32 {
     segment * CHUNKS_PER_PAGE as u32 + u32::from(run)
