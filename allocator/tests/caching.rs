@@ -1239,20 +1239,31 @@ fn large_sizes_share_pages() {
 fn emptied_small_runs_serve_other_classes() {
     let e = env();
     let a = &e.alloc;
-    // Fill a shared page with runs of one class, free them all, then ask for another class:
-    // before issue 17 the runs stayed carved for their class and a new page was mapped.
+    // Fill a shared page with runs of one class (32 KiB blocks, two per 64 KiB chunk), free
+    // all but one, then ask for another class (64 KiB blocks): the emptied runs must serve it
+    // from the same page. Before issue 17 they stayed carved for their class and a new page
+    // was mapped; with the page kept in use by one block, nothing else can give room.
     let blocks: Vec<u64> = (0..64).map(|_| a.allocate(30_000, S0).unwrap()).collect();
-    let pages = a.stats().reserved_bytes / PAGE;
-    for p in blocks {
+    assert_eq!(a.stats().reserved_bytes, PAGE, "64 blocks fill one page");
+    let created = a.stats().counts.segments_created;
+    let keep = blocks[0];
+    for &p in &blocks[1..] {
         a.deallocate(p, S0).unwrap();
     }
-    let keep = a.allocate(100, S0).unwrap(); // a page stays in use
-    let created = a.stats().counts.segments_created;
-    let other: Vec<u64> = (0..24).map(|_| a.allocate(60_000, S0).unwrap()).collect();
-    assert_eq!(a.stats().counts.segments_created, created);
-    assert!(a.stats().reserved_bytes / PAGE <= pages);
     ok(a);
+    let other: Vec<u64> = (0..30).map(|_| a.allocate(60_000, S0).unwrap()).collect();
+    assert_eq!(a.stats().counts.segments_created, created);
+    assert_eq!(a.stats().reserved_bytes, PAGE);
+    ok(a);
+    // And back: the 64 KiB runs, emptied, serve the first class again.
     for p in other {
+        a.deallocate(p, S0).unwrap();
+    }
+    let again: Vec<u64> = (0..60).map(|_| a.allocate(30_000, S0).unwrap()).collect();
+    assert_eq!(a.stats().counts.segments_created, created);
+    assert_eq!(a.stats().reserved_bytes, PAGE);
+    ok(a);
+    for p in again {
         a.deallocate(p, S0).unwrap();
     }
     a.deallocate(keep, S0).unwrap();

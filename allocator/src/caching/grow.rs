@@ -12,8 +12,8 @@ use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
 use super::unmap::unmap_pages;
 use super::{
-    internal, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve, Segment,
-    State, TagId, CHUNKS_PER_PAGE,
+    internal, run_slot, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve,
+    Segment, State, TagId, CHUNKS_PER_PAGE,
 };
 use crate::mapped::{MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
@@ -215,21 +215,20 @@ impl CachingAllocator {
     }
 
     /// Returns to their shared pages the runs of tag index `ti` whose blocks are all free, of
-    /// any class, so that their chunks can serve another class. Emptied runs are found by the
-    /// segments' `empty_runs` bits, without scanning blocks. Their blocks leave the bins and
+    /// any class, so that their chunks can serve another class. Emptied runs are found by their
+    /// counts in `State::run_live`, without scanning blocks. Their blocks leave the bins and
     /// the table; streams that freed them are ordered before `stream`, which the chunks' next
     /// blocks are carved for. Returns the runs removed.
     fn reclaim_empty_runs(&self, st: &mut State, ti: usize, stream: StreamHandle) -> Result<usize> {
         let mut doomed: Vec<(u32, Carve)> = Vec::new();
         for (id, seg) in st.iter_segments() {
-            if seg.empty_runs == 0 || !seg.shared || seg.tag as usize != ti || seg.mapped.is_empty()
-            {
+            if !seg.shared || seg.tag as usize != ti || seg.mapped.is_empty() {
                 continue;
             }
             doomed.extend(
                 seg.runs
                     .iter()
-                    .filter(|r| seg.empty_runs & (1 << self.run_of(seg, r.offset)) != 0)
+                    .filter(|r| st.run_live[run_slot(id, self.run_of(seg, r.offset)) as usize] == 0)
                     .map(|&r| (id, r)),
             );
         }
@@ -284,9 +283,7 @@ impl CachingAllocator {
             let Some(seg) = segments[id as usize].as_mut() else {
                 continue;
             };
-            let chunk = self.run_of(seg, run.offset);
             seg.runs.retain(|r| r.offset != run.offset);
-            seg.empty_runs &= !(1 << chunk);
             seg.blocks
                 .retain(|&b| blocks[b as usize].state != BlockState::Dead);
             freed.record(
@@ -341,6 +338,8 @@ impl CachingAllocator {
             Some(id) => id,
             None => {
                 st.segments.push(None);
+                st.run_live
+                    .resize(st.segments.len() * CHUNKS_PER_PAGE as usize, 0);
                 (st.segments.len() - 1) as u32
             }
         };
@@ -351,9 +350,6 @@ impl CachingAllocator {
             runs: Vec::new(),
             tag: ti as u32,
             blocks: Vec::new(),
-            live: 0,
-            run_live: [0; CHUNKS_PER_PAGE as usize],
-            empty_runs: 0,
             mapped,
         });
         st.totals.add_pages(pages);
@@ -377,7 +373,7 @@ impl CachingAllocator {
             return;
         };
         let (base, ti) = (self.va_of(seg.start) + offset, seg.tag);
-        let run = self.run_of(seg, offset);
+        let counter = run_slot(seg_id, self.run_of(seg, offset));
         let class_bytes = self.classes.size(class);
         let count = len / class_bytes;
         let mut ids = Vec::with_capacity(count as usize);
@@ -390,7 +386,7 @@ impl CachingAllocator {
                 tag: ti,
                 segment: seg_id,
                 class: class as u16,
-                run,
+                counter,
                 state: BlockState::Free,
                 stream,
                 used_on: Vec::new(),
@@ -411,7 +407,6 @@ impl CachingAllocator {
             let at = seg.runs.partition_point(|r| r.offset < offset);
             seg.runs.insert(at, carve);
             seg.blocks.extend(ids);
-            seg.empty_runs |= 1 << run;
         }
     }
 
@@ -708,6 +703,12 @@ impl CachingAllocator {
         st: &mut State,
         id: u32,
     ) -> Result<((u64, u64), Vec<MappedPage>)> {
+        let live = st.segment_live(id);
+        if live != 0 {
+            return Err(internal(format!(
+                "segment {id} released with {live} live blocks"
+            )));
+        }
         let seg = st.segments[id as usize]
             .take()
             .ok_or_else(|| internal(format!("segment {id} released twice")))?;

@@ -2,7 +2,9 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{BlockState, CachingAllocator, State, LARGE, LARGE_ALIGN, NO_SEGMENT};
+use super::{
+    run_slot, BlockState, CachingAllocator, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN, NO_SEGMENT,
+};
 
 impl CachingAllocator {
     /// Checks every structural invariant and returns the first violation:
@@ -16,6 +18,8 @@ impl CachingAllocator {
     /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
     ///   tag has nothing mapped while an awake one has everything mapped;
     /// - the pointer table, the bins and the pending list agree with the block table;
+    /// - each small block's run count slot is its run's, every run's count is the number of its
+    ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
     /// - allocated, live and mapped-page figures (total and per tag) agree with the tables,
     ///   and pages held = reserved bytes / page size.
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -207,8 +211,7 @@ impl CachingAllocator {
         if pending.len() != st.pending.len() {
             return Err("a block is pending twice".into());
         }
-        let mut seg_live: FxHashMap<u32, u32> = FxHashMap::default();
-        let mut run_live: FxHashMap<(u32, u8), u32> = FxHashMap::default();
+        let mut run_live: FxHashMap<u32, u32> = FxHashMap::default();
         let mut allocated = 0u64;
         let mut blocks_bytes = 0u64;
         let mut live = 0u64;
@@ -271,7 +274,7 @@ impl CachingAllocator {
                     || run.is_none_or(|r| {
                         r.class != b.class
                             || (off - r.offset) % b.size != 0
-                            || self.run_of(seg, r.offset) != b.run
+                            || run_slot(b.segment, self.run_of(seg, r.offset)) != b.counter
                     })
                 {
                     return Err(format!(
@@ -279,8 +282,7 @@ impl CachingAllocator {
                     ));
                 }
                 if b.state != BlockState::Free {
-                    *seg_live.entry(b.segment).or_default() += 1;
-                    *run_live.entry((b.segment, b.run)).or_default() += 1;
+                    *run_live.entry(b.counter).or_default() += 1;
                 }
             }
             if b.state == BlockState::Live {
@@ -302,6 +304,15 @@ impl CachingAllocator {
         if alive != st.by_ptr.len() {
             return Err(format!("{alive} blocks, {} pointers", st.by_ptr.len()));
         }
+        if st.run_live.len() != st.segments.len() * CHUNKS_PER_PAGE as usize {
+            return Err(format!(
+                "{} run counts for {} segments",
+                st.run_live.len(),
+                st.segments.len()
+            ));
+        }
+        // Run counts checked against a run's blocks; every other slot must hold 0.
+        let mut at_runs = vec![false; st.run_live.len()];
         for (id, seg) in st.iter_segments() {
             let mut at = 0u64;
             for r in &seg.runs {
@@ -335,43 +346,33 @@ impl CachingAllocator {
                     seg.blocks.len()
                 ));
             }
-            let n = seg_live.get(&id).copied().unwrap_or(0);
-            if n != seg.live {
-                return Err(format!(
-                    "segment {id} counts {} live blocks, has {n}",
-                    seg.live
-                ));
-            }
-            let mut empty = 0u32;
             for r in &seg.runs {
                 let chunk = self.run_of(seg, r.offset);
-                let n = run_live.get(&(id, chunk)).copied().unwrap_or(0);
-                if n != seg.run_live[chunk as usize] {
+                let slot = run_slot(id, chunk);
+                let n = run_live.remove(&slot).unwrap_or(0);
+                if n != st.run_live[slot as usize] {
                     return Err(format!(
                         "segment {id}: run at chunk {chunk} counts {} blocks out of bins, has {n}",
-                        seg.run_live[chunk as usize]
+                        st.run_live[slot as usize]
                     ));
                 }
-                if n == 0 {
-                    empty |= 1 << chunk;
-                }
-            }
-            if seg.run_live.iter().map(|&n| u64::from(n)).sum::<u64>() != u64::from(seg.live) {
-                return Err(format!(
-                    "segment {id}: run counts do not add up to its live count"
-                ));
-            }
-            if empty != seg.empty_runs {
-                return Err(format!(
-                    "segment {id}: empty runs {:#x}, bits say {:#x}",
-                    empty, seg.empty_runs
-                ));
+                at_runs[slot as usize] = true;
             }
             for &b in &seg.blocks {
                 if st.blocks[b as usize].segment != id {
                     return Err(format!("segment {id} lists block {b} of another segment"));
                 }
             }
+        }
+        if let Some(slot) = (0..st.run_live.len()).find(|&i| !at_runs[i] && st.run_live[i] != 0) {
+            return Err(format!(
+                "run count slot {slot} (segment {}) holds {} where no run starts",
+                slot / CHUNKS_PER_PAGE as usize,
+                st.run_live[slot]
+            ));
+        }
+        if !run_live.is_empty() {
+            return Err(format!("blocks counted where no run starts: {run_live:?}"));
         }
         let t = &st.totals;
         if (allocated, blocks_bytes, live) != (t.allocated, t.allocated_blocks, t.live) {

@@ -253,7 +253,7 @@ impl CachingAllocator {
             tag: ti as u32,
             segment: NO_SEGMENT,
             class: LARGE,
-            run: 0,
+            counter: 0,
             state: BlockState::Live,
             stream,
             used_on: Vec::new(),

@@ -160,8 +160,8 @@ struct Block {
     tag: u32,
     segment: u32,
     class: u16,
-    /// The first chunk of its run in its segment's page (0 outside shared pages).
-    run: u8,
+    /// Small blocks: its run's slot in [`State::run_live`] (see [`run_slot`]); large: 0.
+    counter: u32,
     state: BlockState,
     /// Live: the stream it was allocated on. Free/Pending: the stream it was freed on.
     stream: StreamHandle,
@@ -177,8 +177,16 @@ struct Carve {
     class: u16,
 }
 
-// `Segment::empty_runs` has one bit per chunk.
-const _: () = assert!(CHUNKS_PER_PAGE <= 32);
+// A run's first chunk fits a `u8`.
+const _: () = assert!(CHUNKS_PER_PAGE <= 256);
+
+/// The slot in [`State::run_live`] of the run starting at chunk `run` of segment `segment`
+/// (segments of one class have one run, at chunk 0). Fits a `u32` below 2^27 segments; the
+/// segment table and this one would take over 30 GiB of host memory before that.
+#[inline]
+fn run_slot(segment: u32, run: u8) -> u32 {
+    segment * CHUNKS_PER_PAGE as u32 + u32::from(run)
+}
 
 /// Pages of one tag carved into blocks: a shared page (one page, runs of chunks for any class
 /// of the tag) or a segment of its own for one class whose blocks exceed a page.
@@ -192,38 +200,8 @@ struct Segment {
     runs: Vec<Carve>,
     tag: u32,
     blocks: Vec<u32>,
-    /// Blocks not in a bin (live or pending).
-    live: u32,
-    /// Blocks not in a bin per run, by the run's first chunk.
-    run_live: [u32; CHUNKS_PER_PAGE as usize],
-    /// Bit `c` set: a run starts at chunk `c` and all its blocks are in bins (so an emptied run
-    /// is found without scanning blocks).
-    empty_runs: u32,
     /// The segment's pages (empty while the tag sleeps).
     mapped: Vec<MappedPage>,
-}
-
-impl Segment {
-    /// A block of the run at chunk `run` leaves its bin.
-    #[inline]
-    fn block_taken(&mut self, run: u8) {
-        let run = run as usize % CHUNKS_PER_PAGE as usize; // no bounds check
-        self.live += 1;
-        self.run_live[run] += 1;
-        self.empty_runs &= !(1 << run);
-    }
-
-    /// A block of the run at chunk `run` returns to its bin.
-    #[inline]
-    fn block_returned(&mut self, run: u8) {
-        let run = run as usize % CHUNKS_PER_PAGE as usize;
-        self.live -= 1;
-        let n = &mut self.run_live[run];
-        *n -= 1;
-        if *n == 0 {
-            self.empty_runs |= 1 << run;
-        }
-    }
 }
 
 struct TagState {
@@ -297,6 +275,11 @@ struct State {
     tags: Vec<TagState>,
     tag_ix: FxHashMap<TagId, u32>,
     segments: Vec<Option<Segment>>,
+    /// Blocks out of their bins (live or pending) per run of small blocks, [`CHUNKS_PER_PAGE`]
+    /// slots per entry of `segments` ([`run_slot`]; zero where no run starts). The fast path
+    /// touches only its block's slot, one add, as it once touched a per-segment count; a
+    /// segment's count and its emptied runs are read off these slots on the slow paths.
+    run_live: Vec<u32>,
     free_segments: Vec<u32>,
     cache: RangeCache<Vec<MappedPage>>,
     /// Large segments by first page.
@@ -363,8 +346,8 @@ impl State {
         t.totals.on_alloc(size, b.size);
         self.totals.on_alloc(size, b.size);
         self.totals.counts.small_allocs += 1;
-        if let Some(Some(seg)) = self.segments.get_mut(b.segment as usize) {
-            seg.block_taken(b.run);
+        if let Some(n) = self.run_live.get_mut(b.counter as usize) {
+            *n += 1;
         }
         Some(b.ptr)
     }
@@ -408,14 +391,19 @@ impl State {
         self.totals.on_free(b.requested, b.size);
     }
 
+    /// Blocks of segment `id` out of their bins (live or pending).
+    fn segment_live(&self, id: u32) -> u32 {
+        let first = run_slot(id, 0) as usize;
+        self.run_live
+            .get(first..first + CHUNKS_PER_PAGE as usize)
+            .map_or(0, |slots| slots.iter().sum())
+    }
+
     /// Mapped segments with no live or pending block.
     fn empty_segments(&self, mapped: bool) -> Vec<u32> {
-        self.segments
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.as_ref().map(|s| (i, s)))
-            .filter(|(_, s)| s.live == 0 && s.mapped.is_empty() != mapped)
-            .map(|(i, _)| i as u32)
+        self.iter_segments()
+            .filter(|&(id, s)| self.segment_live(id) == 0 && s.mapped.is_empty() != mapped)
+            .map(|(id, _)| id)
             .collect()
     }
 
@@ -510,6 +498,7 @@ impl CachingAllocator {
             tags: vec![TagState::new(UNTAGGED, classes.len())],
             tag_ix: FxHashMap::default(),
             segments: Vec::new(),
+            run_live: Vec::new(),
             free_segments: Vec::new(),
             cache: RangeCache::default(),
             large: BTreeMap::new(),
@@ -621,8 +610,8 @@ impl CachingAllocator {
         t.totals.on_free(b.requested, b.size);
         st.totals.on_free(b.requested, b.size);
         t.bins[b.class as usize].push(stream, id);
-        if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
-            seg.block_returned(b.run);
+        if let Some(n) = st.run_live.get_mut(b.counter as usize) {
+            *n -= 1;
         }
         Ok(())
     }
@@ -743,7 +732,7 @@ impl CachingAllocator {
             large_free_bytes: st.extents.bytes(),
             cached_small_bytes: st
                 .iter_segments()
-                .filter(|(_, s)| s.live == 0 && !s.mapped.is_empty())
+                .filter(|&(id, s)| st.segment_live(id) == 0 && !s.mapped.is_empty())
                 .map(|(_, s)| s.pages * page)
                 .sum(),
             peak_allocated_bytes: st.totals.peak_allocated,

@@ -253,7 +253,7 @@ impl CachingAllocator {
         }
         let empty: Vec<u32> = st
             .iter_segments()
-            .filter(|(_, s)| s.tag == t32 && s.live == 0)
+            .filter(|&(id, s)| s.tag == t32 && st.segment_live(id) == 0)
             .map(|(i, _)| i)
             .collect();
         for id in empty {

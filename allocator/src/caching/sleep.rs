@@ -190,7 +190,9 @@ impl CachingAllocator {
             .map(|(i, _)| i)
             .collect();
         for id in segs {
-            let live = st.segments[id as usize].as_ref().map(|s| s.live);
+            let live = st.segments[id as usize]
+                .as_ref()
+                .map(|_| st.segment_live(id));
             let mapped = match (live, st.segments[id as usize].as_mut()) {
                 (Some(0), _) => {
                     self.release_segment_now(st, id, &mut pages, &mut first_err)?;
@@ -249,7 +251,7 @@ impl CachingAllocator {
         // Segments emptied while asleep are dropped rather than mapped again.
         let emptied: Vec<u32> = st
             .iter_segments()
-            .filter(|(_, s)| s.tag == t32 && s.live == 0)
+            .filter(|&(id, s)| s.tag == t32 && st.segment_live(id) == 0)
             .map(|(i, _)| i)
             .collect();
         let mut unmapped = Vec::new();

@@ -72,8 +72,8 @@ impl CachingAllocator {
         if b.class != LARGE {
             b.state = BlockState::Free;
             let class = b.class as usize;
-            if let Some(Some(seg)) = st.segments.get_mut(b.segment as usize) {
-                seg.block_returned(b.run);
+            if let Some(n) = st.run_live.get_mut(b.counter as usize) {
+                *n -= 1;
             }
             st.tags[ti as usize].bins[class].push(stream, id);
             return Ok(());
