@@ -15,10 +15,12 @@ vLLM's own offload interfaces carry it: ``OffloadingConnector`` with an out-of-t
 Scheduler side, ``StrataOffloadingManager`` is vLLM's ``CPUOffloadingManager`` (its chunk pool
 and eviction policy; ``eviction_policy`` "lru" or "arc") over as many chunks as strata's tiers
 hold. Worker side, ``strata.vllm.offload_store.StrataOffloadWorker`` keeps each chunk as one
-request of a strata KV space (``strata.kv``): a store copies the chunk's blocks from vLLM's KV
-tensors into the request and spills it to the host tier (the tier store moves the coldest
-objects on to the disk tier when host memory is full); a load makes the request resident and
-copies it back (its host copy stays, clean, so spilling it again copies nothing). When the
+request of a strata KV space (``strata.kv``). Transfers are asynchronous (one transfer thread,
+copies by ``strata_kv_copy_tokens`` on strata's own stream; vLLM polls ``get_finished``): a
+store copies the chunk's blocks from vLLM's KV tensors into the request and spills it to the
+host tier (the tier store moves the coldest objects on to the disk tier when host memory is
+full); a load makes the request resident and copies it back (its host copy stays, clean, so
+spilling it again copies nothing). When the
 scheduler preempts a request, the manager hints that request's chunks to strata's lookahead
 (``strata_kv_hint``): they come back to device memory ahead of the request's return, and the
 load finds them there (``prefetch_hits``). The hint reaches the worker when it runs in the

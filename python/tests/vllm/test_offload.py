@@ -155,12 +155,16 @@ class Worker(unittest.TestCase):
         for t, e in zip(self.kv, expected):
             self.assertTrue(torch.equal(t[blocks], e))
 
+    def reported(self, worker):
+        """Waits for everything submitted, then the jobs get_finished reports (one step)."""
+        worker.flush()
+        return [(r.job_id, r.success) for r in worker.get_finished()]
+
     def test_blocks_come_back_byte_for_byte_through_the_host_tier(self):
         _, w = self.worker(host_chunks=8)
         stored = self.snapshot([2, 3, 4, 5])
         self.store(w, 1, [2, 3, 4, 5], [6, 1])
-        done = w.get_finished()
-        self.assertEqual([(r.job_id, r.success) for r in done], [(1, True)])
+        self.assertEqual(self.reported(w), [(1, True)])
         s = w.stats()
         self.assertEqual(s["blocks_resident"], 0, "stored chunks stay on the device")
         self.assertGreater(s["host_used_bytes"], 0)
@@ -168,10 +172,44 @@ class Worker(unittest.TestCase):
             t[2:6] = 0
         # into other blocks; the second half of chunk 6 first (a load that starts mid-chunk)
         self.load(w, 2, [6, 1], [9, 10, 11], first=1)
-        self.assert_blocks([9, 10, 11], [e[1:] for e in stored])
         self.load(w, 3, [6], [12, 13])
+        self.assertEqual(self.reported(w), [(2, True), (3, True)])
+        self.assert_blocks([9, 10, 11], [e[1:] for e in stored])
         self.assert_blocks([12, 13], [e[:2] for e in stored])
         self.assertEqual(w.stats()["blocks_resident"], 0, "loaded chunks stay on the device")
+
+    def test_a_store_in_flight_does_not_block_the_engine_and_each_job_is_reported_once(self):
+        import threading
+
+        _, w = self.worker(host_chunks=8)
+        stored = self.snapshot([0, 1, 2, 3])
+        gate = threading.Event()
+        real_store = w._store
+
+        def held_store(job):  # the transfer thread's store, held until the gate opens
+            gate.wait()
+            real_store(job)
+
+        w._store = held_store
+        self.store(w, 1, [0, 1], [0])  # returns with the transfer queued
+        self.store(w, 2, [2, 3], [1])
+        for _ in range(5):  # engine steps run on while both stores are in flight
+            self.assertEqual(w.get_finished(), [])
+        s = w.stats()
+        self.assertEqual((s["jobs_submitted"], s["jobs_in_flight"]), (2, 2))
+        self.assertEqual(s["steps_with_stores_in_flight"], 5)
+        self.assertEqual((s["stored_chunks"], s["jobs_reported"]), (0, 0))
+        gate.set()
+        w.wait({1, 2})  # vLLM's fence before it reuses the blocks: their copies are done
+        for t in self.kv:
+            t[0:4] = 0
+        reported = self.reported(w) + self.reported(w) + self.reported(w)
+        self.assertEqual(sorted(reported), [(1, True), (2, True)], "each job once")
+        self.load(w, 3, [0, 1], [8, 9, 10, 11])
+        self.assertEqual(self.reported(w), [(3, True)])
+        self.assert_blocks([8, 9, 10, 11], stored)
+        s = w.stats()
+        self.assertEqual((s["jobs_reported"], s["jobs_in_flight"]), (3, 0))
 
     def test_a_reused_chunk_id_holds_the_new_blocks(self):
         _, w = self.worker(host_chunks=4)
@@ -179,6 +217,7 @@ class Worker(unittest.TestCase):
         second = self.snapshot([4, 5])
         self.store(w, 2, [4, 5], [0])
         self.load(w, 3, [0], [7, 8])
+        self.assertEqual(self.reported(w), [(1, True), (2, True), (3, True)])
         self.assert_blocks([7, 8], second)
         self.assertEqual(w.stats()["chunks_held"], 1)
 
@@ -187,6 +226,7 @@ class Worker(unittest.TestCase):
         stored = self.snapshot(list(range(12)))
         for c in range(6):
             self.store(w, c, [2 * c, 2 * c + 1], [c])
+        self.assertEqual(len(self.reported(w)), 6)
         s = w.stats()
         self.assertGreater(s["disk_used_bytes"], 0)
         self.assertLessEqual(s["host_used_bytes"], s["host_capacity_bytes"])
@@ -194,6 +234,7 @@ class Worker(unittest.TestCase):
             t.zero_()
         for c in range(6):
             self.load(w, 10 + c, [c], [2 * c, 2 * c + 1])
+        self.assertEqual(len(self.reported(w)), 6)
         self.assert_blocks(list(range(12)), stored)
         self.assertGreater(w.stats()["disk_read_bytes"], 0)
 
@@ -202,12 +243,14 @@ class Worker(unittest.TestCase):
         stored = self.snapshot([0, 1, 2, 3])
         self.store(w, 1, [0, 1, 2, 3], [0, 1])
         w.hint([0, 1, 3])  # chunk 3 was never stored: ignored
-        w.get_finished()
+        self.assertEqual(self.reported(w), [(1, True)])  # the step's tick hints the chunks
+        w.flush()
         s = w.stats()
         self.assertEqual(s["hinted_chunks"], 2)
         self.assertGreater(s["prefetch_hits"], 0)
         self.assertGreater(s["blocks_resident"], 0)
         self.load(w, 2, [0, 1], [8, 9, 10, 11])
+        self.assertEqual(self.reported(w), [(2, True)])
         self.assert_blocks([8, 9, 10, 11], stored)
         self.assertEqual(w.stats()["prefetch_misses"], 0)
 
@@ -216,22 +259,29 @@ class Worker(unittest.TestCase):
         stored = self.snapshot([0, 1])
         self.store(w, 1, [0, 1], [0])
         w.hint([0])
-        w.get_finished()
+        self.reported(w)
+        w.flush()
         self.assertGreater(w.stats()["blocks_resident"], 0)
         for _ in range(w.prefetch_steps + 1):
             w.get_finished()
+        w.flush()
         s = w.stats()
         self.assertEqual(s["blocks_resident"], 0)
         self.assertEqual(s["prefetches_dropped"], 1)
         self.load(w, 2, [0], [5, 6])
+        self.assertEqual(self.reported(w), [(2, True)])
         self.assert_blocks([5, 6], stored)
 
-    def test_a_load_of_a_chunk_never_stored_is_a_typed_error(self):
+    def test_a_failed_job_raises_its_typed_error_from_get_finished(self):
         import strata
 
         _, w = self.worker(host_chunks=2)
-        with self.assertRaises(strata.InvalidState):
-            self.load(w, 1, [1], [0, 1])
+        self.load(w, 1, [1], [0, 1])  # a chunk never stored
+        w.flush()
+        with self.assertRaises(strata.InvalidState) as cm:
+            w.get_finished()
+        self.assertIn("never stored", str(cm.exception))
+        self.assertEqual(w.stats()["jobs_in_flight"], 0)
 
     def test_bad_settings_are_typed_errors(self):
         import strata
