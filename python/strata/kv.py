@@ -348,6 +348,7 @@ class KvSpace:
         self.handle = handle.value
         self._exports = 0
         self._exports_lock = threading.Lock()
+        self._close_pending = False
         self._on_lost = None  # (LostFn, python callable): kept alive while registered
         self._callback_errors = []
 
@@ -364,6 +365,18 @@ class KvSpace:
     def _dlpack_released(self):
         with self._exports_lock:
             self._exports -= 1
+            due = self._exports == 0 and self._close_pending
+        if due:
+            self.close()
+
+    def close_when_released(self):
+        """Destroys the space now, or, while DLPack tensors of it are alive, as soon as the last
+        of them is released (an engine that shut down while its tensors live on)."""
+        with self._exports_lock:
+            if self._exports:
+                self._close_pending = True
+                return
+        self.close()
 
     def close(self):
         """Destroys the space. Refused (InvalidState) while DLPack tensors of it are alive."""

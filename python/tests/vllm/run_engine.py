@@ -64,17 +64,20 @@ def livelier_dummy_weights():
     built) and +-0.1: the same zeroing changed all 8."""
     from vllm.model_executor.model_loader import dummy_loader
 
-    stock = dummy_loader.initialize_single_dummy_weight
+    current = dummy_loader.initialize_single_dummy_weight
+    # vLLM's own, even when an engine is built inside another's construction (nested)
+    stock = getattr(current, "stock", current)
     seeds = itertools.count(1)
 
     def initialize(param, *args, **kwargs):
         stock(param, low=-0.1, high=0.1, seed=next(seeds))
 
+    initialize.stock = stock
     dummy_loader.initialize_single_dummy_weight = initialize
     try:
         yield
     finally:
-        dummy_loader.initialize_single_dummy_weight = stock
+        dummy_loader.initialize_single_dummy_weight = current
 
 
 def make_llm(model, requests, kv_bytes, log_stats):

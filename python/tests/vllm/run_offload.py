@@ -9,6 +9,12 @@ steps), the tokens it had to compute at least, the preemptions, and strata's off
 Recomputed tokens = computed - (prompt tokens + generated tokens - 1 per request): every
 token is computed once without preemption (the prompts share no prefix); a preempted request
 computes again what neither vLLM's prefix cache nor the offload tier gives back.
+
+Partial-block tokens = the tokens in the last, partly filled block of each request when it was
+preempted. vLLM's OffloadingConnector (0.32) keys offloaded chunks by the hashes of full
+blocks: a partial block has no hash, so it is never stored nor looked up (its partial-tail
+store covers only prompt boundaries of hybrid-state groups), and a resumed request recomputes
+it. With the offload, recomputed tokens == partial-block tokens: everything else came back.
 """
 
 import argparse
@@ -77,14 +83,21 @@ def main():
     llm.apply_model(spread_weights)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    counts = {"computed": 0, "preemptions": 0, "steps": 0}
+    counts = {"computed": 0, "preemptions": 0, "steps": 0, "partial_block_tokens": 0}
+    computed = {}  # request id -> tokens computed after the last step that scheduled it
     schedule = scheduler.schedule
 
     def counting_schedule(*a, **k):
         out = schedule(*a, **k)
         counts["computed"] += out.total_num_scheduled_tokens
-        counts["preemptions"] += len(out.preempted_req_ids or ())
         counts["steps"] += 1
+        for rid in out.preempted_req_ids or ():
+            counts["preemptions"] += 1
+            # Tokens of the preempted request's last, partial block: it has no block hash, so
+            # vLLM's OffloadingConnector can neither store nor look it up (see module doc).
+            counts["partial_block_tokens"] += computed.pop(rid, 0) % BLOCK
+        for rid in out.num_scheduled_tokens:
+            computed[rid] = scheduler.requests[rid].num_computed_tokens
         return out
 
     scheduler.schedule = counting_schedule
@@ -108,6 +121,7 @@ def main():
         "needed_tokens": needed,
         "recomputed_tokens": counts["computed"] - needed,
         "preemptions": counts["preemptions"],
+        "partial_block_tokens": counts["partial_block_tokens"],
         "steps": counts["steps"],
         "tokens_per_s": generated / elapsed,
         "elapsed_s": elapsed,

@@ -371,7 +371,8 @@ class Engine(unittest.TestCase):
         for name, r in (("stock recompute", cls.stock), ("strata offload", cls.strata)):
             print(
                 f"\n{name}: {r['recomputed_tokens']} recomputed tokens "
-                f"({r['computed_tokens']} computed, {r['needed_tokens']} needed), "
+                f"({r['computed_tokens']} computed, {r['needed_tokens']} needed; "
+                f"{r['partial_block_tokens']} in partial blocks at preemption), "
                 f"{r['preemptions']} preemptions, {r['tokens_per_s']:.1f} tok/s",
                 file=sys.stderr,
             )
@@ -392,6 +393,12 @@ class Engine(unittest.TestCase):
     def test_offload_recomputes_fewer_tokens_than_stock_recompute(self):
         self.assertGreaterEqual(self.strata["recomputed_tokens"], 0)
         self.assertLess(self.strata["recomputed_tokens"], self.stock["recomputed_tokens"])
+
+    def test_offload_recomputes_only_the_partial_blocks_vllm_cannot_offload(self):
+        # vLLM offloads whole blocks (keyed by their hashes); the last, partial block of a
+        # preempted request is recomputed, and with strata's tiers nothing else is.
+        self.assertEqual(self.strata["recomputed_tokens"], self.strata["partial_block_tokens"])
+        self.assertGreater(self.stock["recomputed_tokens"], self.stock["partial_block_tokens"])
 
     def test_blocks_went_through_strata_tiers_and_came_back(self):
         s = self.strata["strata"]
