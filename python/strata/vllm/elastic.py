@@ -104,6 +104,10 @@ class ElasticKv:
         self._free_groups = set()  # mapped groups whose blocks are all free
         self._pinned = {0}  # vLLM's null block lives in group 0
         self.block_pool = None  # the scheduler's BlockPool, once it exists
+        # () -> the freed blocks a KV connector may still read or write (its stores of them
+        # may not have run yet): their groups stay mapped until it is done with them.
+        self.busy_blocks = None
+        self.unmaps_deferred = 0
         self.maps = 0
         self.unmaps = 0
         self.peak_mapped_groups = 0
@@ -189,12 +193,14 @@ class ElasticKv:
             for b in block_ids:
                 self._free_groups.discard(self.group_of(b))
 
-    def maybe_free(self, blocks_by_id):
-        """Called after blocks were freed: the groups all of whose blocks are free become
-        candidates; beyond ``spare_groups`` of them, the highest groups are unmapped. Returns
-        the groups to unmap (the caller takes their blocks out of the prefix cache first)."""
+    def maybe_free(self, blocks_by_id=None):
+        """Called after blocks were freed (and after each engine step, with none): the groups
+        all of whose blocks are free become candidates; beyond ``spare_groups`` of them, the
+        highest groups are unmapped, except those holding a block a KV transfer may still read
+        (``busy_blocks``: they wait for a later call). Returns the groups to unmap (the caller
+        takes their blocks out of the prefix cache first)."""
         with self._lock:
-            for g, blocks in blocks_by_id.items():
+            for g, blocks in (blocks_by_id or {}).items():
                 if g in self._groups and g not in self._pinned and all(
                     b.ref_cnt == 0 for b in blocks
                 ):
@@ -202,15 +208,24 @@ class ElasticKv:
             excess = len(self._free_groups) - self.spare_groups
             if excess <= 0:
                 return []
-            return sorted(self._free_groups, reverse=True)[:excess]
+            order = sorted(self._free_groups, reverse=True)
+        busy = self._busy()
+        out = [g for g in order if busy.isdisjoint(self.group_blocks(g))][:excess]
+        self.unmaps_deferred += min(excess, len(order)) - len(out)
+        return out
 
     def still_free(self, group, blocks):
-        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free; forgets it if not."""
+        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free (else it is forgotten)
+        and none a KV transfer may still read."""
+        busy = self._busy()
         with self._lock:
-            if all(b.ref_cnt == 0 for b in blocks):
-                return True
-            self._free_groups.discard(group)
-            return False
+            if not all(b.ref_cnt == 0 for b in blocks):
+                self._free_groups.discard(group)
+                return False
+        return busy.isdisjoint(self.group_blocks(group))
+
+    def _busy(self):
+        return self.busy_blocks() if self.busy_blocks is not None else frozenset()
 
     def unmap(self, group):
         with self._lock:
@@ -266,6 +281,7 @@ class ElasticKv:
             "peak_mapped_bytes": self.peak_mapped_groups * self.group_bytes,
             "maps": self.maps,
             "unmaps": self.unmaps,
+            "unmaps_deferred": self.unmaps_deferred,
             "pool_in_use_bytes": s["pool_in_use_pages"] * s["page_size"],
             "host_used_bytes": s["host_used_bytes"],
             "disk_used_bytes": s["disk_used_bytes"],

@@ -7,10 +7,12 @@ Patches (all in the process that runs the model runner and the scheduler):
   kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
               one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer;
               GPUModelRunner.initialize_kv_cache_tensors tells it whose (the runner's config).
-  block-pool  vllm.v1.core.sched.scheduler.Scheduler (__init__, shutdown): the scheduler's block
-              pool attaches to the KV space made for the model runner of the same vLLM config
-              (several engines may be built in any order), and the engine's shutdown closes
-              that space (pages back to the pool, out of the metrics);
+  block-pool  vllm.v1.core.sched.scheduler.Scheduler (__init__, shutdown, update_from_output):
+              the scheduler's block pool attaches to the KV space made for the model runner of
+              the same vLLM config (several engines may be built in any order), the engine's
+              shutdown closes that space (pages back to the pool, out of the metrics), and
+              free groups whose blocks vLLM's OffloadingConnector may still store stay mapped
+              until it is done (retried after each step; other KV connectors are refused);
               vllm.v1.core.block_pool.BlockPool (get_new_blocks, get_num_free_blocks,
               reset_prefix_cache, touch, free_blocks, unpin_blocks): blocks handed out map
               their group's pages; groups whose blocks all fell free are unmapped beyond
@@ -210,8 +212,46 @@ def attach(scheduler, vllm_config, kv_cache_config):
         return
     if kv.block_pool is not None:
         raise UnsupportedVllm(f"strata.vllm: KV space {kv.label} already has a block pool")
+    kv.busy_blocks = connector_busy_blocks(scheduler)
     pool._strata_kv = kv
     kv.block_pool = pool
+
+
+def connector_busy_blocks(scheduler):
+    """The scheduler's KV connector may read blocks after vLLM freed them: vLLM's
+    OffloadingConnector stores a preempted or finished request's blocks in a later step and
+    fences them only against their reuse, while strata unmaps a free group at once. Returns a
+    function giving those blocks (its pending stores' source blocks, and the blocks of finished
+    requests whose stores are not built yet), or None without a connector; another connector
+    is refused."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return None
+    side = getattr(connector, "connector_scheduler", None)
+    if (
+        type(connector).__name__ != "OffloadingConnector"
+        or not hasattr(side, "_jobs")
+        or not hasattr(side, "_req_status")
+    ):
+        raise UnsupportedVllm(
+            f"strata.vllm: KV connector {type(connector).__name__} may read KV blocks after "
+            "vLLM frees them, and strata unmaps free blocks; with the elastic KV, only vLLM's "
+            "OffloadingConnector is supported (unset STRATA_VLLM or use it)"
+        )
+
+    def busy():
+        out = set()
+        for job in side._jobs.values():
+            if job.is_store:
+                out.update(job.deferred_fence_block_ids or ())
+                out.update(job.fenced_block_ids or ())
+        for state in side._req_status.values():
+            if state.req.is_finished():
+                for group in state.group_states:
+                    out.update(group.block_ids)
+        return out
+
+    return busy
 
 
 def _apply_block_pool():
@@ -229,10 +269,19 @@ def _apply_block_pool():
         BlockPool.reset_prefix_cache,
     )
     init_scheduler, shutdown_scheduler = Scheduler.__init__, Scheduler.shutdown
+    update_scheduler = Scheduler.update_from_output
 
     def scheduler_init(self, vllm_config, kv_cache_config, *args, **kwargs):
         init_scheduler(self, vllm_config, kv_cache_config, *args, **kwargs)
         attach(self, vllm_config, kv_cache_config)
+
+    def scheduler_update_from_output(self, scheduler_output, model_runner_output):
+        out = update_scheduler(self, scheduler_output, model_runner_output)
+        # Transfers that finished this step may release groups whose unmap waited for them.
+        pool = self.kv_cache_manager.block_pool
+        if pool._strata_kv is not None and pool._strata_kv.busy_blocks is not None:
+            _after_free(pool, ())
+        return out
 
     def scheduler_shutdown(self):
         shutdown_scheduler(self)
@@ -335,6 +384,7 @@ def _apply_block_pool():
     BlockPool._strata = True
     Scheduler.__init__ = scheduler_init
     Scheduler.shutdown = scheduler_shutdown
+    Scheduler.update_from_output = scheduler_update_from_output
 
 
 # ---- cpu-sleep, gpu-sleep ---------------------------------------------------------------------
@@ -438,6 +488,11 @@ PATCHES = [
                 "kv_cache_config",
             ],
             "vllm.v1.core.sched.scheduler:Scheduler.shutdown": ["self"],
+            "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": [
+                "self",
+                "scheduler_output",
+                "model_runner_output",
+            ],
             "vllm.v1.core.block_pool:BlockPool.__init__": ["self", "num_gpu_blocks"],
             "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
             "vllm.v1.core.block_pool:BlockPool.touch": ["self", "blocks"],

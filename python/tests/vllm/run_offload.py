@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,53 @@ def spread_weights(model):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
 
 
+def check_store_sources(worker, kv, counts):
+    """With the elastic plugin: counts the stores that were about to read a block whose group
+    was unmapped (its bytes gone: such a store would offload zeros or another request's KV)."""
+    real_store = worker._store
+
+    def checked_store(job):
+        if not all(kv.is_mapped(b) for b in job.blocks):
+            counts["stores_of_unmapped_blocks"] = counts.get("stores_of_unmapped_blocks", 0) + 1
+        real_store(job)
+
+    worker._store = checked_store
+
+
+def hold_stores(worker, steps, counts):
+    """Makes each of ``worker``'s stores wait ``steps`` engine steps (get_finished calls) on
+    its transfer thread before it copies, or until vLLM waits for stores (its flush before it
+    reuses blocks): stores are then in flight while the scheduler frees their blocks."""
+    cond = threading.Condition()
+    state = {"step": 0, "waiting": 0}
+    real_store, real_wait, real_finished = worker._store, worker.wait, worker.get_finished
+
+    def held_store(job):
+        with cond:
+            until = state["step"] + steps
+            cond.wait_for(lambda: state["step"] >= until or state["waiting"] > 0)
+            counts["held_stores"] = counts.get("held_stores", 0) + 1
+        real_store(job)
+
+    def get_finished():
+        with cond:
+            state["step"] += 1
+            cond.notify_all()
+        return real_finished()
+
+    def wait(job_ids):
+        with cond:
+            state["waiting"] += 1
+            cond.notify_all()
+        try:
+            real_wait(job_ids)
+        finally:
+            with cond:
+                state["waiting"] -= 1
+
+    worker._store, worker.get_finished, worker.wait = held_store, get_finished, wait
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -49,9 +97,18 @@ def main():
     ap.add_argument("--host-bytes", type=int, default=16 << 20)
     ap.add_argument("--disk-bytes", type=int, default=0)
     ap.add_argument("--disk-dir")
+    ap.add_argument("--again", action="store_true", help="then the same prompts once more")
+    ap.add_argument(
+        "--hold-stores",
+        type=int,
+        default=0,
+        help="with --offload: each store waits this many engine steps before it copies "
+        "(or until vLLM waits for it), so stores are in flight while blocks are freed",
+    )
     args = ap.parse_args()
 
     write_model(args.model)
+    import strata.vllm
     from vllm import LLM, SamplingParams
 
     extra = {}
@@ -101,34 +158,67 @@ def main():
         return out
 
     scheduler.schedule = counting_schedule
+    plugin = os.environ.get("STRATA_VLLM", "0") not in ("", "0")
+    pool = scheduler.kv_cache_manager.block_pool
+    mapped = []  # with the elastic plugin, per step: (blocks in use, KV bytes mapped)
+    if args.offload and plugin:
+        (worker,) = offload._WORKERS.values()  # this engine's
+        check_store_sources(worker, pool._strata_kv, counts)
+    if args.offload and args.hold_stores:
+        (worker,) = offload._WORKERS.values()
+        hold_stores(worker, args.hold_stores, counts)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = prompts(args.requests)
     outputs = {}
+
+    def run_wave(prefix):
+        for i, p in enumerate(batch):
+            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            if plugin:
+                in_use = pool.num_gpu_blocks - pool.free_block_queue.num_free_blocks - 1
+                mapped.append((in_use, strata.vllm.stats()["mapped_bytes"]))
+        return [outputs[f"{prefix}{i}"] for i in range(args.requests)]
+
     start = time.perf_counter()
-    for i, p in enumerate(batch):
-        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    first = run_wave("")
     elapsed = time.perf_counter() - start
-    generated = sum(len(v) for v in outputs.values())
+    wave1 = dict(counts)
+    computed_first = counts["computed"]
+    # The same prompts again: what vLLM's prefix cache and the offload tier give back is not
+    # computed again (a repeated prefix), and must be the KV the first wave wrote.
+    again = run_wave("again") if args.again else None
+    generated = sum(len(v) for v in first)
     needed = sum(len(p) for p in batch) + generated - len(batch)
     result = {
         "offload": args.offload,
-        "outputs": [outputs[str(i)] for i in range(args.requests)],
-        "computed_tokens": counts["computed"],
+        "outputs": first,
+        "computed_tokens": computed_first,
         "needed_tokens": needed,
-        "recomputed_tokens": counts["computed"] - needed,
-        "preemptions": counts["preemptions"],
-        "partial_block_tokens": counts["partial_block_tokens"],
-        "steps": counts["steps"],
+        "recomputed_tokens": computed_first - needed,
+        "outputs_again": again,
+        "computed_again": counts["computed"] - computed_first,
+        "preemptions": wave1["preemptions"],
+        "partial_block_tokens": wave1["partial_block_tokens"],
+        "steps": wave1["steps"],
         "tokens_per_s": generated / elapsed,
         "elapsed_s": elapsed,
         "strata": None,
+        "held_stores": counts.get("held_stores", 0),
+        "stores_of_unmapped_blocks": counts.get("stores_of_unmapped_blocks", 0),
+        "elastic": None,
     }
     if args.offload:
         result["strata"] = offload.stats()
+    if plugin:
+        kv = strata.vllm.elastic.newest()
+        result["elastic"] = dict(
+            strata.vllm.stats(), steps=mapped, group_bytes=kv.group_bytes,
+            blocks_per_group=kv.blocks_per_group, spare_groups=kv.spare_groups,
+        )
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip vLLM's interpreter-exit teardown (slow on CPU); nothing is left to flush
 

@@ -8,6 +8,7 @@ under a KV budget that forces preemption.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ BLOCKS = 12  # vLLM KV blocks of 32 tokens: 8 requests of up to 242 tokens must 
 MAX_TOKENS = 64
 HOST_BYTES = 256 << 10  # four chunks: the rest moves on to the disk tier
 DISK_BYTES = 16 << 20
+SPARE_GROUPS = 2  # the elastic plugin's free groups kept mapped
+HOLD_STORES = 8  # engine steps each store waits in the elastic run: in flight as blocks free
 
 try:
     import vllm
@@ -300,13 +303,16 @@ class Worker(unittest.TestCase):
             )
 
 
-def start_offload(model_dir, offload, disk_dir=None):
-    """Starts run_offload.py (stock vLLM, or strata's offload with ``disk_dir``)."""
+def start_offload(model_dir, offload, disk_dir=None, elastic=False, args=()):
+    """Starts run_offload.py (stock vLLM, or strata's offload with ``disk_dir``; ``elastic``:
+    with the elastic KV plugin too, STRATA_VLLM=1)."""
     env = dict(os.environ)
     env.update(
         STRATA_HOST_GRANULARITY="32KiB",  # one block of one layer: chunks of one block
         STRATA_BACKEND="host",
         STRATA_HOST_STRICT="0",
+        STRATA_VLLM="1" if elastic else "0",
+        STRATA_VLLM_SPARE_GROUPS=str(SPARE_GROUPS),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=os.path.join(REPO, "python"),
     )
@@ -322,6 +328,7 @@ def start_offload(model_dir, offload, disk_dir=None):
     if offload:
         cmd += ["--offload", "--blocks-per-chunk", "1", "--host-bytes", str(HOST_BYTES)]
         cmd += ["--disk-bytes", str(DISK_BYTES), "--disk-dir", disk_dir]
+    cmd += list(args)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -356,19 +363,31 @@ class Engine(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.addClassCleanup(cls.tmp.cleanup)
         model = os.path.join(cls.tmp.name, "llama")
-        disk = os.path.join(cls.tmp.name, "disk")
-        os.makedirs(disk)
-        write_model(model)  # before both runs start: they would race to write it
-        # Side by side: the engines' start-up mostly waits, so two at once take little longer.
-        runs = [start_offload(model, False), start_offload(model, True, disk)]
+        disks = [os.path.join(cls.tmp.name, f"disk{i}") for i in range(2)]
+        for d in disks:
+            os.makedirs(d)
+        write_model(model)  # before the runs start: they would race to write it
+        # Side by side: the engines' start-up mostly waits, so several at once take little
+        # longer. The third: the offload with the elastic plugin, each store held in flight.
+        runs = [
+            start_offload(model, False),
+            start_offload(model, True, disks[0]),
+            start_offload(
+                model, True, disks[1], elastic=True, args=["--hold-stores", str(HOLD_STORES)]
+            ),
+        ]
         try:
-            cls.stock, cls.strata = [result_of(p) for p in runs]
+            cls.stock, cls.strata, cls.elastic = [result_of(p) for p in runs]
         finally:
             for p in runs:
                 if p.poll() is None:
                     p.kill()
                     p.communicate()
-        for name, r in (("stock recompute", cls.stock), ("strata offload", cls.strata)):
+        for name, r in (
+            ("stock recompute", cls.stock),
+            ("strata offload", cls.strata),
+            ("strata offload + elastic KV", cls.elastic),
+        ):
             print(
                 f"\n{name}: {r['recomputed_tokens']} recomputed tokens "
                 f"({r['computed_tokens']} computed, {r['needed_tokens']} needed; "
@@ -399,6 +418,34 @@ class Engine(unittest.TestCase):
         # preempted request is recomputed, and with strata's tiers nothing else is.
         self.assertEqual(self.strata["recomputed_tokens"], self.strata["partial_block_tokens"])
         self.assertGreater(self.stock["recomputed_tokens"], self.stock["partial_block_tokens"])
+
+    def test_with_the_elastic_plugin_outputs_are_identical_and_fewer_tokens_recomputed(self):
+        r = self.elastic
+        self.assertEqual(r["outputs"], self.stock["outputs"])
+        self.assertGreater(r["preemptions"], 0)
+        self.assertEqual(r["recomputed_tokens"], r["partial_block_tokens"])
+        self.assertLess(r["recomputed_tokens"], self.stock["recomputed_tokens"])
+        self.assertGreater(r["strata"]["loaded_chunks"], 0)
+
+    def test_with_the_elastic_plugin_no_store_reads_a_block_strata_unmapped(self):
+        # Stores held in flight while vLLM frees their blocks (preemption, finished requests):
+        # the plugin keeps those groups mapped until the stores ran.
+        r = self.elastic
+        self.assertGreater(r["held_stores"], 0)
+        self.assertGreater(r["elastic"]["unmaps_deferred"], 0)
+        self.assertEqual(r["stores_of_unmapped_blocks"], 0)
+
+    def test_with_the_elastic_plugin_mapped_bytes_follow_the_blocks(self):
+        e = self.elastic["elastic"]
+        group, per = e["group_bytes"], e["blocks_per_group"]
+        steps = e["steps"]
+        for in_use, mapped in steps:  # every block in use is mapped
+            self.assertGreaterEqual(mapped, math.ceil(in_use / per) * group)
+        peak = max(m for _, m in steps)
+        self.assertGreater(peak, steps[0][1], "mapped bytes never rose")
+        self.assertEqual(steps[-1][0], 0)
+        self.assertLess(steps[-1][1], peak, "mapped bytes did not fall")
+        self.assertGreater(e["unmaps"], 0)
 
     def test_blocks_went_through_strata_tiers_and_came_back(self):
         s = self.strata["strata"]
