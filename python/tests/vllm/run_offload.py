@@ -4,7 +4,7 @@ JSON line: the greedy outputs, the tokens the model computed (summed over the sc
 steps), the tokens it had to compute at least, the preemptions, and strata's offload figures.
 
     python run_offload.py MODEL_DIR [--offload] [--blocks 20] [--requests 8] [--max-tokens 48]
-        [--host-bytes N] [--disk-bytes N --disk-dir DIR]
+        [--host-bytes N] [--disk-bytes N --disk-dir DIR] [--warmup] [--again] [--hold-stores N]
 
 Recomputed tokens = computed - (prompt tokens + generated tokens - 1 per request): every
 token is computed once without preemption (the prompts share no prefix); a preempted request
@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--disk-bytes", type=int, default=0)
     ap.add_argument("--disk-dir")
     ap.add_argument("--again", action="store_true", help="then the same prompts once more")
+    ap.add_argument("--warmup", action="store_true", help="first a wave of other prompts")
     ap.add_argument(
         "--hold-stores",
         type=int,
@@ -170,19 +171,29 @@ def main():
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = prompts(args.requests)
     outputs = {}
+    first_token = {}  # request id -> seconds from its wave's start to its first output token
 
-    def run_wave(prefix):
-        for i, p in enumerate(batch):
+    def run_wave(prefix, wave=batch):
+        start = time.perf_counter()
+        for i, p in enumerate(wave):
             engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
         while engine.has_unfinished_requests():
             for out in engine.step():
+                rid = out.request_id
+                if rid not in first_token and out.outputs and out.outputs[0].token_ids:
+                    first_token[rid] = time.perf_counter() - start
                 if out.finished:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    outputs[rid] = list(out.outputs[0].token_ids)
             if plugin:
                 in_use = pool.num_gpu_blocks - pool.free_block_queue.num_free_blocks - 1
                 mapped.append((in_use, strata.vllm.stats()["mapped_bytes"]))
-        return [outputs[f"{prefix}{i}"] for i in range(args.requests)]
+        return [outputs[f"{prefix}{i}"] for i in range(len(wave))]
 
+    if args.warmup:
+        # One wave of other tokens first (kernels, pages, tiers warm), then the counts restart.
+        run_wave("warmup", prompts(args.requests, salt=500))
+        counts.update(computed=0, preemptions=0, steps=0, partial_block_tokens=0)
+        mapped.clear()
     start = time.perf_counter()
     first = run_wave("")
     elapsed = time.perf_counter() - start
@@ -205,6 +216,7 @@ def main():
         "partial_block_tokens": wave1["partial_block_tokens"],
         "steps": wave1["steps"],
         "tokens_per_s": generated / elapsed,
+        "mean_ttft_s": sum(first_token[str(i)] for i in range(args.requests)) / args.requests,
         "elapsed_s": elapsed,
         "strata": None,
         "held_stores": counts.get("held_stores", 0),
