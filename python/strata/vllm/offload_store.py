@@ -257,7 +257,7 @@ class StrataOffloadWorker:
         self.stream.close()
         self.space.close()
 
-    # ---- the scheduler's side (same process) ---------------------------------------------
+    # ---- hints from the scheduler (on the connector metadata: offload.install_hint_channel) -
 
     def hint(self, chunks):
         """Chunks of requests the scheduler preempted: hinted to strata's lookahead at the next

@@ -36,6 +36,13 @@ except ImportError:
         raise
 
 
+def offload_key(n):
+    """A chunk key as vLLM's OffloadingConnector makes them (a block hash and a group index)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return make_offload_key(n.to_bytes(32, "big"), 0)
+
+
 def offloading_config(layers, block_bytes, blocks_per_chunk, **extra):
     """vLLM's OffloadingConfig for ``layers`` layers of ``block_bytes`` per block."""
     from vllm.v1.kv_offload.config import (
@@ -256,6 +263,42 @@ class Worker(unittest.TestCase):
         self.assertEqual(self.reported(w), [(2, True)])
         self.assert_blocks([8, 9, 10, 11], stored)
         self.assertEqual(w.stats()["prefetch_misses"], 0)
+
+    def test_hints_reach_a_worker_in_another_process_on_the_connector_metadata(self):
+        import pickle
+
+        import strata.vllm.offload as offload
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+            OffloadingConnectorWorker,
+        )
+        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+        spec, w = self.worker(host_chunks=4)
+        manager = spec.get_manager()  # the scheduler's side
+        ctx = ReqContext("r1")
+        manager.on_new_request(ctx)
+        keys = [offload_key(1), offload_key(2)]
+        chunks = [int(c) for c in manager.prepare_store(keys, ctx).store_spec.block_ids]
+        self.store(w, 1, [0, 1, 2, 3], chunks)
+        self.reported(w)
+        manager.complete_store(keys, ctx)
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=["r1"]))
+        meta = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+        setattr(meta, offload.HINTS, manager.take_hints())  # as build_connector_meta does
+        self.assertEqual(manager.take_hints(), [], "hints go out once")
+        meta = pickle.loads(pickle.dumps(meta))  # how a multiprocess executor sends it
+        connector_worker = OffloadingConnectorWorker.__new__(OffloadingConnectorWorker)
+        connector_worker.worker, connector_worker._load_jobs = w, {}
+        connector_worker._unsubmitted_store_jobs = []
+        connector_worker.start_kv_transfers(meta)  # vLLM's worker side, with the hint channel
+        self.reported(w)  # the step's tick hints them
+        w.flush()
+        s = w.stats()
+        self.assertEqual(s["hinted_chunks"], 2)
+        self.assertGreater(s["prefetch_hits"], 0)
 
     def test_prefetched_chunks_never_loaded_go_back_to_the_host_tier(self):
         _, w = self.worker(host_chunks=4)
