@@ -25,7 +25,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_engine import prompts, write_model  # noqa: E402  (also sets the V1 multiprocessing off)
+from run_engine import prompts, run_batch, write_model  # noqa: E402  (V1 multiprocessing off)
 
 BLOCK = 32  # tokens per vLLM block; one block of one layer is 32 KiB for this model
 
@@ -173,21 +173,13 @@ def main():
     outputs = {}
     first_token = {}  # request id -> seconds from its wave's start to its first output token
 
+    def record_step():
+        if plugin:
+            in_use = pool.num_gpu_blocks - pool.free_block_queue.num_free_blocks - 1
+            mapped.append((in_use, strata.vllm.stats()["mapped_bytes"]))
+
     def run_wave(prefix, wave=batch):
-        start = time.perf_counter()
-        for i, p in enumerate(wave):
-            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                rid = out.request_id
-                if rid not in first_token and out.outputs and out.outputs[0].token_ids:
-                    first_token[rid] = time.perf_counter() - start
-                if out.finished:
-                    outputs[rid] = list(out.outputs[0].token_ids)
-            if plugin:
-                in_use = pool.num_gpu_blocks - pool.free_block_queue.num_free_blocks - 1
-                mapped.append((in_use, strata.vllm.stats()["mapped_bytes"]))
-        return [outputs[f"{prefix}{i}"] for i in range(len(wave))]
+        return run_batch(engine, prefix, wave, sp, outputs, first_token, record_step)
 
     if args.warmup:
         # One wave of other tokens first (kernels, pages, tiers warm), then the counts restart.
