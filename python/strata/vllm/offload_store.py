@@ -16,9 +16,10 @@ longer touch vLLM's blocks. A job's copies are one ``strata_kv_copy_tokens`` cal
 block-copy kernel) on the worker's own strata stream, never a host-side index copy:
 
 - store: (CUDA: after the compute queued before the submit, an event on torch's current stream)
-  admit the chunks' requests, copy the blocks in, wait for the copies (vLLM may reuse the
-  blocks from here on: ``wait`` returns), spill the requests to the host tier (the tier store
-  moves the coldest objects on to disk when host memory is full), report.
+  admit the chunks' requests, copy the blocks in, wait for the copies, report (vLLM may reuse
+  the blocks, load the chunks or resume the request from here on), then spill the requests to
+  the host tier (the tier store moves the coldest objects on to disk when host memory is full;
+  a full tier leaves them on the device, intact: ``spills_failed``).
 - load: make the requests resident (a prefetched one already is), copy them out into vLLM's
   blocks, wait for the copies, spill them again (their clean host copy makes that free),
   report; vLLM schedules the request only after ``get_finished`` reported its load.
@@ -62,7 +63,7 @@ class _Job:
     """One submitted transfer."""
 
     __slots__ = ("job_id", "store", "chunks", "blocks", "skip", "compute", "released",
-                 "error", "seconds")
+                 "error", "start", "seconds")
 
     def __init__(self, job_id, store, chunks, gpu_spec, bpc, compute):
         self.job_id = job_id
@@ -72,9 +73,9 @@ class _Job:
         # The first block's place inside its chunk (a load may start mid-chunk).
         self.skip = int(gpu_spec.block_indices[0]) % bpc
         self.compute = compute  # CUDA: the compute queued before the submit; None on the CPU
-        self.released = threading.Event()  # the job no longer touches vLLM's blocks
+        self.released = threading.Event()  # reported; it no longer touches vLLM's blocks
         self.error = None
-        self.seconds = 0.0
+        self.start = self.seconds = 0.0
 
 
 class _Tick:
@@ -167,6 +168,7 @@ class StrataOffloadWorker:
             "loaded_chunks": 0,
             "hinted_chunks": 0,
             "prefetches_dropped": 0,
+            "spills_failed": 0,  # stored chunks a full tier left on the device
             "jobs_submitted": 0,
             "jobs_reported": 0,
             "most_jobs_in_flight": 0,
@@ -212,7 +214,8 @@ class StrataOffloadWorker:
         self.counts["jobs_reported"] += len(done)
         if any(j.store for j in self._jobs.values()):
             self.counts["steps_with_stores_in_flight"] += 1
-        for failed in [j for j in done if j.error is not None][:1]:
+        failed = next((j for j in done if j.error is not None), None)
+        if failed is not None:
             raise failed.error
         if failure is not None:
             raise failure
@@ -228,8 +231,8 @@ class StrataOffloadWorker:
         ]
 
     def wait(self, job_ids):
-        """Blocks until the jobs named no longer touch vLLM's blocks (a store's copies out of
-        them completed; its spill to the host tier may still run)."""
+        """Blocks until the jobs named no longer touch vLLM's blocks (a store's copies of them
+        completed; its spill to the host tier may still run)."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
@@ -302,25 +305,43 @@ class StrataOffloadWorker:
                     with self._lock:
                         self._failure = self._failure or e
                 continue
-            start = time.perf_counter()
+            item.start = time.perf_counter()
             try:
                 if item.compute is not None:
                     item.compute.synchronize()
                 (self._store if item.store else self._load)(item)
+            except strata.OutOfMemory as e:
+                if not item.released.is_set():
+                    item.error = e
+                else:  # a spill after the report: the chunks stay on the device, intact
+                    self.counts["spills_failed"] += 1
+                    log.warning("strata.vllm.offload: chunks stay on the device: %s", e)
             except BaseException as e:
-                item.error = e
-            item.seconds = time.perf_counter() - start
-            item.released.set()
-            with self._lock:
-                self._finished.append(item)
+                if not item.released.is_set():
+                    item.error = e
+                else:
+                    with self._lock:
+                        self._failure = self._failure or e
+            self._report(item)
+
+    def _report(self, job):
+        """Hands ``job`` to the next get_finished (once) and releases vLLM's blocks."""
+        if job.released.is_set():
+            return
+        job.seconds = time.perf_counter() - job.start
+        job.released.set()
+        with self._lock:
+            self._finished.append(job)
 
     def _store(self, job):
         requests = [self._fresh(c) for c in job.chunks]
         self._copy("in", job, requests)
-        job.released.set()
+        self.counts["stored_chunks"] += len(requests)
+        # Reported now: vLLM may reuse the blocks, and load the chunks (later jobs run after
+        # this spill) or let the request resume; the spill to the host tier follows.
+        self._report(job)
         for r in requests:
             r.spill("host")
-        self.counts["stored_chunks"] += len(requests)
 
     def _load(self, job):
         missing = [c for c in job.chunks if c not in self._slots]

@@ -7,7 +7,7 @@
 
     STRATA_LIB=target/release/libstrata.so PYTHONPATH=python \\
         target/venv-vllm/bin/python python/tests/vllm/bench.py [--rounds 5] [--waves 4] \\
-        [--offload-rounds 5] [--requests 16] [--max-tokens 32]
+        [--offload-rounds 5] [--offload-waves 3] [--requests 16] [--max-tokens 32]
 
 Every run is a fresh process. In each round the two settings run one after the other, the
 first of the pair alternating with the round, so machine noise hits both alike; the figure that
@@ -15,7 +15,9 @@ counts is the per-round ratio (strata / stock), reported with its median and spr
 over the rounds, beside the load average (1 min) when each run started. Part 1: each process
 runs ``--waves`` waves of the same shape with other tokens; the first (cold: kernels warm up,
 strata maps its pages) is reported apart; the others (warm) are the headline. Part 2: each
-process runs one warm-up wave of other tokens, then the measured wave. Time to first token is
+process runs one warm-up wave of other tokens, then ``--offload-waves`` measured waves (the
+first the tests' prompts, the others other tokens) whose medians it reports, with the
+recomputed tokens summed over them. Time to first token is
 the mean over a wave's requests of the time from the wave's start to the request's first output
 token (the whole batch is submitted at once). Tokens per CPU-second divide by the process's CPU
 time over the wave, which waiting for a core on a shared machine inflates less than wall time.
@@ -120,14 +122,25 @@ def offload_vs_recompute(args, tmp):
         os.makedirs(disk)
         before = load()
         r = test_offload.result_of(
-            test_offload.start_offload(model, offload, disk, args=["--warmup"])
+            test_offload.start_offload(
+                model, offload, disk, args=["--warmup", "--waves", str(args.offload_waves)]
+            )
         )
-        r["load"] = before
+        waves = r["waves"]
+        r.update(
+            load=before,
+            tps=statistics.median(w["tokens_per_s"] for w in waves),
+            ttft=statistics.median(w["mean_ttft_s"] for w in waves),
+            recomputed=sum(w["recomputed_tokens"] for w in waves),
+            partial=sum(w["partial_block_tokens"] for w in waves),
+            preempted=sum(w["preemptions"] for w in waves),
+        )
+        each = ", ".join(f"{w['tokens_per_s']:.0f}" for w in waves)
         print(
-            f"offload={offload} (load {before:.1f}): {r['tokens_per_s']:.1f} tok/s, "
-            f"TTFT {r['mean_ttft_s'] * 1e3:.0f} ms, {r['recomputed_tokens']} recomputed "
-            f"tokens ({r['partial_block_tokens']} in partial blocks), "
-            f"{r['preemptions']} preemptions",
+            f"offload={offload} (load {before:.1f}): {r['tps']:.1f} tok/s, "
+            f"TTFT {r['ttft'] * 1e3:.0f} ms (medians of {len(waves)} waves: {each} tok/s), "
+            f"{r['recomputed']} recomputed tokens ({r['partial']} in partial blocks), "
+            f"{r['preempted']} preemptions",
             flush=True,
         )
         return r
@@ -136,22 +149,23 @@ def offload_vs_recompute(args, tmp):
     runs = alternate(args.offload_rounds, False, True, run)
     print("\n### KV budget forcing preemption: strata offload vs stock vLLM recompute\n")
     print(
-        "| run | tokens/s | mean TTFT ms | recomputed tokens | preemptions "
-        "| load average at start |"
+        "| run | tokens/s | mean TTFT ms | recomputed tokens, each run "
+        "| of which in partial blocks | preemptions | load average at start |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for offload, name in ((False, "stock vLLM (recompute)"), (True, "strata offload")):
         rs = runs[offload]
-        tps = statistics.median(r["tokens_per_s"] for r in rs)
-        ttft = statistics.median(r["mean_ttft_s"] for r in rs)
-        rec = ", ".join(str(r["recomputed_tokens"]) for r in rs)
-        pre = ", ".join(str(r["preemptions"]) for r in rs)
+        tps = statistics.median(r["tps"] for r in rs)
+        ttft = statistics.median(r["ttft"] for r in rs)
+        rec = ", ".join(str(r["recomputed"]) for r in rs)
+        partial = ", ".join(str(r["partial"]) for r in rs)
+        pre = ", ".join(str(r["preempted"]) for r in rs)
         loads = ", ".join(f"{r['load']:.1f}" for r in rs)
-        print(f"| {name} | {tps:.1f} | {ttft * 1e3:.0f} | {rec} | {pre} | {loads} |")
+        print(f"| {name} | {tps:.1f} | {ttft * 1e3:.0f} | {rec} | {partial} | {pre} | {loads} |")
     print("\noffload/recompute per round (TTFT: below 1 is faster with the offload):")
     pairs = list(zip(runs[False], runs[True]))
-    print(ratio_line("tokens/s", [b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs]))
-    print(ratio_line("TTFT", [b["mean_ttft_s"] / a["mean_ttft_s"] for a, b in pairs]))
+    print(ratio_line("tokens/s", [b["tps"] / a["tps"] for a, b in pairs]))
+    print(ratio_line("TTFT", [b["ttft"] / a["ttft"] for a, b in pairs]))
     same = all(a["outputs"] == b["outputs"] for a, b in pairs)
     print(f"greedy outputs identical in every pair: {same}")
     s = runs[True][-1]["strata"]
@@ -170,6 +184,7 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--offload-rounds", type=int, default=5, help="part 2: pairs (0: skip)")
+    ap.add_argument("--offload-waves", type=int, default=3, help="part 2: waves per process")
     args = ap.parse_args()
     print(f"load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,8 @@ JSON line: the greedy outputs, the tokens the model computed (summed over the sc
 steps), the tokens it had to compute at least, the preemptions, and strata's offload figures.
 
     python run_offload.py MODEL_DIR [--offload] [--blocks 20] [--requests 8] [--max-tokens 48]
-        [--host-bytes N] [--disk-bytes N --disk-dir DIR] [--warmup] [--again] [--hold-stores N]
+        [--host-bytes N] [--disk-bytes N --disk-dir DIR] [--warmup] [--waves N] [--again]
+        [--hold-stores N]
 
 Recomputed tokens = computed - (prompt tokens + generated tokens - 1 per request): every
 token is computed once without preemption (the prompts share no prefix); a preempted request
@@ -99,6 +100,7 @@ def main():
     ap.add_argument("--disk-dir")
     ap.add_argument("--again", action="store_true", help="then the same prompts once more")
     ap.add_argument("--warmup", action="store_true", help="first a wave of other prompts")
+    ap.add_argument("--waves", type=int, default=1, help="measured waves (others: other tokens)")
     ap.add_argument(
         "--hold-stores",
         type=int,
@@ -186,30 +188,39 @@ def main():
         run_wave("warmup", prompts(args.requests, salt=500))
         counts.update(computed=0, preemptions=0, steps=0, partial_block_tokens=0)
         mapped.clear()
-    start = time.perf_counter()
-    first = run_wave("")
-    elapsed = time.perf_counter() - start
-    wave1 = dict(counts)
-    computed_first = counts["computed"]
+    waves = []
+    for k in range(args.waves):
+        # The first measured wave is the tests' batch; the others the same shapes, other tokens.
+        counts.update(computed=0, preemptions=0, steps=0, partial_block_tokens=0)
+        wave = batch if k == 0 else prompts(args.requests, salt=100 * k)
+        prefix = "" if k == 0 else f"w{k}-"
+        start = time.perf_counter()
+        outs = run_wave(prefix, wave)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(o) for o in outs)
+        needed = sum(len(p) for p in wave) + generated - len(wave)
+        waves.append({
+            "outputs": outs,
+            "computed_tokens": counts["computed"],
+            "needed_tokens": needed,
+            "recomputed_tokens": counts["computed"] - needed,
+            "preemptions": counts["preemptions"],
+            "partial_block_tokens": counts["partial_block_tokens"],
+            "steps": counts["steps"],
+            "tokens_per_s": generated / elapsed,
+            "mean_ttft_s": sum(first_token[f"{prefix}{i}"] for i in range(len(wave))) / len(wave),
+            "elapsed_s": elapsed,
+        })
     # The same prompts again: what vLLM's prefix cache and the offload tier give back is not
     # computed again (a repeated prefix), and must be the KV the first wave wrote.
+    counts["computed"] = 0
     again = run_wave("again") if args.again else None
-    generated = sum(len(v) for v in first)
-    needed = sum(len(p) for p in batch) + generated - len(batch)
     result = {
         "offload": args.offload,
-        "outputs": first,
-        "computed_tokens": computed_first,
-        "needed_tokens": needed,
-        "recomputed_tokens": computed_first - needed,
+        **waves[0],
+        "waves": [{k: v for k, v in w.items() if k != "outputs"} for w in waves],
         "outputs_again": again,
-        "computed_again": counts["computed"] - computed_first,
-        "preemptions": wave1["preemptions"],
-        "partial_block_tokens": wave1["partial_block_tokens"],
-        "steps": wave1["steps"],
-        "tokens_per_s": generated / elapsed,
-        "mean_ttft_s": sum(first_token[str(i)] for i in range(args.requests)) / args.requests,
-        "elapsed_s": elapsed,
+        "computed_again": counts["computed"],
         "strata": None,
         "held_stores": counts.get("held_stores", 0),
         "stores_of_unmapped_blocks": counts.get("stores_of_unmapped_blocks", 0),
