@@ -511,6 +511,35 @@ int strata_kv_write(strata_kv_t kv, strata_kv_request_t request, uint32_t layer,
 int strata_kv_read(strata_kv_t kv, strata_kv_request_t request, uint32_t layer, int kind,
                    uint32_t first_token, void *dst, size_t len, int *tier);
 
+/* Direction of strata_kv_copy_tokens. */
+enum { STRATA_KV_COPY_IN = 0, STRATA_KV_COPY_OUT = 1 };
+
+/* One run of a request's tokens in the `kind` tensor of `layer`, and the memory outside the
+ * space it is copied from (STRATA_KV_COPY_IN) or to (STRATA_KV_COPY_OUT). */
+typedef struct strata_kv_token_copy_t {
+    strata_kv_request_t request;
+    uint32_t layer;
+    int32_t kind;           /* STRATA_KV_K or STRATA_KV_V */
+    uint32_t first_token;
+    uint32_t reserved;      /* zero */
+    uint64_t address;       /* device memory, or host memory */
+} strata_kv_token_copy_t;
+
+/* Queues `count` copies of `tokens` tokens each between requests and memory outside the space
+ * (an engine's own KV blocks, offloaded or loaded back) on `stream`, as one launch of the
+ * block-copy kernel (one batch of copies where the backend cannot launch it), after the
+ * requests' earlier copies (make_resident's: `stream` waits for them). The host does not wait:
+ * synchronize `stream` before relying on the bytes or reusing the outside memory. Spills,
+ * revocations, strata_kv_read/_write, truncation and release of those requests wait for these
+ * copies. Every run lies within its request's tokens (STRATA_INVALID_ARGUMENT) in resident
+ * blocks (STRATA_INVALID_STATE); on error nothing is queued. COPY_IN drops the clean lower-tier
+ * copies of the blocks it writes. Each outside range is device memory mapped for `stream`'s
+ * device or host memory, valid and untouched by others until the copies complete; destinations
+ * must not overlap one another or any source. */
+int strata_kv_copy_tokens(strata_kv_t kv, int direction, uint32_t tokens,
+                          const strata_kv_token_copy_t *copies, size_t count,
+                          cudaStream_t stream);
+
 /* Spills the request's resident blocks to STRATA_TIER_HOST or STRATA_TIER_DISK (blocks already
  * in host memory move to disk too). Full blocks with a clean copy copy nothing. Out of tier
  * space: STRATA_OUT_OF_MEMORY with the blocks left resident. */

@@ -240,6 +240,11 @@ fn c_kv_spaces() {
 }
 
 #[test]
+fn c_kv_token_copies() {
+    c_test_with("kv_copy", &[("STRATA_HOST_LINK", "1GB,20ms")]);
+}
+
+#[test]
 fn c_kv_threads_with_a_revoker() {
     c_test("kv_threads");
 }

@@ -48,6 +48,7 @@ __all__ = [
     "OutOfMemory",
     "StaleHandle",
     "Status",
+    "Stream",
     "StrataError",
     "UnknownPointer",
     "Unsupported",
@@ -157,6 +158,38 @@ def _stream(stream):
     if stream is None:
         return None
     return getattr(stream, "cuda_stream", stream)
+
+
+class Stream:
+    """A stream of strata's backend on `device` (strata_stream_create: a real CUstream on CUDA,
+    a worker thread on the host backend): copies queued on it run in order, apart from the
+    caller. Pass it wherever a stream is taken; close it (or use `with`) when done."""
+
+    def __init__(self, device=0):
+        handle = ctypes.c_void_p()
+        _lib.check(_lib.lib().strata_stream_create(device, ctypes.byref(handle)))
+        self.cuda_stream = handle.value
+
+    def synchronize(self):
+        """Waits for the work queued on the stream; raises a copy's failure."""
+        _lib.check(_lib.lib().strata_stream_synchronize(self._handle()))
+
+    def close(self):
+        """Destroys the stream once its work completes (idempotent)."""
+        if self.cuda_stream is not None:
+            handle, self.cuda_stream = self.cuda_stream, None
+            _lib.check(_lib.lib().strata_stream_destroy(handle))
+
+    def _handle(self):
+        if self.cuda_stream is None:
+            raise _lib.error(_lib.Status.INVALID_HANDLE, "the stream is closed")
+        return self.cuda_stream
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def offload(tags, tier="host", stream=None):

@@ -29,6 +29,7 @@ from . import _dlpack, _lib
 BACKED, LOSSY = 0, 1
 _KINDS = {"k": 0, "v": 1, 0: 0, 1: 1}
 _TIERS = {"host": 1, "disk": 2}
+_DIRECTIONS = {"in": 0, "out": 1}
 _RESIDENCY = {0: "device", 1: "host", 2: "disk", 3: "lost"}
 
 _u64 = ctypes.c_uint64
@@ -98,6 +99,19 @@ class Stats(ctypes.Structure):
     ] + [("spare", _u64 * 8)]
 
 
+class TokenCopy(ctypes.Structure):
+    """strata_kv_token_copy_t."""
+
+    _fields_ = [
+        ("request", _u64),
+        ("layer", ctypes.c_uint32),
+        ("kind", ctypes.c_int32),
+        ("first_token", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("address", _u64),
+    ]
+
+
 LostFn = ctypes.CFUNCTYPE(None, _u64, _u64, ctypes.c_uint32, _vp)
 
 _P = ctypes.POINTER
@@ -116,6 +130,7 @@ PROTOTYPES = {
         _int,
         [_u64, _u64, ctypes.c_uint32, _int, ctypes.c_uint32, _vp, _size, _P(_int)],
     ),
+    "strata_kv_copy_tokens": (_int, [_u64, _int, ctypes.c_uint32, _P(TokenCopy), _size, _vp]),
     "strata_kv_spill": (_int, [_u64, _u64, _int]),
     "strata_kv_spill_idle": (_int, [_u64, _u64, _int, _P(_u64)]),
     "strata_kv_advance": (_int, [_u64, _u64]),
@@ -333,6 +348,7 @@ class KvSpace:
         self.handle = handle.value
         self._exports = 0
         self._exports_lock = threading.Lock()
+        self._close_pending = False
         self._on_lost = None  # (LostFn, python callable): kept alive while registered
         self._callback_errors = []
 
@@ -349,6 +365,18 @@ class KvSpace:
     def _dlpack_released(self):
         with self._exports_lock:
             self._exports -= 1
+            due = self._exports == 0 and self._close_pending
+        if due:
+            self.close()
+
+    def close_when_released(self):
+        """Destroys the space now, or, while DLPack tensors of it are alive, as soon as the last
+        of them is released (an engine that shut down while its tensors live on)."""
+        with self._exports_lock:
+            if self._exports:
+                self._close_pending = True
+                return
+        self.close()
 
     def close(self):
         """Destroys the space. Refused (InvalidState) while DLPack tensors of it are alive."""
@@ -387,6 +415,27 @@ class KvSpace:
         stream, which on the host backend means the copies are done on return)."""
         arr, n = _handles(list(requests))
         _lib.check(_c().strata_kv_make_resident(self._space(), arr, n, _lib.stream_handle(stream)))
+
+    def copy_tokens(self, direction, tokens, copies, stream=None):
+        """Queues copies of `tokens` tokens each between requests and memory outside the space
+        (an engine's own KV blocks) on `stream`, after the requests' earlier copies; the host
+        does not wait: synchronize the stream (a `strata.Stream`) before relying on the bytes
+        or touching the outside memory. `direction`: "in" (into the requests) or "out".
+        `copies`: (request, layer, kind, first_token, address) tuples, or a ctypes array of
+        `TokenCopy` (bulk callers fill one themselves). Spills, reads and releases of those
+        requests wait for the copies; "in" drops the clean copies of the blocks it writes."""
+        code = _choice(_DIRECTIONS, direction, "direction")
+        if isinstance(copies, ctypes.Array) and copies._type_ is TokenCopy:
+            arr, n = copies, len(copies)
+        else:
+            copies = list(copies)
+            arr, n = (TokenCopy * max(len(copies), 1))(), len(copies)
+            for c, (r, layer, kind, first, address) in zip(arr, copies):
+                c.request, c.layer, c.kind = r.handle, layer, _kind(kind)
+                c.first_token, c.address = first, address
+        _lib.check(
+            _c().strata_kv_copy_tokens(self._space(), code, tokens, arr, n, _lib.stream_handle(stream))
+        )
 
     def hint(self, steps, stream=None):
         """Lookahead: `steps` is a list of the next steps' batches (lists of requests)."""

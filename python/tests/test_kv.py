@@ -85,6 +85,40 @@ class KvSpaceTest(unittest.TestCase):
             with self.assertRaises(TypeError):
                 r.truncate("ten")
 
+    def test_token_copies_move_engine_blocks_in_and_out_on_a_stream(self):
+        import ctypes
+
+        run = 1024  # tokens per copy: one "engine block" of 512 KiB
+        blocks = {(layer, k, b): pattern(10 * layer + 5 * (k == "v") + b, run * BPT)
+                  for layer in range(2) for k in "kv" for b in range(2)}
+        engine = {key: ctypes.create_string_buffer(data, len(data))
+                  for key, data in blocks.items()}
+        with space(host_bytes=64 << 20) as s, strata.Stream() as stream:
+            r = s.admit()
+            r.append(2 * run)
+            plan = [(r, layer, k, b * run, ctypes.addressof(engine[layer, k, b]))
+                    for layer, k, b in engine]
+            s.copy_tokens("in", run, plan, stream)
+            stream.synchronize()
+            for (layer, k, b), want in blocks.items():
+                self.assertEqual(r.read(layer, k, b * run, run), want)
+            r.spill("host")
+            with self.assertRaises(strata.InvalidState):  # spilled: make it resident first
+                s.copy_tokens("out", run, plan, stream)
+            s.make_resident([r])
+            for buf in engine.values():
+                ctypes.memset(buf, 0, len(buf))
+            s.copy_tokens("out", run, plan, stream)
+            stream.synchronize()
+            for key, want in blocks.items():
+                self.assertEqual(engine[key].raw, want)
+            with self.assertRaises(strata.InvalidArgument):
+                s.copy_tokens("sideways", run, plan, stream)
+            with self.assertRaises(strata.InvalidArgument):  # past the request's tokens
+                s.copy_tokens("out", run + 1, plan[1:2], stream)
+        with self.assertRaises(strata.StaleHandle):
+            stream.synchronize()
+
     def test_typed_exceptions(self):
         with self.assertRaises(strata.InvalidArgument) as ctx:
             space(layers=0)

@@ -128,6 +128,18 @@ class KvTorchTest(unittest.TestCase):
         with self.assertRaises(strata.StaleHandle):
             self.space.admit()
 
+    def test_close_when_released_waits_for_the_last_tensor(self):
+        x = torch.from_dlpack(self.space.tensor(0, "v"))
+        y = torch.from_dlpack(self.space.tensor(1, "k"))
+        self.space.close_when_released()
+        self.space.admit()  # still open: tensors of it are alive
+        del x
+        self.assertIsNotNone(self.space.handle)
+        del y
+        self.assertIsNone(self.space.handle)
+        with self.assertRaises(strata.StaleHandle):
+            self.space.admit()
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -19,7 +19,10 @@ pub mod transfer;
 
 pub use calibrate::{CalibrationConfig, LinkFit, MeasuredLinks};
 pub use harvest::{HarvestConfig, HarvestController, HarvestHandle, HarvestHints};
-pub use kv::{KvBlockManager, KvBlocksConfig, KvBlocksStats, KvRevocation, RequestId};
+pub use kv::{
+    KvBlockManager, KvBlocksConfig, KvBlocksStats, KvRevocation, RequestId, TokenCopy,
+    TokenCopyDirection,
+};
 pub use mirage::Mirage;
 pub use object::{Durability, Notice, ObjectId, Residency, Tier};
 pub use policy::{EvictionPolicy, PolicyKind};

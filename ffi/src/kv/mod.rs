@@ -24,6 +24,7 @@ use strata_vmm::{BackendKind, Error, Result};
 use crate::global::global;
 use crate::handles::HandleTable;
 
+mod copy;
 mod create;
 mod requests;
 mod stats;

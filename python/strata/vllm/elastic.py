@@ -1,6 +1,7 @@
 """Elastic KV for vLLM: the model runner's KV tensors live in one strata KV space at fixed
 addresses; pages are mapped when the scheduler's block pool hands blocks out and returned when
-whole groups of blocks fall free.
+whole groups of blocks fall free. A space belongs to one engine: the scheduler built with the
+model runner's vLLM config attaches to it, and the engine's shutdown closes it.
 
 Geometry. vLLM views every attention layer's cache as ``[B, H, N, C]`` bytes where a block ``B``
 is one dense page of ``block_bytes``. Each vLLM layer gets one strata tensor (strata layer
@@ -16,11 +17,13 @@ request keeps its slot (``release`` would keep the pages mapped for the slot's n
 """
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
 import threading
 import time
+import weakref
 
 import strata
 import strata.kv
@@ -29,7 +32,10 @@ from strata import _lib
 # A child of vLLM's logger: its lines go wherever vLLM sends its own.
 log = logging.getLogger("vllm.strata")
 
-_SPACES = []  # ElasticKv instances of this process, newest last (the block pool takes the newest)
+# The open ElasticKv instances of this process, oldest first, by weak reference: a space lives
+# as long as its engine (the block pool holds it) and leaves when the engine shuts down.
+_SPACES = []
+_SERIALS = itertools.count()
 
 
 def _env_int(name, default):
@@ -48,8 +54,15 @@ def _env_int(name, default):
 class ElasticKv:
     """One KV space behind all of a model runner's attention layers, and its group map."""
 
-    def __init__(self, num_layers, num_blocks, block_bytes, device=0, spare_groups=None):
+    def __init__(
+        self, num_layers, num_blocks, block_bytes, device=0, spare_groups=None, owner=None
+    ):
         self.device = device
+        # The vLLM config of the model runner the space was made for: the scheduler built with
+        # the same config object attaches its block pool to this space, and to no other.
+        self.owner = owner
+        self.label = str(next(_SERIALS))  # the metrics' engine label, never reused
+        self.closed = False
         page = strata.stats(device)["page_size"]
         if block_bytes % page and page % block_bytes:
             raise strata.InvalidArgument(
@@ -91,13 +104,17 @@ class ElasticKv:
         self._free_groups = set()  # mapped groups whose blocks are all free
         self._pinned = {0}  # vLLM's null block lives in group 0
         self.block_pool = None  # the scheduler's BlockPool, once it exists
+        # () -> the freed blocks a KV connector may still read or write (its stores of them
+        # may not have run yet): their groups stay mapped until it is done with them.
+        self.busy_blocks = None
+        self.unmaps_deferred = 0
         self.maps = 0
         self.unmaps = 0
         self.peak_mapped_groups = 0
         self._last_log = None  # the first allocation logs at once
         self._ranges = []  # (first, end) addresses of the layer tensors handed out
         self._pool_stats = _lib.Stats()
-        _SPACES.append(self)
+        _SPACES.append(weakref.ref(self))
 
     def layer_tensor(self, index):
         """Layer ``index``'s raw bytes: a flat int8 CPU/CUDA tensor over its strata tensor."""
@@ -176,12 +193,14 @@ class ElasticKv:
             for b in block_ids:
                 self._free_groups.discard(self.group_of(b))
 
-    def maybe_free(self, blocks_by_id):
-        """Called after blocks were freed: the groups all of whose blocks are free become
-        candidates; beyond ``spare_groups`` of them, the highest groups are unmapped. Returns
-        the groups to unmap (the caller takes their blocks out of the prefix cache first)."""
+    def maybe_free(self, blocks_by_id=None):
+        """Called after blocks were freed (and after each engine step, with none): the groups
+        all of whose blocks are free become candidates; beyond ``spare_groups`` of them, the
+        highest groups are unmapped, except those holding a block a KV transfer may still read
+        (``busy_blocks``: they wait for a later call). Returns the groups to unmap (the caller
+        takes their blocks out of the prefix cache first)."""
         with self._lock:
-            for g, blocks in blocks_by_id.items():
+            for g, blocks in (blocks_by_id or {}).items():
                 if g in self._groups and g not in self._pinned and all(
                     b.ref_cnt == 0 for b in blocks
                 ):
@@ -189,15 +208,24 @@ class ElasticKv:
             excess = len(self._free_groups) - self.spare_groups
             if excess <= 0:
                 return []
-            return sorted(self._free_groups, reverse=True)[:excess]
+            order = sorted(self._free_groups, reverse=True)
+        busy = self._busy()
+        out = [g for g in order if busy.isdisjoint(self.group_blocks(g))][:excess]
+        self.unmaps_deferred += min(excess, len(order)) - len(out)
+        return out
 
     def still_free(self, group, blocks):
-        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free; forgets it if not."""
+        """Whether ``group`` (a maybe_free answer) has all ``blocks`` free (else it is forgotten)
+        and none a KV transfer may still read."""
+        busy = self._busy()
         with self._lock:
-            if all(b.ref_cnt == 0 for b in blocks):
-                return True
-            self._free_groups.discard(group)
-            return False
+            if not all(b.ref_cnt == 0 for b in blocks):
+                self._free_groups.discard(group)
+                return False
+        return busy.isdisjoint(self.group_blocks(group))
+
+    def _busy(self):
+        return self.busy_blocks() if self.busy_blocks is not None else frozenset()
 
     def unmap(self, group):
         with self._lock:
@@ -206,6 +234,26 @@ class ElasticKv:
             self._free_groups.discard(group)
             self._mapped_blocks -= len(self.group_blocks(group))
             self.unmaps += 1
+
+    def close(self):
+        """The engine shut down: every group's pages go back to the pool (its tensors read
+        zeros from now on), the space leaves this process's list (and the metrics), and the
+        KV space itself is destroyed once the last tensor over it is released. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            requests, self._requests = self._requests, []
+            self._groups.clear()
+            self._free_groups.clear()
+            self._mapped_blocks = 0
+        _SPACES[:] = [w for w in _SPACES if w() not in (None, self)]
+        self.block_pool = None
+        for r in requests:
+            r.truncate(0)
+            r.release()
+        self.space.close_when_released()
+        log.info("strata.vllm: KV space %s closed (its engine shut down)", self.label)
 
     # ---- operator view ---------------------------------------------------------------------
 
@@ -233,6 +281,7 @@ class ElasticKv:
             "peak_mapped_bytes": self.peak_mapped_groups * self.group_bytes,
             "maps": self.maps,
             "unmaps": self.unmaps,
+            "unmaps_deferred": self.unmaps_deferred,
             "pool_in_use_bytes": s["pool_in_use_pages"] * s["page_size"],
             "host_used_bytes": s["host_used_bytes"],
             "disk_used_bytes": s["disk_used_bytes"],
@@ -266,27 +315,45 @@ class ElasticKv:
         )
 
 
-def newest():
-    return _SPACES[-1] if _SPACES else None
-
-
 def spaces():
-    """Every ElasticKv of this process, oldest first."""
-    return list(_SPACES)
+    """The open ElasticKv instances of this process, oldest first."""
+    live = [w() for w in _SPACES]
+    return [kv for kv in live if kv is not None and not kv.closed]
+
+
+def newest():
+    live = spaces()
+    return live[-1] if live else None
 
 
 def owner_of(tensor):
-    """The ElasticKv whose memory ``tensor`` views (the newest one if several could), or None."""
+    """The open ElasticKv whose memory ``tensor`` views, or None."""
     address = tensor.data_ptr()
-    return next((kv for kv in reversed(_SPACES) if kv.holds(address)), None)
+    return next((kv for kv in reversed(spaces()) if kv.holds(address)), None)
 
 
-def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims, device=0):
+def space_for(vllm_config, num_blocks):
+    """The open ElasticKv made for the model runner of ``vllm_config`` (the same object) with
+    ``num_blocks`` blocks, the newest if several (a profiling run's KV comes first), or None."""
+    return next(
+        (
+            kv
+            for kv in reversed(spaces())
+            if kv.owner is vllm_config and kv.num_blocks == num_blocks
+        ),
+        None,
+    )
+
+
+def layer_views(
+    kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn, dims, device=0, owner=None
+):
     """The per-layer views vLLM's ``allocate_kv_cache`` would return, over a new ElasticKv.
 
     ``views_fn`` is vLLM's ``create_kv_cache_views`` and ``shape_fn`` its
     ``compute_layer_kv_cache_shape_bytes``; ``dims`` = (_DIM_B, _DIM_H, _DIM_N, _DIM_C);
-    ``device`` the strata device (vLLM's device index)."""
+    ``device`` the strata device (vLLM's device index); ``owner`` the model runner's vLLM
+    config (ElasticKv.owner)."""
     order = layout.value
     b, rest = dims[0], dims[1:]
     if any(order.index(b) > order.index(d) for d in rest):
@@ -319,7 +386,7 @@ def layer_views(kv_cache_config, layout, kernel_block_sizes, views_fn, shape_fn,
             f"({sorted(num_blocks)} blocks, {sorted(block_bytes)} B)"
         )
     (blocks,), (page,) = num_blocks, block_bytes
-    kv = ElasticKv(len(entries), blocks, page, device=device)
+    kv = ElasticKv(len(entries), blocks, page, device=device, owner=owner)
     views = {}
     for index, (tensor, name, spec, kbs) in enumerate(entries):
         raw = kv.layer_tensor(index)

@@ -4,8 +4,9 @@ One Prometheus collector on ``prometheus_client``'s default registry, the one vL
 live in: its samples are read from the KV spaces at scrape time, so they are current without a
 stat logger. Names start with ``vllm:`` so that ``LLM.get_metrics()`` (vLLM's
 ``vllm.v1.metrics.reader.get_metrics_snapshot``, which keeps only ``vllm:`` names) and vLLM's
-``/metrics`` endpoint show them next to vLLM's; the label ``engine`` is the KV space's index in
-this process (creation order). The collector lives in the process that runs the scheduler (the
+``/metrics`` endpoint show them next to vLLM's; the label ``engine`` is the KV space's serial in
+this process (creation order, never reused); a space leaves the metrics when its engine shuts
+down. The collector lives in the process that runs the scheduler (the
 engine core); an API server in another process does not see it.
 """
 
@@ -36,7 +37,7 @@ class Collector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats = [(str(i), kv.stats()) for i, kv in enumerate(elastic.spaces())]
+        stats = [(kv.label, kv.stats()) for kv in elastic.spaces()]
         for name, key, doc in GAUGES:
             m = GaugeMetricFamily(name, doc, labels=["engine"])
             for engine, s in stats:

@@ -4,7 +4,9 @@ from vLLM's prefix cache, or a repeated prefix).
 
 vLLM's own offload interfaces carry it: ``OffloadingConnector`` with an out-of-tree
 ``OffloadingSpec`` (``vllm/v1/kv_offload/base.py``), chosen by name in
-``kv_connector_extra_config``; no patch. Build the config with :func:`kv_transfer_config`:
+``kv_connector_extra_config``; the only patch is the hint channel (two wraps that put the
+lookahead hints on vLLM's connector metadata). Build the config with
+:func:`kv_transfer_config`:
 
     from vllm import LLM
     import strata.vllm.offload as offload
@@ -15,15 +17,17 @@ vLLM's own offload interfaces carry it: ``OffloadingConnector`` with an out-of-t
 Scheduler side, ``StrataOffloadingManager`` is vLLM's ``CPUOffloadingManager`` (its chunk pool
 and eviction policy; ``eviction_policy`` "lru" or "arc") over as many chunks as strata's tiers
 hold. Worker side, ``strata.vllm.offload_store.StrataOffloadWorker`` keeps each chunk as one
-request of a strata KV space (``strata.kv``): a store copies the chunk's blocks from vLLM's KV
-tensors into the request and spills it to the host tier (the tier store moves the coldest
-objects on to the disk tier when host memory is full); a load makes the request resident and
-copies it back (its host copy stays, clean, so spilling it again copies nothing). When the
+request of a strata KV space (``strata.kv``). Transfers are asynchronous (one transfer thread,
+copies by ``strata_kv_copy_tokens`` on strata's own stream; vLLM polls ``get_finished``): a
+store copies the chunk's blocks from vLLM's KV tensors into the request and spills it to the
+host tier (the tier store moves the coldest objects on to the disk tier when host memory is
+full); a load makes the request resident and copies it back (its host copy stays, clean, so
+spilling it again copies nothing). When the
 scheduler preempts a request, the manager hints that request's chunks to strata's lookahead
 (``strata_kv_hint``): they come back to device memory ahead of the request's return, and the
-load finds them there (``prefetch_hits``). The hint reaches the worker when it runs in the
-scheduler's process (one worker, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); otherwise hints are
-dropped and loads copy on demand.
+load finds them there (``prefetch_hits``). The hints travel on vLLM's connector metadata, which
+every worker receives each step, in the scheduler's process or another
+(``install_hint_channel``: the two small wraps this module makes).
 
 Supported: vLLM >=0.32.0,<0.33.0 (``INTERFACE``); any other version, or an offload interface
 whose signatures changed, is refused with UnsupportedVllm when vLLM builds the spec. One KV cache
@@ -100,12 +104,52 @@ INTERFACE = Patch(
             "req_context",
         ],
         "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager.reset_cache": ["self"],
+        # the hint channel (install_hint_channel)
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+        "OffloadingConnectorScheduler.build_connector_meta": ["self", "scheduler_output"],
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+        "OffloadingConnectorWorker.start_kv_transfers": ["self", "metadata"],
     },
     lambda: None,
 )
 
-# engine_id -> the worker of that engine in this process (the manager's hints go there).
+# engine_id -> the worker of that engine in this process (stats()).
 _WORKERS = {}
+
+# The attribute of vLLM's OffloadingConnectorMetadata that carries the hints to the workers.
+HINTS = "strata_hints"
+
+
+def install_hint_channel():
+    """Lets the chunk manager's lookahead hints ride on vLLM's connector metadata, the object
+    the scheduler builds every step and every worker receives (pickled to workers in other
+    processes): OffloadingConnectorScheduler.build_connector_meta sets ``strata_hints`` on it
+    from a manager with ``take_hints``, and OffloadingConnectorWorker.start_kv_transfers hands
+    them to a worker with ``hint`` before the step's transfers. Other specs are untouched.
+    Idempotent; checked with INTERFACE."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler, worker
+
+    side, work = scheduler.OffloadingConnectorScheduler, worker.OffloadingConnectorWorker
+    if getattr(side, "_strata", False):
+        return
+    build, start = side.build_connector_meta, work.start_kv_transfers
+
+    def build_connector_meta(self, scheduler_output):
+        meta = build(self, scheduler_output)
+        take = getattr(self.manager, "take_hints", None)
+        if take is not None:
+            setattr(meta, HINTS, take())
+        return meta
+
+    def start_kv_transfers(self, metadata):
+        hints = getattr(metadata, HINTS, None)
+        if hints and hasattr(self.worker, "hint"):
+            self.worker.hint(hints)
+        return start(self, metadata)
+
+    side.build_connector_meta = build_connector_meta
+    work.start_kv_transfers = start_kv_transfers
+    side._strata = True
 
 
 def check(version=None):
@@ -187,6 +231,7 @@ def _make_spec_class():
 
         def __init__(self, config):
             check()
+            install_hint_channel()
             super().__init__(config)
             x = self.extra_config
             self.host_bytes = _count(x, "strata_host_bytes")
@@ -265,7 +310,8 @@ def _make_manager(spec):
 
     class StrataOffloadingManager(base):
         """vLLM's CPU chunk manager over strata's tiers, plus the lookahead: the chunks of the
-        requests the scheduler preempts are hinted to the worker's strata space."""
+        requests the scheduler preempts are hinted to the workers' strata spaces (through the
+        connector metadata: install_hint_channel)."""
 
         def __init__(self):
             super().__init__(
@@ -279,8 +325,8 @@ def _make_manager(spec):
                     "strata.vllm.offload: vLLM's CPUOffloadingManager has no _policy.get "
                     "(chunk lookup by key); refusing to offload"
                 )
-            self._engine_id = spec.config.engine_id
             self._offered = {}  # req_id -> keys offered for storing, in order
+            self._hints = []  # chunk ids for the workers, with this step's metadata
 
         def prepare_store(self, keys, req_context):
             keys = list(keys)
@@ -289,16 +335,18 @@ def _make_manager(spec):
 
         def on_schedule_end(self, context):
             super().on_schedule_end(context)
-            worker = _WORKERS.get(self._engine_id)
-            if worker is None or not context.preempted_req_ids:
-                return
-            chunks = {}  # ordered, without repeats
-            for req_id in context.preempted_req_ids:
+            chunks = dict.fromkeys(self._hints)  # ordered, without repeats
+            for req_id in context.preempted_req_ids or ():
                 for key in self._offered.get(req_id, ()):
                     chunk = self._policy.get(key)
                     if chunk is not None and chunk.is_ready:
                         chunks[chunk.chunk_id] = None
-            worker.hint(list(chunks))
+            self._hints = list(chunks)
+
+        def take_hints(self):
+            """This step's hints, for the connector metadata (then forgotten here)."""
+            hints, self._hints = self._hints, []
+            return hints
 
         def on_request_finished(self, req_context):
             self._offered.pop(req_context.req_id, None)
@@ -306,6 +354,7 @@ def _make_manager(spec):
 
         def reset_cache(self):
             self._offered.clear()
+            self._hints = []
             super().reset_cache()
 
     return StrataOffloadingManager()

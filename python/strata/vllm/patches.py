@@ -5,8 +5,15 @@ something it does not understand.
 
 Patches (all in the process that runs the model runner and the scheduler):
   kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
-              one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer.
-  block-pool  vllm.v1.core.block_pool.BlockPool (__init__, get_new_blocks, get_num_free_blocks,
+              one strata KV space (strata.vllm.elastic) instead of one torch.zeros buffer;
+              GPUModelRunner.initialize_kv_cache_tensors tells it whose (the runner's config).
+  block-pool  vllm.v1.core.sched.scheduler.Scheduler (__init__, shutdown, update_from_output):
+              the scheduler's block pool attaches to the KV space made for the model runner of
+              the same vLLM config (several engines may be built in any order), the engine's
+              shutdown closes that space (pages back to the pool, out of the metrics), and
+              free groups whose blocks vLLM's OffloadingConnector may still store stay mapped
+              until it is done (retried after each step; other KV connectors are refused);
+              vllm.v1.core.block_pool.BlockPool (get_new_blocks, get_num_free_blocks,
               reset_prefix_cache, touch, free_blocks, unpin_blocks): blocks handed out map
               their group's pages; groups whose blocks all fell free are unmapped beyond
               STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks leaving the prefix cache and
@@ -23,6 +30,7 @@ Patches (all in the process that runs the model runner and the scheduler):
               a GPU: not tested yet.
 """
 
+import contextvars
 import importlib
 import inspect
 import re
@@ -89,6 +97,10 @@ def _resolve(target):
 # ---- kv-tensors -----------------------------------------------------------------------------
 
 
+# The model runner allocating its KV cache now (this thread / task).
+_ALLOCATING_FOR = contextvars.ContextVar("strata_vllm_allocating_for", default=None)
+
+
 def _apply_kv_tensors():
     import vllm.v1.worker.gpu_model_runner as runner
     from vllm.v1 import kv_cache_interface as kci
@@ -98,11 +110,22 @@ def _apply_kv_tensors():
     if getattr(stock, "_strata", False):
         return
     dims = (layout_mod._DIM_B, layout_mod._DIM_H, layout_mod._DIM_N, layout_mod._DIM_C)
+    stock_tensors = runner.GPUModelRunner.initialize_kv_cache_tensors
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, *args, **kwargs):
+        # allocate_kv_cache learns whose KV it makes: the scheduler built with this config
+        # attaches to that space (block-pool), whatever other engines do meanwhile.
+        token = _ALLOCATING_FOR.set(self)
+        try:
+            return stock_tensors(self, kv_cache_config, kernel_block_sizes, *args, **kwargs)
+        finally:
+            _ALLOCATING_FOR.reset(token)
 
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
         if not kv_cache_config.kv_cache_tensors:
             return stock(kv_cache_config, device, layout, kernel_block_sizes)
         _refuse_connector_pool()
+        runner_now = _ALLOCATING_FOR.get()
         kv, views = elastic.layer_views(
             kv_cache_config,
             layout,
@@ -111,7 +134,11 @@ def _apply_kv_tensors():
             kci.compute_layer_kv_cache_shape_bytes,
             dims,
             device=device.index or 0,
+            owner=getattr(runner_now, "vllm_config", None),
         )
+        if runner_now is not None:
+            # The space lives as long as the model runner (or the block pool) holds it.
+            runner_now._strata_kv = kv
         got = next(iter(views.values())).device
         if got.type != device.type:
             raise UnsupportedVllm(
@@ -122,6 +149,7 @@ def _apply_kv_tensors():
 
     allocate_kv_cache._strata = True
     runner.allocate_kv_cache = allocate_kv_cache
+    runner.GPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
 
 
 def _refuse_connector_pool():
@@ -161,38 +189,114 @@ def unmap_free_group(pool, group):
     return True
 
 
+def attach(scheduler, vllm_config, kv_cache_config):
+    """Attaches the scheduler's block pool to the KV space made for the model runner of the
+    same ``vllm_config`` (identity, not creation order). Without one, the pool stays stock when
+    the engine has no KV tensors; otherwise the model runner lives in another process, where
+    strata's KV would never be mapped: refused."""
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    if pool is None:
+        raise UnsupportedVllm(
+            "strata.vllm: vLLM's scheduler has no kv_cache_manager.block_pool; refusing to run "
+            "on a block pool strata does not map"
+        )
+    kv = elastic.space_for(vllm_config, pool.num_gpu_blocks)
+    if kv is None:
+        if kv_cache_config.kv_cache_tensors:
+            raise UnsupportedVllm(
+                "strata.vllm: the scheduler's block pool has no strata KV space of "
+                f"{pool.num_gpu_blocks} blocks made for its engine in this process (the model "
+                "runner must run in the scheduler's process: one worker, no multiprocessing "
+                "executor)"
+            )
+        return
+    if kv.block_pool is not None:
+        raise UnsupportedVllm(f"strata.vllm: KV space {kv.label} already has a block pool")
+    kv.busy_blocks = connector_busy_blocks(scheduler)
+    pool._strata_kv = kv
+    kv.block_pool = pool
+
+
+def connector_busy_blocks(scheduler):
+    """The scheduler's KV connector may read blocks after vLLM freed them: vLLM's
+    OffloadingConnector stores a preempted or finished request's blocks in a later step and
+    fences them only against their reuse, while strata unmaps a free group at once. Returns a
+    function giving those blocks (its pending stores' source blocks, and the blocks of finished
+    requests whose stores are not built yet), or None without a connector; another connector
+    is refused."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return None
+    side = getattr(connector, "connector_scheduler", None)
+    if (
+        type(connector).__name__ != "OffloadingConnector"
+        or not hasattr(side, "_jobs")
+        or not hasattr(side, "_req_status")
+    ):
+        raise UnsupportedVllm(
+            f"strata.vllm: KV connector {type(connector).__name__} may read KV blocks after "
+            "vLLM frees them, and strata unmaps free blocks; with the elastic KV, only vLLM's "
+            "OffloadingConnector is supported (unset STRATA_VLLM or use it)"
+        )
+
+    def busy():
+        out = set()
+        for job in side._jobs.values():
+            if job.is_store:
+                out.update(job.deferred_fence_block_ids or ())
+                out.update(job.fenced_block_ids or ())
+        for state in side._req_status.values():
+            if state.req.is_finished():
+                for group in state.group_states:
+                    out.update(group.block_ids)
+        return out
+
+    return busy
+
+
 def _apply_block_pool():
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     if getattr(BlockPool, "_strata", False):
         return
-    init, get_new, touch, free, unpin, reset = (
-        BlockPool.__init__,
+    get_new, get_free, touch, free, unpin, reset = (
         BlockPool.get_new_blocks,
+        BlockPool.get_num_free_blocks,
         BlockPool.touch,
         BlockPool.free_blocks,
         BlockPool.unpin_blocks,
         BlockPool.reset_prefix_cache,
     )
+    init_scheduler, shutdown_scheduler = Scheduler.__init__, Scheduler.shutdown
+    update_scheduler = Scheduler.update_from_output
 
-    def __init__(self, num_gpu_blocks, *args, **kwargs):
-        init(self, num_gpu_blocks, *args, **kwargs)
-        kv = elastic.newest()
-        if kv is None or kv.num_blocks != num_gpu_blocks:
-            raise UnsupportedVllm(
-                "strata.vllm: the scheduler's block pool has no strata KV space of "
-                f"{num_gpu_blocks} blocks in this process (the model runner must run in the "
-                "scheduler's process: one worker, no multiprocessing executor)"
-            )
-        self._strata_kv = kv
-        kv.block_pool = self
-        self._strata_all_free_check = False
+    def scheduler_init(self, vllm_config, kv_cache_config, *args, **kwargs):
+        init_scheduler(self, vllm_config, kv_cache_config, *args, **kwargs)
+        attach(self, vllm_config, kv_cache_config)
+
+    def scheduler_update_from_output(self, scheduler_output, model_runner_output):
+        out = update_scheduler(self, scheduler_output, model_runner_output)
+        # Transfers that finished this step may release groups whose unmap waited for them.
+        pool = self.kv_cache_manager.block_pool
+        if pool._strata_kv is not None and pool._strata_kv.busy_blocks is not None:
+            _after_free(pool, ())
+        return out
+
+    def scheduler_shutdown(self):
+        shutdown_scheduler(self)
+        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        kv = getattr(pool, "_strata_kv", None)
+        if kv is not None:
+            pool._strata_kv = None
+            kv.close()
 
     def get_num_free_blocks(self):
+        kv = self._strata_kv
+        if kv is None or self._strata_all_free_check:
+            return get_free(self)
         queued = self.free_block_queue.num_free_blocks
-        if self._strata_all_free_check:
-            return queued
-        return self._strata_kv.free_blocks(queued, self.num_gpu_blocks - queued)
+        return kv.free_blocks(queued, self.num_gpu_blocks - queued)
 
     def reset_prefix_cache(self):
         # It asks get_num_free_blocks whether every block is free, not how many it may take.
@@ -205,6 +309,8 @@ def _apply_block_pool():
     def get_new_blocks(self, num_blocks):
         blocks = get_new(self, num_blocks)
         kv = self._strata_kv
+        if kv is None:
+            return blocks
         try:
             failed = kv.map_groups([b.block_id for b in blocks])
             if failed:
@@ -244,10 +350,13 @@ def _apply_block_pool():
 
     def _touch(self, blocks):
         touch(self, blocks)
-        self._strata_kv.used([b.block_id for b in blocks])
+        if self._strata_kv is not None:
+            self._strata_kv.used([b.block_id for b in blocks])
 
     def _after_free(self, blocks):
         kv = self._strata_kv
+        if kv is None:
+            return
         groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
         candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
         for g in kv.maybe_free(candidates):
@@ -263,7 +372,9 @@ def _apply_block_pool():
         unpin(self, blocks, on_reuse)
         _after_free(self, blocks)
 
-    BlockPool.__init__ = __init__
+    # Pools no scheduler attached (no strata KV) behave as stock.
+    BlockPool._strata_kv = None
+    BlockPool._strata_all_free_check = False
     BlockPool.get_new_blocks = get_new_blocks
     BlockPool.get_num_free_blocks = get_num_free_blocks
     BlockPool.reset_prefix_cache = reset_prefix_cache
@@ -271,6 +382,9 @@ def _apply_block_pool():
     BlockPool.free_blocks = free_blocks
     BlockPool.unpin_blocks = unpin_blocks
     BlockPool._strata = True
+    Scheduler.__init__ = scheduler_init
+    Scheduler.shutdown = scheduler_shutdown
+    Scheduler.update_from_output = scheduler_update_from_output
 
 
 # ---- cpu-sleep, gpu-sleep ---------------------------------------------------------------------
@@ -342,6 +456,11 @@ PATCHES = [
                 "layout",
                 "kernel_block_sizes",
             ],
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors": [
+                "self",
+                "kv_cache_config",
+                "kernel_block_sizes",
+            ],
             "vllm.v1.kv_cache_interface:create_kv_cache_views": [
                 "raw",
                 "spec",
@@ -363,6 +482,17 @@ PATCHES = [
         V0_32,
         V0_33,
         {
+            "vllm.v1.core.sched.scheduler:Scheduler.__init__": [
+                "self",
+                "vllm_config",
+                "kv_cache_config",
+            ],
+            "vllm.v1.core.sched.scheduler:Scheduler.shutdown": ["self"],
+            "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": [
+                "self",
+                "scheduler_output",
+                "model_runner_output",
+            ],
             "vllm.v1.core.block_pool:BlockPool.__init__": ["self", "num_gpu_blocks"],
             "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
             "vllm.v1.core.block_pool:BlockPool.touch": ["self", "blocks"],

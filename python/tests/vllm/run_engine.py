@@ -64,17 +64,20 @@ def livelier_dummy_weights():
     built) and +-0.1: the same zeroing changed all 8."""
     from vllm.model_executor.model_loader import dummy_loader
 
-    stock = dummy_loader.initialize_single_dummy_weight
+    current = dummy_loader.initialize_single_dummy_weight
+    # vLLM's own, even when an engine is built inside another's construction (nested)
+    stock = getattr(current, "stock", current)
     seeds = itertools.count(1)
 
     def initialize(param, *args, **kwargs):
         stock(param, low=-0.1, high=0.1, seed=next(seeds))
 
+    initialize.stock = stock
     dummy_loader.initialize_single_dummy_weight = initialize
     try:
         yield
     finally:
-        dummy_loader.initialize_single_dummy_weight = stock
+        dummy_loader.initialize_single_dummy_weight = current
 
 
 def make_llm(model, requests, kv_bytes, log_stats):
@@ -106,6 +109,26 @@ def prompts(n, salt=0):
         length = 17 + 23 * i
         out.append([(7 * i + 13 * t + salt) % 1000 + 3 for t in range(length)])
     return out
+
+
+def run_batch(engine, prefix, batch, sp, outputs, first_token, on_step=None):
+    """Submits the token-id prompts of ``batch`` as requests ``prefix0``, ``prefix1``, ... at
+    once and steps ``engine`` until none is unfinished: each request's output tokens go to
+    ``outputs``, the seconds from the submit to its first output token to ``first_token``;
+    ``on_step()`` runs after each step. Returns the outputs in request order."""
+    start = time.perf_counter()
+    for i, p in enumerate(batch):
+        engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            rid = out.request_id
+            if rid not in first_token and out.outputs and out.outputs[0].token_ids:
+                first_token[rid] = time.perf_counter() - start
+            if out.finished:
+                outputs[rid] = list(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step()
+    return [outputs[f"{prefix}{i}"] for i in range(len(batch))]
 
 
 def block_pool(llm):
@@ -148,19 +171,13 @@ def main():
     outputs = {}
     first_token = {}
 
+    def record_step():
+        if not args.bench:
+            steps.append({"blocks": in_use(), "mapped": mapped()})
+
     def run_wave(prefix, salt=0):
-        wave_start = time.perf_counter()
-        for i, p in enumerate(prompts(args.requests, salt)):
-            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                rid = out.request_id
-                if rid not in first_token and out.outputs and out.outputs[0].token_ids:
-                    first_token[rid] = time.perf_counter() - wave_start
-                if out.finished:
-                    outputs[rid] = list(out.outputs[0].token_ids)
-            if not args.bench:
-                steps.append({"blocks": in_use(), "mapped": mapped()})
+        wave = prompts(args.requests, salt)
+        run_batch(engine, prefix, wave, sp, outputs, first_token, record_step)
 
     def timed_wave(prefix, salt=0):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -188,6 +188,24 @@ class Elastic(unittest.TestCase):
         self.assertEqual(r["a_asleep"], [group, r["idle_b"]])
         self.assertEqual(r["mapped_after"], [group, group])
 
+    def test_engines_built_out_of_order_attach_to_their_own_kv(self):
+        # B was built inside A's construction: B's KV space is the newer one when A's block
+        # pool is made; each pool still runs on the space behind its own model runner.
+        r = self.two
+        self.assertEqual(r["built_order"], ["0", "1"])
+        self.assertEqual(r["own_space"], [True, True, True])
+
+    def test_a_shut_down_engine_releases_its_kv_and_leaves_the_metrics(self):
+        s, group = self.two["shutdown"], self.two["group_bytes"]
+        self.assertEqual(s["labels_before"], ["0", "1"])
+        self.assertEqual(s["labels_after"], ["1"])
+        self.assertEqual(s["spaces_after"], ["1"])
+        self.assertTrue(s["a_closed"])
+        # A's last group (the null block's) went back to the pool; B's stayed mapped
+        self.assertEqual(s["pool_before"] - s["pool_after"], group)
+        self.assertEqual(s["pool_after"], s["b_mapped"])
+        self.assertTrue(s["a_destroyed"], "A's KV space outlived its engine")
+
     def test_unmapping_copies_nothing(self):
         stats = self.strata["stats"]
         self.assertGreater(stats["unmaps"], 0)

@@ -100,7 +100,7 @@ impl KvBlockManager {
 
     /// The slot address of tensor `(layer, kind)` and the byte range of `len` bytes of whole
     /// tokens from `first_token`, checked against the request's tokens.
-    fn span(
+    pub(super) fn span(
         &self,
         space: &KvSpace,
         q: &Req,
@@ -122,7 +122,7 @@ impl KvBlockManager {
         Ok((ptr, start..end))
     }
 
-    fn blocks_of(&self, range: &Range<u64>) -> Range<usize> {
+    pub(super) fn blocks_of(&self, range: &Range<u64>) -> Range<usize> {
         (range.start / self.page) as usize..range.end.div_ceil(self.page) as usize
     }
 }

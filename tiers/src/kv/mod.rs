@@ -63,9 +63,12 @@ use crate::store::TierStore;
 
 mod access;
 mod check;
+mod copy;
 mod residency;
 mod revoke;
 mod spill;
+
+pub use copy::{TokenCopy, TokenCopyDirection};
 
 /// A request of the block manager. Ids are never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -585,11 +588,17 @@ impl KvBlockManager {
 }
 
 impl Drop for KvBlockManager {
-    /// Waits for the copies into the space (its pages are unmapped next) and releases the
+    /// Waits for the copies into and out of the space (its pages are unmapped next: the store's,
+    /// and each request's last copy, which may be on a caller's stream) and releases the
     /// spilled objects of requests still live.
     fn drop(&mut self) {
         if let Err(e) = self.store.synchronize() {
             record_deferred(e);
+        }
+        for q in self.inner.get_mut().reqs.values() {
+            if let Some(Err(e)) = q.ready.as_ref().map(|ev| ev.synchronize()) {
+                record_deferred(e);
+            }
         }
         for q in self.inner.get_mut().reqs.values() {
             for &id in q.spilled.values().chain(q.clean.values()).flatten() {
