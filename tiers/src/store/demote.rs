@@ -88,7 +88,7 @@ impl TierStore {
         let mut to_disk = Vec::new();
         if !to_host.is_empty() {
             let protect: HashSet<u32> = victims.iter().copied().collect();
-            let _ = self.make_room_host(op, to_host.len(), &protect);
+            let _ = self.make_room_host(op, to_host.len(), &protect, 0);
             let fit = op.st.host.free.len().min(to_host.len());
             to_disk = to_host.split_off(fit);
         }
@@ -219,12 +219,14 @@ impl TierStore {
     }
 
     /// Ensures `n` free host slots: drops unprotected redundant objects first, then moves
-    /// host copies to disk (or drops copies that are not the last one).
+    /// host copies to disk (or drops copies that are not the last one), only those whose owner
+    /// runs no sooner than `after` steps from now by the host policy (0: any).
     pub(super) fn make_room_host(
         &self,
         op: &mut Op<'_>,
         n: usize,
         protect: &HashSet<u32>,
+        after: usize,
     ) -> Result<()> {
         let mut tried: HashSet<u32> = HashSet::new();
         loop {
@@ -239,7 +241,7 @@ impl TierStore {
             let st = &mut *op.st;
             let has_disk = self.disk.is_some() && !st.disk.free.is_empty();
             let objs = &st.objs;
-            let v = st.host_policy.victim(&mut |k| {
+            let v = st.host_policy.victim_running_after(after, &mut |k| {
                 let id = ObjectId::from_key(k);
                 let i = id.index;
                 !protect.contains(&i)

@@ -50,6 +50,7 @@ pub(super) struct State {
     pub(super) evictions_hbm: u64,
     pub(super) evictions_host: u64,
     pub(super) prefetched: u64,
+    pub(super) staged: u64,
     pub(super) fell_back: u64,
     pub(super) lost: u64,
     pub(super) redundant_dropped: u64,
@@ -208,10 +209,10 @@ impl State {
         self.free_objs.push(index);
     }
 
-    /// Object `i`'s bytes now sit in host slot `h` (read there from disk; `ev` reads them):
-    /// the host slot becomes its copy and its disk slot is freed.
-    pub(super) fn move_disk_to_host(&mut self, i: u32, h: u32, ev: &Arc<Event>) {
-        self.host.fence[h as usize] = Some(Arc::clone(ev));
+    /// Object `i`'s bytes now sit in host slot `h` (read there from disk; `ev`, if any, is a
+    /// device copy that reads them): the host slot becomes its copy and its disk slot is freed.
+    pub(super) fn move_disk_to_host(&mut self, i: u32, h: u32, ev: Option<&Arc<Event>>) {
+        self.host.fence[h as usize] = ev.cloned();
         let o = &mut self.objs[i as usize];
         o.res.host = Some(h);
         o.host_ready = None;
