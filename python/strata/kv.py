@@ -122,6 +122,7 @@ PROTOTYPES = {
     "strata_kv_queue": (_int, [_u64, _P(_u64), _size]),
     "strata_kv_hint": (_int, [_u64, _P(_u64), _P(ctypes.c_uint32), _size, _vp]),
     "strata_kv_make_resident": (_int, [_u64, _P(_u64), _size, _vp]),
+    "strata_kv_stage": (_int, [_u64, _P(_u64), _size, _P(_u64)]),
     "strata_kv_take_lost": (_int, [_u64, _u64, _P(ctypes.c_uint32), _size, _P(_size)]),
     "strata_kv_on_lost": (_int, [_u64, LostFn, _vp]),
     "strata_kv_revoke": (_int, [_u64, _u64, _P(_u64)]),
@@ -387,6 +388,15 @@ class KvSpace:
         stream, which on the host backend means the copies are done on return)."""
         arr, n = _handles(list(requests))
         _lib.check(_c().strata_kv_make_resident(self._space(), arr, n, _lib.stream_handle(stream)))
+
+    def stage(self, requests):
+        """Moves the disk-resident spilled blocks of `requests` up to host memory ahead of a
+        `make_resident` (TierKV's first hop), taking room only from requests that run later (the
+        `queue` order); returns the store objects moved (0 when nothing is on disk or no room)."""
+        arr, n = _handles(list(requests))
+        moved = _u64()
+        _lib.check(_c().strata_kv_stage(self._space(), arr, n, ctypes.byref(moved)))
+        return moved.value
 
     def hint(self, steps, stream=None):
         """Lookahead: `steps` is a list of the next steps' batches (lists of requests)."""
