@@ -169,7 +169,7 @@ impl TierStore {
                     o.hbm_ready = Some(Arc::clone(ev));
                 }
                 match kept {
-                    Some(h) => st.move_disk_to_host(i, h.keep(), Some(ev)),
+                    Some(h) => st.move_disk_to_host(i, h.keep(), ev),
                     None => staging[staged] = Some(Arc::clone(ev)),
                 }
             })?;
@@ -179,9 +179,10 @@ impl TierStore {
 
     /// Brings the disk copies of `ids` (owned by `owners`) up into host memory: the first hop
     /// of the two-hop path, run ahead of the restore that needs them (TierKV §3.3's longer
-    /// lookahead for disk). Room comes by the host policy from redundant objects and from
-    /// objects of other owners that run later than every one of `owners`; what finds none
-    /// stays on disk (advice, not an error). Ids that are stale, lost, already in host memory or
+    /// lookahead for disk). The disk copy stays, so the host copy can go again without a write.
+    /// Room comes by the host policy from redundant objects and from objects of other owners
+    /// that run later than every one of `owners`; what finds none stays on disk only (advice,
+    /// not an error). Ids that are stale, lost, already in host memory or
     /// HBM, or not on disk, are passed over. Returns the objects moved up; the file reads run in
     /// parallel outside the lock.
     pub fn stage_to_host(&self, ids: &[ObjectId], owners: &[u64]) -> Result<usize> {
@@ -240,7 +241,7 @@ impl TierStore {
         })?;
         let moved = leases.len();
         for (i, lease) in leases {
-            op.st.move_disk_to_host(i, lease.keep(), None);
+            op.st.add_host_copy(i, lease.keep());
         }
         op.st.staged += moved as u64;
         Ok(moved)
