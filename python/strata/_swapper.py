@@ -155,6 +155,7 @@ class Swapper:
             stages=0,
             stages_early=0,
             stages_hidden=0,
+            stage_objects=0,
         )
 
     def layer_requests(self, layer):
@@ -174,9 +175,15 @@ class Swapper:
     def _swap_in(self, layer, host, disk):
         start = time.perf_counter()
         self.space.make_resident(self.layer_requests(layer))
-        if host and not disk:
-            # On CUDA this is the time to queue the copies: a GPU run must time them on streams.
-            self.pie.observe_transfer(HOST_TO_DEVICE, host, time.perf_counter() - start)
+        # On CUDA this is the time to queue the copies: a GPU run must time them on streams.
+        took = time.perf_counter() - start
+        if not disk:
+            self.pie.observe_transfer(HOST_TO_DEVICE, host, took)
+            return
+        # Two hops: the disk hop is what the host hop (Eq. 2 on its fit) leaves of the time.
+        up = self.pie.overlap(layer, layer, host + disk, 0).t_transfer
+        if 0 <= up < took:
+            self.pie.observe_transfer(DISK_TO_HOST, disk, took - up)
 
     def _swap_out(self, layer, fence):
         if fence is not None:
@@ -196,8 +203,11 @@ class Swapper:
 
     def _stage(self, layer, disk):
         start = time.perf_counter()
-        if self.space.stage(self.layer_requests(layer)):
+        moved = self.space.stage(self.layer_requests(layer))
+        if moved:
             self.pie.observe_transfer(DISK_TO_HOST, disk, time.perf_counter() - start)
+        with self.cond:
+            self.counts["stage_objects"] += moved
 
     def _launch(self, swap_in, swap_out):
         """Starts the swaps Pie decided (the condition's lock held)."""
@@ -219,10 +229,11 @@ class Swapper:
             self._submit(True, swap_in, self.pool_in.submit(self._swap_in, swap_in, host, disk))
 
     def _stage_ahead(self, k):
-        """TierKV's lookahead for the disk hop (the condition's lock held): the nearest layer on
-        the CPU with blocks on disk starts moving them up to host memory once it is no further
-        than the lookahead Eq. 1 asks of its two-hop transfer (at once when that is not measured
-        yet, or when no lookahead hides it)."""
+        """TierKV's lookahead for the disk hop (the condition's lock held; Algorithm 1): the
+        nearest layer on the CPU with blocks on disk starts moving them up to host memory once
+        it is no further than the lookahead Eq. 1 asks of its two-hop transfer. A transfer no
+        lookahead hides is left to the swap-in (two hops on demand), as Algorithm 1 leaves a
+        block that does not fit the window; before the links are measured it starts at once."""
         if not self.lookahead or "stage" in self.inflight:
             return
         for d in range(1, self.n):
@@ -234,8 +245,8 @@ class Swapper:
                 continue
             o = self.pie.overlap(k, layer, host, disk)
             self.steps["disk"] = o.steps
-            if o.steps >= 0 and d > o.steps:
-                return  # early enough later: host room goes to the layers needed sooner
+            if o.t_transfer >= 0 and o.window >= 0 and (o.steps < 0 or d > o.steps):
+                return  # not hidden at any distance, or still early: host room to layers needed sooner
             self.counts["stages"] += 1
             self.counts["stages_early"] += o.fits == 1
             self._submit("stage", layer, self.pool_stage.submit(self._stage, layer, disk))

@@ -402,11 +402,16 @@ class OffloadTest(unittest.TestCase):
             self.assertGreater(s["disk_write_bytes"], 0, s)
             self.assertGreater(s["disk_read_bytes"], 0, s)
             runs[lookahead] = s["offload"]
+        # Without the lookahead every layer that left for disk comes back through both hops.
         self.assertEqual(runs[False]["stages"], 0, runs[False])
         self.assertGreater(runs[False]["two_hop_swap_ins"], NEW_TOKENS, runs[False])
-        self.assertGreater(runs[True]["stages"], 0, runs[True])
-        self.assertGreater(runs[True]["stages_hidden"], 0, runs[True])
-        self.assertLess(runs[True]["two_hop_swap_ins"], runs[False]["two_hop_swap_ins"])
+        # With it, disk hops ran ahead of need (Eq. 1 decides how far; the first ones measure
+        # the link), and some layers then came back from host memory alone.
+        on = runs[True]
+        self.assertGreater(on["stages"], 0, on)
+        self.assertGreater(on["stage_objects"], 0, on)
+        self.assertGreater(on["stages_hidden"], 0, on)
+        self.assertLessEqual(on["stages_hidden"] + on["two_hop_swap_ins"], on["swap_ins"], on)
 
     def test_adaptive_expansion_moves_layers_in_a_generate_run(self):
         """Everything fits the budget, so only adaptive expansion moves layers off the device."""
