@@ -397,17 +397,8 @@ class Swapper:
     def _admit(self):
         """Every (layer, row) request at once, so that slot `layer * rows + row` is that row of
         that layer."""
-        requests = []
-        try:
-            for _ in range(self.n * self.rows):
-                requests.append(self.space.admit())
-        except BaseException:
-            for r in requests:
-                r.release()
-            raise
-        requests.sort(key=lambda r: r.slot)
-        self.requests = requests
-        handles = [r.handle for r in requests]
+        self.requests = self.space.admit_many(self.n * self.rows)
+        handles = [r.handle for r in self.requests]
         per = self.rows
         self.queues = [
             (ctypes.c_uint64 * len(handles))(*(handles[k * per :] + handles[: k * per])) for k in range(self.n)

@@ -374,6 +374,20 @@ class KvSpace:
         _lib.check(_c().strata_kv_admit(self._space(), ctypes.byref(h)))
         return Request(self, h.value)
 
+    def admit_many(self, count):
+        """`count` requests, by ascending slot; all or none (the ones admitted are released when
+        one fails)."""
+        requests = []
+        try:
+            for _ in range(count):
+                requests.append(self.admit())
+        except BaseException:
+            for r in requests:
+                r.release()
+            raise
+        requests.sort(key=lambda r: r.slot)
+        return requests
+
     def request(self, handle):
         """The Request of a raw handle (as a lost-block callback passes it)."""
         return Request(self, handle)
