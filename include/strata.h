@@ -14,7 +14,9 @@
  *  - Calls returning `int` return a strata_status_t (0 = STRATA_OK). Calls returning a pointer
  *    return NULL on failure; calls returning void (PyTorch's signatures) report failures only
  *    through strata_last_error(). Every failure sets the calling thread's last error;
- *    successes leave it unchanged (like errno): call strata_clear_error() first to tell.
+ *    successes leave it unchanged (like errno): call strata_clear_error() first to tell. The
+ *    hooks (strata_init, strata_empty_cache, strata_set_memory_fraction, strata_record_stream)
+ *    report only through it, so their success clears it.
  *  - cudaStream_t is an opaque pointer whose value is the stream handle (NULL = default
  *    stream). Frees are stream-ordered: memory freed on stream S is reused at once on S and on
  *    other streams only after the work queued on S before the free has completed.
@@ -138,13 +140,13 @@ void strata_free(void *ptr, size_t size, int device, cudaStream_t stream);
 int strata_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
 
 /* ---- Hooks (CUDAPluggableAllocator set_init_fn, set_reset_fn, set_memory_fraction_fn,
- *      set_record_stream_fn); failures go to the last error ----------------------------------- */
+ *      set_record_stream_fn); failures set the last error, successes clear it ---------------- */
 
 /* Creates the allocators of devices 0..device_count-1 now (else on first use). */
 void strata_init(int device_count);
 
-/* Unmaps every cached page on every device and returns it, and the pools' free pages, to the
- * driver. Live allocations stay. The pools refill only once allocations ask for pages again,
+/* Unmaps every cached page on every device and returns it, and the pools' free pages (host
+ * memory kept for offloaded tags included), to the driver. Live allocations stay. The pools refill only once allocations ask for pages again,
  * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 
@@ -171,9 +173,9 @@ int strata_tag_stats(const char *tag, int device, strata_tag_stats_t *out);
 /* Pushes tag `name` (non-empty UTF-8, at most 256 bytes) on the calling thread's tag stack: the
  * thread's allocations carry it until the matching strata_tag_pop. Blocks of different tags
  * never share a page. At most 65,536 names are registered at once: when that many are, the
- * names no longer in use (pushed by no thread, nothing live or asleep under them) are released
- * (strata_tag_stats then calls them unknown; pushed again they start from zero). Only with
- * 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
+ * names no longer in use (pushed by no thread, nothing live or asleep under them, not set to
+ * overflow) are released (strata_tag_stats then calls them unknown; pushed again they start
+ * from zero). Only with 65,536 names all in use does a push fail (STRATA_INVALID_STATE). */
 int strata_tag_push(const char *name);
 
 /* Pops the calling thread's tag stack (STRATA_INVALID_STATE when empty). */
@@ -229,12 +231,17 @@ int strata_onload(const char *tag, cudaStream_t stream);
  * a device out of memory succeed on host memory mapped for the device instead of returning
  * NULL (slower; strata_onload moves them to the device once it has room); `tier` 0 turns it
  * off (pages already taken stay until freed or onloaded). Applies to every device, including
- * those first used later. Other tiers: STRATA_INVALID_ARGUMENT. */
+ * those first used later. Replaces a strata_set_overflow_peer of the tag. A tag set to
+ * overflow is in use: its name is not released (strata_tag_push). Other tiers:
+ * STRATA_INVALID_ARGUMENT; a driver that cannot map host memory (CUDA before 12.2):
+ * STRATA_UNSUPPORTED, also before any device was used. */
 int strata_set_overflow(const char *tag, int tier);
 
 /* Overflow onto a peer: allocations of tag `tag` on every device in use but `lender` that find their
  * device out of memory succeed on `lender`'s pages (borrowed memory, taken back by
- * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation. */
+ * strata_revoke_peer). Turned off by strata_set_overflow(tag, 0) or by a revocation; replaced
+ * by strata_set_overflow(tag, STRATA_TIER_HOST). The tag is in use until then, as with
+ * strata_set_overflow. */
 int strata_set_overflow_peer(const char *tag, int lender);
 
 /* One segment moved off a lender's pages by a revocation. */
@@ -674,8 +681,19 @@ typedef struct strata_params_model_stats_t {
     uint32_t slots;            /* beta */
     uint32_t remap_limit;      /* most layers remappable now (0 until compute is reported) */
     uint64_t gpu_pages;        /* pages the model holds on the device */
+    uint64_t transfer_ns;      /* T_T: measured host -> device time of one layer (the device's
+                                  largest), 0 before any */
+    /* Streamed layers, counted since registration: */
+    uint64_t streamed_runs;    /* strata_params_prepare_layer calls for streamed layers */
+    uint64_t slot_loads;       /* host -> slot loads queued (by either call) */
+    uint64_t loads_ahead;      /* of those, queued ahead by strata_params_prepare_next */
+    uint64_t found_prepared;   /* runs whose layer a look-ahead had loaded (or was loading) */
+    uint64_t load_waits;       /* runs whose load was not complete when asked for */
     uint64_t spare[4];         /* zero */
 } strata_params_model_stats_t;
+
+/* strata_params_prepare_next's answer when it prepared nothing. */
+#define STRATA_PARAMS_NO_LAYER UINT32_MAX
 
 /* Registers a model of `layers` layers of `layer_bytes` bytes on `device`; host_layers[i] holds
  * layer i (copied now into strata's host copy, then loaded to the device; the call measures
@@ -702,18 +720,34 @@ int strata_params_set_active(strata_model_t model, int active);
 /* Reports the model's compute time per layer (T_c); until then none of its layers is remapped. */
 int strata_params_report_compute(strata_model_t model, uint64_t per_layer_ns);
 
+/* Reports the model's prefill time: its T_compute while idle (MIRAGE 5.3: an idle model may give
+ * up to prefill / T_T layers; without a prefill report, n x T_c). */
+int strata_params_report_prefill(strata_model_t model, uint64_t prefill_ns);
+
 /* One controller step on `device`: `pages_short` pages the KV cache could not get remap layers
- * until covered; 0 reverts what the pool's free pages cover. *decisions (if not NULL) receives
+ * until covered; 0 reverts (dynamic reversion) what the pool could hand out covers: its free
+ * pages and what the device (and strata_set_memory_fraction's cap) still has room for. *decisions (if not NULL) receives
  * the number of models changed. The caller has synchronized the compute reading the models. */
 int strata_params_step(int device, uint64_t pages_short, uint32_t *decisions);
 
 /* Reverts every remapped layer on `device` (pages taken back from the pool, layers reloaded). */
 int strata_params_revert_all(int device);
 
-/* Makes `layer` ready to run: a streamed layer is reloaded into a slot behind the previous
- * occupant's strata_params_layer_done; `stream` waits for the copy, the host does not. A
+/* Makes `layer` ready to run: a streamed layer is found in its slot (loaded ahead) or reloaded
+ * into a slot behind the previous occupant's strata_params_layer_done; `stream` waits for that
+ * one copy, the host does not. It counts as running until its strata_params_layer_done. A
  * resident layer needs nothing. */
 int strata_params_prepare_layer(strata_model_t model, uint32_t layer, cudaStream_t stream);
+
+/* The look-ahead (the next layer loads while this one computes): queues the load of the next
+ * streamed layer after `after` (ring order: after the last comes the next token's first) into a
+ * slot that is free or whose occupant reported done, behind that compute. No stream waits for it
+ * until strata_params_prepare_layer asks for the layer. *prepared receives that layer (also
+ * when it is in a slot already), or STRATA_PARAMS_NO_LAYER when nothing streams or no slot can
+ * take it yet (with one slot, until the running layer's strata_params_layer_done). Call again
+ * with the layer returned to fill more slots. A layer loaded ahead and never asked for gives its
+ * slot to the layer strata_params_prepare_layer asks for. */
+int strata_params_prepare_next(strata_model_t model, uint32_t after, uint32_t *prepared);
 
 /* The layer's kernels were queued on `stream`: its slot may be reloaded after them. */
 int strata_params_layer_done(strata_model_t model, uint32_t layer, cudaStream_t stream);

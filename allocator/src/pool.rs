@@ -9,7 +9,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use strata_vmm::{Backend, CreateFlags, Error, Location, PhysicalMemory, Result};
 
 /// Where a page's physical memory came from, so that borrowed memory can be given back.
@@ -17,7 +17,9 @@ use strata_vmm::{Backend, CreateFlags, Error, Location, PhysicalMemory, Result};
 pub enum PageSource {
     /// Created on this device for the pool.
     Fresh,
-    /// Reclaimed from the parameters of a model (MIRAGE); `owner` names the model.
+    /// Reclaimed from the parameters of a model (MIRAGE); `owner` names the model it came from
+    /// (provenance only: the model may since have been unregistered, and model ids are never
+    /// reused; a reversion takes any reclaimed page back as `Fresh`).
     Reclaimed { owner: u32 },
     /// Borrowed from a peer device (Harvest); `lender` is its ordinal.
     Borrowed { lender: u32 },
@@ -434,38 +436,30 @@ impl PagePool {
 
     /// Takes a page whose unmap failed out of use for good: uncounted from its home pool like
     /// a release, counted in `PoolStats::quarantined`, and its memory leaked rather than
-    /// released or reused (it may still be mapped somewhere).
+    /// released or reused (it may still be mapped somewhere). A page whose home pool is gone
+    /// is counted nowhere.
     #[cold]
     pub fn quarantine(&self, page: Page) {
         let borrowed = borrowed_count(std::slice::from_ref(&page));
-        let home = page.home.upgrade();
-        let inner = home.as_deref().unwrap_or(&self.inner);
-        let mut state = inner.state.lock();
-        state.uncount(1, borrowed);
-        state.quarantined += 1;
-        drop(state);
+        if let Some(home) = page.home.upgrade() {
+            let mut state = home.state.lock();
+            state.uncount(1, borrowed);
+            state.quarantined += 1;
+        }
         std::mem::forget(page.phys);
     }
 
     /// Releases free pages until at most `keep` remain; returns how many were released. The
     /// background refill then waits for the next `take`.
     pub fn trim(&self, keep: usize) -> usize {
-        let released = {
-            let mut state = self.inner.state.lock();
-            state.refill_after_demand = true;
-            if state.free.len() <= keep {
-                return 0;
-            }
-            let released = state.free.split_off(keep);
-            state.released_total += released.len() as u64;
-            state.releasing += released.len();
-            state.refill_blocked = false;
-            released
-        };
-        let n = released.len();
-        drop(released); // driver calls outside the lock
-        self.inner.released_outside_lock(n);
-        n
+        let mut state = self.inner.state.lock();
+        state.refill_after_demand = true;
+        if state.free.len() <= keep {
+            return 0;
+        }
+        state.refill_blocked = false;
+        let released = state.free.split_off(keep);
+        self.inner.release_unlocked(state, released)
     }
 
     /// Counts `n` pages in use as lent to a peer (`lent = true`) or back from it.
@@ -499,23 +493,19 @@ impl PagePool {
     /// releases free pages until what is held fits. Pages in use stay; creating more fails
     /// ([`Error::LimitExceeded`]) until enough come back.
     pub fn set_limit(&self, limit: Option<u64>) {
-        let released = {
-            let mut state = self.inner.state.lock();
-            state.limit = limit;
-            let Some(limit) = limit else {
-                return;
-            };
-            let others = (state.in_use + state.pending) as u64 * self.inner.page_size;
-            let fit = limit.saturating_sub(others) / self.inner.page_size;
-            let keep = state
-                .free
-                .len()
-                .min(usize::try_from(fit).unwrap_or(usize::MAX));
-            let released = state.free.split_off(keep);
-            state.released_total += released.len() as u64;
-            released
+        let mut state = self.inner.state.lock();
+        state.limit = limit;
+        let Some(limit) = limit else {
+            return;
         };
-        drop(released); // driver calls outside the lock
+        let others = (state.in_use + state.pending) as u64 * self.inner.page_size;
+        let fit = limit.saturating_sub(others) / self.inner.page_size;
+        let keep = state
+            .free
+            .len()
+            .min(usize::try_from(fit).unwrap_or(usize::MAX));
+        let released = state.free.split_off(keep);
+        self.inner.release_unlocked(state, released);
     }
 }
 
@@ -590,10 +580,22 @@ impl Inner {
         self.wake_worker.notify_one();
     }
 
-    /// `n` pages counted in `releasing` are back with the driver.
-    fn released_outside_lock(&self, n: usize) {
+    /// Releases `pages`, which no counter holds any more (split off the free list, or just
+    /// created), to the driver outside the lock: until their memory is back they count as
+    /// `releasing`, so that a take running out of memory meanwhile waits for them
+    /// (`take_slow`). Consumes the lock's guard; returns how many pages went.
+    fn release_unlocked(&self, mut state: MutexGuard<'_, State>, pages: Vec<Page>) -> usize {
+        let n = pages.len();
+        if n == 0 {
+            return 0;
+        }
+        state.released_total += n as u64;
+        state.releasing += n;
+        drop(state);
+        drop(pages); // driver calls outside the lock
         self.state.lock().releasing -= n;
         self.settled.notify_all();
+        n
     }
 
     /// Checks that `extra` more pages fit under the limit.
@@ -660,13 +662,8 @@ impl Inner {
                     match created {
                         // A trim while these were created asked for an empty pool: release.
                         Ok(pages) if state.refill_after_demand => {
-                            let n = pages.len();
-                            state.created_total += n as u64;
-                            state.released_total += n as u64;
-                            state.releasing += n;
-                            drop(state);
-                            drop(pages);
-                            self.released_outside_lock(n);
+                            state.created_total += pages.len() as u64;
+                            self.release_unlocked(state, pages);
                             state = self.state.lock();
                             continue;
                         }
@@ -690,12 +687,7 @@ impl Inner {
                     self.config.low_watermark
                 };
                 let released = state.free.split_off(keep);
-                let n = released.len();
-                state.released_total += n as u64;
-                state.releasing += n;
-                drop(state);
-                drop(released);
-                self.released_outside_lock(n);
+                self.release_unlocked(state, released);
                 state = self.state.lock();
                 continue;
             }

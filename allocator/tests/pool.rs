@@ -458,3 +458,20 @@ fn lent_pages_are_counted_once_while_lent() {
     assert_eq!((l.in_use, l.lent, r.borrowed, r.in_use), (0, 0, 0, 0));
     assert_eq!(l.released_total, 3);
 }
+
+/// A page quarantined through another pool after its home pool is gone leaves that other
+/// pool's counters alone (it used to be uncounted there, as if it were one of its pages).
+#[test]
+fn quarantining_a_page_whose_pool_is_gone_changes_no_other_pool() {
+    let b = backend(8);
+    let gone = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let other = PagePool::new(Arc::clone(&b), 0, manual(None)).unwrap();
+    let orphan = gone.take(1).unwrap().pop().unwrap();
+    let mine = other.take(1).unwrap();
+    drop(gone);
+    other.quarantine(orphan);
+    let s = other.stats();
+    assert_eq!((s.in_use, s.quarantined), (1, 0));
+    other.give(mine);
+    assert_eq!(other.stats().in_use, 0);
+}

@@ -29,11 +29,13 @@ pub fn set_last_error(call: &str, message: &str) {
     });
 }
 
-/// Clears the calling thread's last error.
+/// Clears the calling thread's last error (no allocation when it is already clear).
 pub fn clear_last_error() {
     let _ = LAST_ERROR.try_with(|slot| {
         if let Ok(mut slot) = slot.try_borrow_mut() {
-            *slot = CString::default();
+            if !slot.is_empty() {
+                *slot = CString::default();
+            }
         }
     });
 }
@@ -108,6 +110,16 @@ pub fn value<T>(call: &str, fallback: T, body: impl FnOnce() -> Result<T>) -> T 
 #[inline]
 pub fn void(call: &str, body: impl FnOnce() -> Result<()>) {
     status(call, body);
+}
+
+/// Runs `body` behind the panic boundary for one of PyTorch's hooks, which return nothing: a
+/// failure sets the last error, a success clears it, so the caller can read the outcome without
+/// clearing it first.
+#[inline]
+pub fn hook(call: &str, body: impl FnOnce() -> Result<()>) {
+    if status(call, body) == Status::Ok as i32 {
+        clear_last_error();
+    }
 }
 
 /// Borrows a C string argument: NULL and invalid UTF-8 are [`Error::InvalidArgument`].

@@ -31,15 +31,16 @@ pub fn allocator(rt: &Runtime, device: i32) -> Result<&CachingAllocator> {
     }
 }
 
+/// Creates `device`'s allocator with the sleeping and overflowing tags applied before any other
+/// thread can reach it (a thread that found it half-configured could allocate under a sleeping
+/// tag); if applying them fails, no allocator is left behind.
 #[cold]
 #[inline(never)]
 fn create_allocator(rt: &Runtime, device: usize) -> Result<&CachingAllocator> {
     let sleeping = crate::sleeping::lock();
-    if let Some(a) = rt.existing(device) {
-        return Ok(a);
-    }
-    let a = rt.allocator(device as i64)?;
-    crate::sleeping::apply_to_new_device(&sleeping, a)?;
-    crate::offload::apply_to_new_device(&rt.devices()[device], a)?;
-    Ok(a)
+    let d = &rt.devices()[device];
+    d.allocator_with(|a| {
+        crate::sleeping::apply_to_new_device(&sleeping, a)?;
+        crate::offload::apply_to_new_device(d, a)
+    })
 }

@@ -173,7 +173,7 @@ fn explain_foreign(g: &strata_runtime::Runtime, e: Error, ptr: DevicePtr, device
 /// otherwise created on first use).
 #[no_mangle]
 pub extern "C" fn strata_init(device_count: c_int) {
-    boundary::void("strata_init", || {
+    boundary::hook("strata_init", || {
         let g = global()?;
         if device_count < 0 {
             return Err(Error::InvalidArgument(format!(
@@ -188,18 +188,25 @@ pub extern "C" fn strata_init(device_count: c_int) {
 }
 
 /// PyTorch's reset hook (`torch.cuda.empty_cache`): unmaps every cached page of every device
-/// and returns it, and the page pools' free pages, to the driver. Live allocations stay. The
-/// pools refill again only once allocations ask for pages.
+/// and returns it, and the page pools' free pages (the host pools' of offloaded tags too), to
+/// the driver. Live allocations stay. The pools refill again only once allocations ask for
+/// pages.
 #[no_mangle]
 pub extern "C" fn strata_empty_cache() {
-    boundary::void("strata_empty_cache", || {
+    boundary::hook("strata_empty_cache", || {
         let g = global()?;
         let mut first = None;
         for (_, a) in g.existing_all() {
             if let Err(e) = a.empty_cache() {
                 first.get_or_insert(e);
             }
-            a.pool().trim(0);
+        }
+        // Every pool, also those only KV spaces and parameters took pages from (no allocator).
+        for pool in g.devices().iter().filter_map(|d| d.existing_pool()) {
+            pool.trim(0);
+        }
+        for host in g.devices().iter().filter_map(|d| d.existing_host_pool()) {
+            host.trim(0);
         }
         first.map_or(Ok(()), Err)
     })
@@ -211,7 +218,7 @@ pub extern "C" fn strata_empty_cache() {
 /// (`STRATA_LIMIT_EXCEEDED`).
 #[no_mangle]
 pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) {
-    boundary::void("strata_set_memory_fraction", || {
+    boundary::hook("strata_set_memory_fraction", || {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidArgument(format!(
                 "memory fraction {fraction} outside [0, 1]"
@@ -232,7 +239,7 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
 /// elsewhere until the work queued on `stream` before its free completes.
 #[no_mangle]
 pub extern "C" fn strata_record_stream(ptr: *mut c_void, stream: CudaStream) {
-    boundary::void("strata_record_stream", || {
+    boundary::hook("strata_record_stream", || {
         let ptr = ptr as usize as DevicePtr;
         let g = global()?;
         let d = g.device_of(ptr).ok_or(Error::UnknownPointer(ptr))?;

@@ -2,7 +2,7 @@
 //! (still device-accessible, at the link's speed) or to disk (sleep: not accessible until
 //! onload), `strata_onload` brings them back; pointers never change.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 use std::sync::{Arc, OnceLock};
 
@@ -71,11 +71,28 @@ pub unsafe extern "C" fn strata_onload(tag: *const c_char, stream: CudaStream) -
     })
 }
 
-/// Tags allowed to overflow onto host memory, process-wide: applied to every device's
-/// allocator, existing and created later ([`apply_to_new_device`]).
-fn overflowing() -> &'static Mutex<HashSet<TagId>> {
-    static TAGS: OnceLock<Mutex<HashSet<TagId>>> = OnceLock::new();
+/// Where a tag overflows (the last `strata_set_overflow` or `strata_set_overflow_peer` wins).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Overflow {
+    /// Host memory, on every device's allocator, existing and created later
+    /// ([`apply_to_new_device`]).
+    Host,
+    /// The pages of device `lender`, on the allocators that existed when it was set, until
+    /// `lender` revokes them.
+    Peer(usize),
+}
+
+/// Tags allowed to overflow, process-wide. A tag here is in use: its name is not released
+/// ([`is_overflowing`]), so its id (and the setting that goes with it) never passes to another
+/// name.
+fn overflowing() -> &'static Mutex<HashMap<TagId, Overflow>> {
+    static TAGS: OnceLock<Mutex<HashMap<TagId, Overflow>>> = OnceLock::new();
     TAGS.get_or_init(Mutex::default)
+}
+
+/// Whether tag `id` is set to overflow (which keeps its name registered; see `tags.rs`).
+pub fn is_overflowing(id: TagId) -> bool {
+    overflowing().lock().contains_key(&id)
 }
 
 /// Lets allocations of tag `tag` overflow onto host memory when a device is out of memory
@@ -98,8 +115,15 @@ pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) ->
                 )))
             }
         };
-        let id = tags::lease(name)?.id();
+        // Held for the call: the id stays this name's while its setting changes.
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
+        if on {
+            // Devices first used later get the setting too, on creation: a backend that
+            // cannot map host memory at all (CUDA before 12.2) refuses it here instead.
+            g.backend().granularity(strata_vmm::Location::Host)?;
+        }
         let mut set = overflowing().lock();
         for device in g.devices() {
             if let Some(a) = device.existing_allocator() {
@@ -107,7 +131,7 @@ pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) ->
             }
         }
         if on {
-            set.insert(id);
+            set.insert(id, Overflow::Host);
         } else {
             set.remove(&id);
         }
@@ -127,8 +151,10 @@ fn set_overflow(device: &DeviceRuntime, a: &CachingAllocator, id: TagId, on: boo
 /// Applies the overflowing tags to a device's new allocator.
 pub fn apply_to_new_device(device: &DeviceRuntime, a: &CachingAllocator) -> Result<()> {
     let set = overflowing().lock();
-    for &id in set.iter() {
-        set_overflow(device, a, id, true)?;
+    for (&id, &to) in set.iter() {
+        if to == Overflow::Host {
+            set_overflow(device, a, id, true)?;
+        }
     }
     Ok(())
 }
@@ -228,15 +254,18 @@ pub unsafe extern "C" fn strata_set_overflow_peer(tag: *const c_char, lender: c_
     boundary::status("strata_set_overflow_peer", || {
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
-        let id = tags::lease(name)?.id();
+        let lease = tags::lease(name)?;
+        let id = lease.id();
         let g = global()?;
         let peer = g.ordinal(lender)?;
         let pool = g.devices()[peer].pool()?;
+        let mut set = overflowing().lock();
         for (d, a) in g.existing_all() {
             if d != peer {
                 a.set_overflow(id, Some(Arc::clone(pool)))?;
             }
         }
+        set.insert(id, Overflow::Peer(peer));
         Ok(())
     })
 }
@@ -274,6 +303,9 @@ pub extern "C" fn strata_revoke_peer(lender: c_int, stream: CudaStream) -> c_int
         let Some(pool) = g.devices()[peer].existing_pool() else {
             return Ok(());
         };
+        // The allocators stop every tag overflowing onto the lender: so does the set.
+        let mut set = overflowing().lock();
+        set.retain(|_, to| *to != Overflow::Peer(peer));
         let mut first = None;
         for device in g.devices() {
             let Some(a) = device.existing_allocator() else {

@@ -35,8 +35,17 @@ pub struct strata_params_model_stats_t {
     pub slots: u32,
     pub remap_limit: u32,
     pub gpu_pages: u64,
+    pub transfer_ns: u64,
+    pub streamed_runs: u64,
+    pub slot_loads: u64,
+    pub loads_ahead: u64,
+    pub found_prepared: u64,
+    pub load_waits: u64,
     pub spare: [u64; 4],
 }
+
+/// `STRATA_PARAMS_NO_LAYER`: `strata_params_prepare_next` had no layer to prepare.
+pub const NO_LAYER: u32 = u32::MAX;
 
 static DEVICES: OnceLock<Box<[Mutex<Option<Mirage>>]>> = OnceLock::new();
 
@@ -186,6 +195,18 @@ pub extern "C" fn strata_params_set_active(model: u64, active: c_int) -> c_int {
     })
 }
 
+/// Reports a model's prefill time (its `T_compute` while idle: MIRAGE §5.3).
+#[no_mangle]
+pub extern "C" fn strata_params_report_prefill(model: u64, prefill_ns: u64) -> c_int {
+    boundary::status("strata_params_report_prefill", || {
+        with_model(model, |m, id| {
+            m.controller_mut()
+                .report_prefill(id, Duration::from_nanos(prefill_ns));
+            Ok(())
+        })
+    })
+}
+
 /// Reports a model's compute time per layer (`T_c` of MIRAGE's budget `T_T · N ≤ T_compute`).
 #[no_mangle]
 pub extern "C" fn strata_params_report_compute(model: u64, per_layer_ns: u64) -> c_int {
@@ -199,7 +220,7 @@ pub extern "C" fn strata_params_report_compute(model: u64, per_layer_ns: u64) ->
 }
 
 /// One controller step on `device`: `pages_short` pages the KV cache could not get (0: revert
-/// what free pool pages cover).
+/// what the pool could hand out covers: free pages and room left on the device).
 ///
 /// # Safety
 ///
@@ -244,6 +265,35 @@ pub extern "C" fn strata_params_prepare_layer(model: u64, layer: u32, stream: Cu
                 .backend()
                 .stream_wait_event(stream_of(stream), ev.handle())
         })
+    })
+}
+
+/// The look-ahead: queues the load of the next streamed layer after `after` (ring order) into a
+/// slot that can take it now; no stream waits for it until `strata_params_prepare_layer`.
+///
+/// # Safety
+///
+/// `prepared` is NULL (an error) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn strata_params_prepare_next(
+    model: u64,
+    after: u32,
+    prepared: *mut u32,
+) -> c_int {
+    boundary::status("strata_params_prepare_next", || {
+        let prepared = out_ptr("prepared", prepared)?;
+        let next = with_model(model, |m, id| {
+            let layers = m.registry().layers(id)?;
+            if after >= layers {
+                return Err(Error::InvalidArgument(format!(
+                    "no layer {after}: the model has {layers}"
+                )));
+            }
+            m.prepare_next(id, after)
+        })?;
+        // SAFETY: non-NULL and writable by this function's contract.
+        unsafe { prepared.write(next.map_or(NO_LAYER, |(layer, _)| layer)) };
+        Ok(())
     })
 }
 
@@ -308,6 +358,7 @@ pub unsafe extern "C" fn strata_params_model_stats(
         let stats = with_model(model, |m, id| {
             let r = m.registry();
             let plan = r.plan(id)?;
+            let streams = r.stream_stats(id)?;
             Ok(strata_params_model_stats_t {
                 device: device as i32,
                 layers: r.layers(id)?,
@@ -318,6 +369,15 @@ pub unsafe extern "C" fn strata_params_model_stats(
                 slots: plan.beta(),
                 remap_limit: m.controller().limit(id),
                 gpu_pages: r.gpu_pages(id)? as u64,
+                transfer_ns: m
+                    .controller()
+                    .transfer_time()
+                    .map_or(0, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX)),
+                streamed_runs: streams.streamed_runs,
+                slot_loads: streams.slot_loads,
+                loads_ahead: streams.loads_ahead,
+                found_prepared: streams.found_prepared,
+                load_waits: streams.load_waits,
                 spare: [0; 4],
             })
         })?;

@@ -99,9 +99,13 @@ fn with_pie<T>(pie: u64, f: impl FnOnce(&mut Pie) -> Result<T>) -> Result<T> {
     f(&mut p)
 }
 
-fn out_ref<'a, T>(what: &str, out: *mut T) -> Result<&'a mut T> {
-    // SAFETY: the caller passes NULL or a pointer writable as a `T` for the call (the C
-    // contract of every `out` argument below).
+/// Borrows an `out` argument; NULL is [`Error::InvalidArgument`].
+///
+/// # Safety
+///
+/// `out` is NULL or valid for writing one `T`, and not used by anyone else, for `'a`.
+unsafe fn out_ref<'a, T>(what: &str, out: *mut T) -> Result<&'a mut T> {
+    // SAFETY: NULL or writable and ours for `'a`, by this function's contract.
     unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument(format!("{what} is NULL")))
 }
 
@@ -122,7 +126,8 @@ pub unsafe extern "C" fn strata_pie_create(
     out: *mut u64,
 ) -> c_int {
     boundary::status("strata_pie_create", || {
-        let out = out_ref("out", out)?;
+        // SAFETY: `out` is NULL or writable, by this function's contract.
+        let out = unsafe { out_ref("out", out) }?;
         if layers == 0 || layers > 1 << 16 || max_cpu_layers >= layers {
             return Err(Error::InvalidArgument(format!(
                 "{layers} layers (1..=65536) with at most {max_cpu_layers} on the CPU (fewer \
@@ -167,7 +172,8 @@ pub unsafe extern "C" fn strata_pie_set_floor(pie: u64, floor: u32, cpu_layers: 
             p.floor = floor as usize;
             let m = p.apply();
             if !cpu_layers.is_null() {
-                *out_ref("cpu_layers", cpu_layers)? = m as u32;
+                // SAFETY: `cpu_layers` is writable, by this function's contract.
+                *unsafe { out_ref("cpu_layers", cpu_layers) }? = m as u32;
             }
             Ok(())
         })
@@ -187,7 +193,8 @@ pub unsafe extern "C" fn strata_pie_layer_start(
     out: *mut strata_pie_decision_t,
 ) -> c_int {
     boundary::status("strata_pie_layer_start", || {
-        let out = out_ref("out", out)?;
+        // SAFETY: `out` is NULL or writable, by this function's contract.
+        let out = unsafe { out_ref("out", out) }?;
         with_pie(pie, |p| {
             let k = p.layer(layer)?;
             let now = p.tick();
@@ -238,7 +245,8 @@ pub extern "C" fn strata_pie_swap_done(pie: u64, direction: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn strata_pie_state(pie: u64, layer: u32, out: *mut c_int) -> c_int {
     boundary::status("strata_pie_state", || {
-        let out = out_ref("out", out)?;
+        // SAFETY: `out` is NULL or writable, by this function's contract.
+        let out = unsafe { out_ref("out", out) }?;
         with_pie(pie, |p| {
             *out = match p.swapper.table.entry(p.layer(layer)?).state {
                 State::Gpu => 0,
@@ -275,7 +283,8 @@ pub unsafe extern "C" fn strata_pie_observe(
             p.expansion.observe(waited != 0, throughput);
             let m = p.apply();
             if !cpu_layers.is_null() {
-                *out_ref("cpu_layers", cpu_layers)? = m as u32;
+                // SAFETY: `cpu_layers` is writable, by this function's contract.
+                *unsafe { out_ref("cpu_layers", cpu_layers) }? = m as u32;
             }
             Ok(())
         })

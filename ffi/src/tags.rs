@@ -2,10 +2,12 @@
 //!
 //! Ids start at 1 (0 is untagged). At most [`MAX_TAGS`] names are registered at once; when
 //! that many are, the names no longer in use are released (no thread has them pushed, no call
-//! holds them, nothing of them is live or asleep on any device) and their ids reused, so a
-//! server using a tag per request never runs out. A released name starts again from zero.
+//! holds them, nothing of them is live or asleep on any device, not set to overflow) and their
+//! ids reused, so a server using a tag per request never runs out. A released name starts again
+//! from zero.
 //!
-//! Lock order: this registry, then the sleeping set (`sleeping.rs`), then an allocator's state.
+//! Lock order: this registry, then the sleeping set (`sleeping.rs`), then the overflowing set
+//! (`offload.rs`), then an allocator's state.
 //! Nothing takes the registry while holding the sleeping set (a [`Lease`] outlives the sleeping
 //! set's guard in `strata_sleep`/`strata_wake`).
 
@@ -112,7 +114,11 @@ impl Registry {
             .names
             .keys()
             .copied()
-            .filter(|id| !self.pins.contains_key(id) && !sleeping.contains(id))
+            .filter(|id| {
+                !self.pins.contains_key(id)
+                    && !sleeping.contains(id)
+                    && !crate::offload::is_overflowing(*id)
+            })
             .collect();
         // Nobody can allocate under, sleep or push an unpinned id while the lock is held, so
         // an idle tag stays idle between the check and the release.

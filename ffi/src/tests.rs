@@ -70,6 +70,10 @@ fn structs_have_the_header_layout() {
     assert_eq!(std::mem::size_of::<strata_tag_stats_t>(), 96);
     assert_eq!(std::mem::size_of::<Status>(), 4);
     assert_eq!(
+        std::mem::size_of::<crate::params::strata_params_model_stats_t>(),
+        128
+    );
+    assert_eq!(
         std::mem::size_of::<crate::harvest::strata_harvest_handle_t>(),
         32
     );
@@ -204,6 +208,38 @@ fn memory_fraction_caps_reserved_bytes_and_one_lifts_it() {
     strata_free(big, 64 << 20, 0, null_mut());
     strata_empty_cache();
     assert_eq!(stats(0).cached_large_bytes, 0);
+}
+
+#[test]
+fn empty_cache_returns_the_host_pages_an_offload_left_in_the_host_pool() {
+    let _serial = SERIAL.lock();
+    let tag = c"empty-cache-host";
+    assert_eq!(push(tag), 0, "{}", last());
+    let p = strata_malloc(3 << 20, 0, null_mut());
+    assert_eq!(strata_tag_pop(), 0);
+    assert!(!p.is_null(), "{}", last());
+    // SAFETY: a NUL-terminated tag; NULL is the default stream.
+    unsafe {
+        let rc =
+            crate::offload::strata_offload(tag.as_ptr(), crate::offload::TIER_HOST, null_mut());
+        assert_eq!(rc, 0, "{}", last());
+        assert_eq!(
+            crate::offload::strata_onload(tag.as_ptr(), null_mut()),
+            0,
+            "{}",
+            last()
+        );
+    }
+    let host = global::global().unwrap().devices()[0]
+        .existing_host_pool()
+        .expect("the offload created device 0's host pool");
+    assert!(
+        host.stats().free > 0,
+        "the onload gave the host pages back to their pool"
+    );
+    strata_empty_cache();
+    assert_eq!(host.stats().free, 0, "strata_empty_cache released them");
+    strata_free(p, 0, 0, null_mut());
 }
 
 #[test]

@@ -215,6 +215,11 @@ fn c_tag_names_no_longer_in_use_are_released() {
 }
 
 #[test]
+fn c_tags_set_to_overflow_are_kept() {
+    c_test("tag_overflow");
+}
+
+#[test]
 fn c_sleep_to_disk() {
     c_test("sleep_disk");
 }

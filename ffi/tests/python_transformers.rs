@@ -1,9 +1,10 @@
 //! Runs `python/tests/test_transformers.py` (strata.transformers: real transformers models
 //! generating with `StrataCache`) and `python/tests/test_mirage.py` (strata.mirage: an idle
-//! model's parameters reclaimed as KV pages and streamed back) against the `libstrata.so` cargo
-//! built, on the host backend outside strict mode, where KV tensors are CPU tensors torch's
-//! kernels read. Pages of 64 KiB make the tiny models' sequences cross page boundaries while
-//! they generate; torch uses one thread. With torch and transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
+//! model's parameters reclaimed as KV pages, streamed back with the look-ahead, reverted)
+//! against the `libstrata.so` cargo built, on the host backend outside strict mode, where KV
+//! tensors are CPU tensors torch's kernels read. Pages of 64 KiB make the tiny models' sequences
+//! cross page boundaries while they generate; torch uses one thread. With torch and
+//! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
 //! without them this test says why and returns.
 
 mod support;
@@ -40,7 +41,9 @@ fn python_mirage_reclaims_an_idle_models_layers_as_kv() {
     run_unittest(
         "test_mirage",
         &[
-            "test_idle_layers_become_kv_pages_and_stream_back_unchanged",
+            "test_llama_serves_on_a_qwen2_models_layers_streamed_through_one_slot",
+            "test_qwen2_serves_on_a_llama_models_layers_streamed_through_two_slots",
+            "test_layers_come_back_when_pressure_falls_even_after_the_pool_let_its_pages_go",
             "test_bad_use_is_a_typed_error",
         ],
     );

@@ -1,8 +1,8 @@
 """MIRAGE for torch models: a model's decoder layers live in strata parameter memory
 (`strata.params`), and when another model's KV cache runs out of pages the idle model's layer
 pages become KV pages; when the idle model runs again its remapped layers stream back from
-their host copies, one layer ahead of the compute (forward pre-hooks), and its outputs are
-unchanged.
+their host copies through the forward hooks, the next one loading while the current one
+computes, and its outputs are unchanged. When pressure falls the layers come back.
 
     import strata.mirage as mirage
     from strata.transformers import StrataCache
@@ -15,7 +15,9 @@ unchanged.
     with code.serving():
         code_model.generate(...)               # code's remapped layers stream through slots
     cache.close()
-    mirage.revert()                            # remapped layers back at their own addresses
+    with code.serving():                       # pressure fell: code's layers are back
+        ...
+    mirage.revert()                            # or all at once, whatever the pressure
 
 Which layers: the decoder's `layers` (`model.get_decoder().layers`; every layer with the same
 parameters, as in Llama, Mistral, Qwen2 or Mixtral). Embeddings, the final norm and the LM head
@@ -23,15 +25,30 @@ stay where they are. Each layer's parameters are packed into one strata layer (e
 64-byte aligned offset) and the model's `Parameter`s become views of it (DLPack, no copy): CUDA
 tensors on the CUDA backend, CPU tensors on the host backend outside strict mode.
 
-The remapping controller (`strata_params_step`, MIRAGE's Algorithm 1) picks the idle models
-first, up to each model's `cap` and within its timing budget `T_T · N ≤ T_compute` (`T_T`:
-strata's measured host → device time of one layer; `T_compute`: the model's per-token compute,
-measured here between the layer hooks, or given as `compute_per_layer`). A model has no budget
-until it has run once (or was given `compute_per_layer`).
+When (MIRAGE's Algorithm 1, one controller step per device, `strata_params_step`): a
+`StrataCache` out of pages calls `reclaim(pages_short)` (its `on_out_of_memory`), which remaps
+idle models' layers first, up to each model's `cap` and within its timing budget
+`T_T · N ≤ T_compute` (`T_T`: strata's measured host → device time of one layer; `T_compute`:
+an active model's per-token compute `layers · T_c`, an idle model's prefill time when known).
+`T_c` and the prefill time are measured here between the layer hooks on the CPU, or given as
+`compute_per_layer` and `prefill` (on CUDA, where kernels run asynchronously, only the given
+ones count); a model has no budget until it has run once or was given them. Dynamic reversion:
+`reclaim(0)`, run by every `serving()` (or `set_active(True)`), brings remapped layers back
+while the pool's free pages and the room left on the device (under `set_memory_fraction`'s cap)
+cover them; `revert()` brings every layer back at once.
+
+Streaming: a remapped model streams `m = α + β` evenly spaced layers through `β` slots (Eq. 4
+or 5). A layer's pre-hook asks for it (`prepare_layer`: the compute stream waits only for that
+layer's load), and each hook then starts the look-ahead (`prepare_next`): the next streamed
+layers load into whatever slots are free of running layers while this one computes. `stats()`
+counts `streamed_runs`, `found_prepared` (runs whose layer the look-ahead had loaded) and
+`load_waits` (runs that found their load still in flight); `look_ahead=False` turns it off
+(each layer then loads when it is needed).
 
 Contract: a layer's parameters are valid inside its forward. Between forwards a remapped layer's
 `Parameter`s point at unmapped memory until its next pre-hook (on the host backend, reading them
-then faults the process): read them only inside a forward or after `revert()`. Models are
+then faults the process): read them only inside a forward, or once the layer is back (after
+`revert()`, or a step that reverted it: resident layers are bound at their own addresses again). Models are
 registered for the process's life (strata parameter models are never unregistered).
 """
 
@@ -95,12 +112,16 @@ def _current_stream(kind):
 
 class ModelParams:
     """The decoder layers of a torch `model` in strata parameter memory on `device`, with
-    forward hooks that make each layer's parameters ready before it runs (`prepare_layer`) and
-    report it done after (`layer_done`). `cap`: the most layers MIRAGE may remap (default: all
-    but one). `compute_per_layer`: seconds of compute per layer and forward step to report to
-    the controller instead of the mean time measured between the hooks (CPU only)."""
+    forward hooks that make each layer's parameters ready before it runs (`prepare_layer`),
+    report it done after (`layer_done`) and load the next streamed layers ahead
+    (`prepare_next`, unless `look_ahead` is False). `cap`: the most layers MIRAGE may remap
+    (default: all but one). `compute_per_layer` and `prefill`: seconds of compute per layer and
+    forward step, and of one prefill, to report to the controller instead of the times
+    measured between the hooks (CPU only); with `compute_per_layer` given and `prefill` not, no
+    prefill is reported (the idle budget is then `layers · compute_per_layer`). The three are
+    attributes of the same names, read again at every controller step."""
 
-    def __init__(self, model, cap=None, device=0, compute_per_layer=None):
+    def __init__(self, model, cap=None, device=0, compute_per_layer=None, prefill=None, look_ahead=True):
         if getattr(model, "_strata_params", None) is not None:
             raise _lib.error(_lib.Status.INVALID_STATE, "this model's parameters are already in strata memory")
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -137,15 +158,18 @@ class ModelParams:
         self._bound = [None] * n  # address each layer's Parameters point at
         self._views = {}  # (layer, address) -> the Parameters' data there
         self._running = None  # layer between its pre-hook and its hook
-        self._compute = compute_per_layer
+        self.compute_per_layer, self.prefill = compute_per_layer, prefill
         self._spent, self._runs, self._started = 0.0, 0, None
+        self._forward_started, self._measured_prefill = None, None
+        self.look_ahead = look_ahead
+        self._streaming = False  # the plan streams layers (refreshed after every controller step)
         for i in range(n):
             self._bind(i, self._model.layer_ptr(i))
         self._hooks = [
             h
             for i, layer in enumerate(layers)
             for h in (
-                layer.register_forward_pre_hook(lambda _m, _a, i=i: self._before(i)),
+                layer.register_forward_pre_hook(lambda _m, a, kw, i=i: self._before(i, a, kw), with_kwargs=True),
                 layer.register_forward_hook(lambda _m, _a, _o, i=i: self._after(i), always_call=True),
             )
         ]
@@ -196,30 +220,65 @@ class ModelParams:
         if address != self._bound[layer]:
             self._bind(layer, address)
 
-    def _before(self, layer):
+    def _before(self, layer, args, kwargs):
+        cpu = self._kind[0] != 2
+        if layer == 0 and cpu:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            prefill = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > 1
+            self._forward_started = time.perf_counter() if prefill else None
         self._prepare(layer)
+        self._look_ahead(layer)
         self._running = layer
         self._started = time.perf_counter()
 
     def _after(self, layer):
         self._running = None
+        now = time.perf_counter()
         if self._started is not None and self._kind[0] != 2:
             # On the CPU the layer's compute is done when its hook runs; CUDA kernels are
             # asynchronous, so there only `compute_per_layer` gives T_c.
-            self._spent += time.perf_counter() - self._started
+            self._spent += now - self._started
             self._runs += 1
         self._started = None
+        if layer == self.layers - 1 and self._forward_started is not None:
+            self._measured_prefill = now - self._forward_started
+            self._forward_started = None
         self._model.layer_done(layer, _current_stream(self._kind))
+        self._look_ahead(layer)
+
+    def _look_ahead(self, layer):
+        """Loads the streamed layers after `layer` into the slots free of running layers."""
+        if not (self.look_ahead and self._streaming):
+            return
+        after = layer
+        for _ in range(self.layers):
+            after = self._model.prepare_next(after)
+            if after is None or after == layer:
+                return
 
     def _report(self):
-        per_layer = self._compute
+        per_layer = self.compute_per_layer
         if per_layer is None and self._runs:
             per_layer = self._spent / self._runs
         if per_layer is not None:
             self._model.report_compute(per_layer)
+        prefill = self.prefill
+        if prefill is None and self.compute_per_layer is None:
+            prefill = self._measured_prefill  # measured times only beside measured times
+        if prefill is not None:
+            self._model.report_prefill(prefill)
 
     def _after_step(self):
-        """A controller step may have moved the layer now running: ready it again."""
+        """A controller step may have moved layers: resident ones are bound at their own
+        addresses again, and the layer now running is readied again."""
+        self._streaming = self._model.stats()["streamed_layers"] > 0
+        for layer in range(self.layers):
+            try:
+                address = self._model.layer_ptr(layer)
+            except _lib.InvalidState:
+                continue  # streamed and in no slot: bound by its next pre-hook
+            if address != self._bound[layer]:
+                self._bind(layer, address)
         if self._running is not None:
             self._prepare(self._running)
 
@@ -235,14 +294,26 @@ class ModelParams:
             self.set_active(False)
 
     def set_active(self, active=True):
+        """Marks the model serving (remapped last) or idle. Becoming active runs one controller
+        step without a shortage (`reclaim(0)`): remapped layers come back while the device has
+        room for them (dynamic reversion; best effort: if the pages cannot be had after all, the
+        layers stay remapped and stream)."""
         self._report()
         self._model.set_active(active)
+        if active:
+            try:
+                reclaim(0, self.device)
+            except _lib.OutOfMemory:
+                pass  # the room the step counted on went elsewhere: the layers stay remapped
 
     def stats(self):
         """The model's figures (`strata_params_model_stats_t`): layers, `remapped_layers`,
-        `streamed_layers`, `slots`, `gpu_pages`, ..., and `measured_compute_per_layer`."""
+        `streamed_layers`, `slots`, `gpu_pages`, `transfer_ns` (T_T), the streaming counters
+        (`streamed_runs`, `slot_loads`, `loads_ahead`, `found_prepared`, `load_waits`), and
+        `measured_compute_per_layer` and `measured_prefill` (seconds; None until measured)."""
         s = self._model.stats()
         s["measured_compute_per_layer"] = self._spent / self._runs if self._runs else None
+        s["measured_prefill"] = self._measured_prefill
         return s
 
     def read(self, layer, offset, length):
@@ -262,31 +333,24 @@ def _controller_step(device, step):
         m._report()
     # Nothing queued may still read a layer the step unmaps.
     _synchronize(device)
-    result = step()
-    for m in models:
-        m._after_step()
-    return result
+    try:
+        return step()
+    finally:
+        for m in models:
+            m._after_step()
 
 
 def reclaim(pages_short, device=0):
     """One remapping-controller step on `device`: `pages_short` pages a KV cache could not get
-    (idle models' layer pages become KV pages), or 0 (remapped layers come back while the
-    pool's free pages cover them; the pool trims free pages it holds beyond its high
-    watermark, so `revert` is the call that brings everything back). Returns True when a
-    model's layers moved. A `StrataCache`'s `on_out_of_memory` callback:
-    `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`."""
+    (idle models' layer pages become KV pages), or 0 (dynamic reversion: remapped layers come
+    back, serving models first, while the pool's free pages and the room left on the device
+    cover them). Returns True when a model's layers moved. A `StrataCache`'s
+    `on_out_of_memory` callback: `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`."""
     return _controller_step(device, lambda: params.step(device=device, pages_short=pages_short)) > 0
 
 
 def revert(device=0):
     """Every remapped layer of every model on `device` back at its own address (pages from the
     pool, created if needed: `strata.OutOfMemory` when the device has none left); every
-    `Parameter` is valid again outside a forward."""
+    `Parameter` is valid again outside a forward (as after any step that brought them back)."""
     _controller_step(device, lambda: params.revert_all(device=device))
-    with _lock:
-        models = list(_models.get(device, ()))
-    for m in models:
-        for layer in range(m.layers):
-            address = m._model.layer_ptr(layer)
-            if address != m._bound[layer]:
-                m._bind(layer, address)

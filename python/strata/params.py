@@ -6,9 +6,11 @@ when pressure falls; streamed layers are reloaded into slots by `prepare_layer`.
     import strata.params as params
     m = params.register([layer0_bytes, layer1_bytes, ...], cap=8)   # idle until set_active
     m.report_compute(per_layer_seconds=0.002)
+    m.report_prefill(seconds=0.05)            # optional: an idle model's budget (MIRAGE 5.3)
     params.step(device=0, pages_short=64)     # e.g. after a KV space raised OutOfMemory
     m.prepare_layer(3, stream); ...; m.layer_done(3, stream)
-    params.step(device=0, pages_short=0)      # revert what free pages cover
+    m.prepare_next(3)                         # look-ahead: the next streamed layer loads now
+    params.step(device=0, pages_short=0)      # revert what the device has room for
 """
 
 import ctypes
@@ -33,6 +35,12 @@ class ModelStats(ctypes.Structure):
         ("slots", ctypes.c_uint32),
         ("remap_limit", ctypes.c_uint32),
         ("gpu_pages", _u64),
+        ("transfer_ns", _u64),
+        ("streamed_runs", _u64),
+        ("slot_loads", _u64),
+        ("loads_ahead", _u64),
+        ("found_prepared", _u64),
+        ("load_waits", _u64),
         ("spare", _u64 * 4),
     ]
 
@@ -46,6 +54,8 @@ PROTOTYPES = {
     "strata_params_layer_ptr": (_int, [_u64, ctypes.c_uint32, _P(_u64)]),
     "strata_params_set_active": (_int, [_u64, _int]),
     "strata_params_report_compute": (_int, [_u64, _u64]),
+    "strata_params_report_prefill": (_int, [_u64, _u64]),
+    "strata_params_prepare_next": (_int, [_u64, ctypes.c_uint32, _P(ctypes.c_uint32)]),
     "strata_params_step": (_int, [_int, _u64, _P(ctypes.c_uint32)]),
     "strata_params_revert_all": (_int, [_int]),
     "strata_params_prepare_layer": (_int, [_u64, ctypes.c_uint32, _vp]),
@@ -55,10 +65,9 @@ PROTOTYPES = {
     "strata_params_unregister": (_int, [_u64, _P(_u64)]),
 }
 
-
+NO_LAYER = 0xFFFF_FFFF  # STRATA_PARAMS_NO_LAYER
 
 _c = _lib.binder(PROTOTYPES)
-
 
 
 class Model:
@@ -80,6 +89,19 @@ class Model:
 
     def report_compute(self, per_layer_seconds):
         _lib.check(_c().strata_params_report_compute(self.handle, int(per_layer_seconds * 1e9)))
+
+    def report_prefill(self, seconds):
+        """The model's prefill time: its compute budget while idle (without it, layers x T_c)."""
+        _lib.check(_c().strata_params_report_prefill(self.handle, int(seconds * 1e9)))
+
+    def prepare_next(self, after):
+        """The look-ahead: queues the load of the next streamed layer after `after` (ring order)
+        into a slot that can take it now, and returns that layer (also when it is in a slot
+        already); None when nothing streams or no slot is free of running layers. Nothing
+        waits for the load until `prepare_layer` asks for the layer."""
+        out = ctypes.c_uint32()
+        _lib.check(_c().strata_params_prepare_next(self.handle, after, ctypes.byref(out)))
+        return None if out.value == NO_LAYER else out.value
 
     def prepare_layer(self, layer, stream=None):
         """Makes `layer` ready; `stream` waits for its reload (None: the default stream)."""
@@ -126,7 +148,9 @@ def register(layers, cap, device=0):
 
 
 def step(device=0, pages_short=0):
-    """One controller step; returns the number of models changed."""
+    """One controller step; returns the number of models changed. `pages_short` > 0: remap idle
+    models' layers until that many pages are free; 0: dynamic reversion, remapped layers come
+    back while the pool's free pages and the room left on the device cover them."""
     n = ctypes.c_uint32()
     _lib.check(_c().strata_params_step(device, pages_short, ctypes.byref(n)))
     return n.value

@@ -1,15 +1,19 @@
 """strata.mirage end to end with real transformers models on the CPU: two random-initialised
-Llamas in one process with their decoder layers in strata parameter memory; the serving model's
-StrataCache runs out of pages in a squeezed pool, the idle model's layer pages become KV pages
-and generation goes on with DynamicCache's tokens; the idle model then runs from its remapped
-layers (streamed back through the forward pre-hooks) and after reversion, with its tokens
-unchanged. ffi/tests/python_transformers.rs runs this module in its own process outside strict
-mode (64 KiB pages); in the strict run of the whole suite it skips."""
+models in one process with their decoder layers in strata parameter memory. In a squeezed pool
+the serving model's StrataCache runs out of pages while it decodes, the idle model's layer pages
+become KV pages and generation goes on with DynamicCache's tokens; the idle model then runs from
+its remapped layers (streamed back through the forward hooks, each loaded ahead while the layer
+before it computes) and after `revert()`, with DynamicCache's tokens. Batch 3 with different
+prompt lengths (left padding), 512 new tokens, a Llama and a Qwen2 (grouped-query attention) in
+both roles, with one slot (Eq. 4) and with two (Eq. 5). Then dynamic reversion: once the KV
+pages are gone, even back to the driver, the layers come back when the idle model serves.
+ffi/tests/python_transformers.rs runs this module in its own process outside strict mode
+(64 KiB pages, one torch thread); in the strict run of the whole suite it skips."""
 
 import unittest
 
 import strata
-from test_transformers import batch, generate, tiny, transformers
+from test_transformers import NEW_TOKENS, PROMPTS, batch, generate, tiny, transformers
 
 if transformers is not None:
     import torch
@@ -18,10 +22,15 @@ if transformers is not None:
     from strata import mirage
     from strata.transformers import StrataCache
 
-PROMPTS = (500, 470, 490)  # the serving model crosses its 512-token page while it decodes
-NEW_TOKENS = 48
-IDLE_PROMPTS = (24, 9, 16)
-IDLE_NEW_TOKENS = 32
+# The serving model's KV: 2 layers x 2 KV heads x 16 dims of float32, 512 tokens a 64 KiB page;
+# a block of 512 tokens is 2 layers x K/V x 3 rows = 12 pages. PROMPTS + NEW_TOKENS cross it.
+PAGES_PER_BLOCK = 2 * 2 * len(PROMPTS)
+# The idle model: 4 layers of 16 pages (hidden 128).
+IDLE = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4)
+# The idle model's first run, before anything is remapped (a prefix of its full run).
+FIRST_TOKENS = 16
+# Rows that cross the 512-token page within a few tokens (the reversion test's short run).
+LONG_PROMPTS = (500, 470, 490)
 
 
 def squeeze_pool(spare_pages):
@@ -36,78 +45,132 @@ def lift_pool_limit():
     strata.set_memory_fraction(1.0, 0)
 
 
+def addresses(model):
+    return [next(layer.parameters()).data_ptr() for layer in model.model.layers]
+
+
 @unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
 class MirageTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        # The serving model: small layers, KV of 2 layers x 2 KV heads x 16 dims (512 tokens a
-        # page). The idle one: 4 layers of 16 pages each.
-        cls.serving = tiny("Llama")
-        cls.idle = tiny("Llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4)
-        cls.serving_expected = generate(cls.serving, DynamicCache(), NEW_TOKENS, PROMPTS)
-        cls.idle_expected = generate(cls.idle, DynamicCache(), IDLE_NEW_TOKENS, IDLE_PROMPTS)
-        cls.serving_params = mirage.ModelParams(cls.serving)
-        # The idle model states its compute time: the controller's budget (T_T * N <= T_compute)
-        # then allows remapping whatever this machine's timings are; the budget has its own
-        # tests in tiers/tests/mirage.rs.
-        cls.idle_params = mirage.ModelParams(cls.idle, cap=3, compute_per_layer=0.05)
+    def setUp(self):
+        self.addCleanup(lift_pool_limit)
 
-    def idle_tokens(self):
-        with self.idle_params.serving():
-            return generate(self.idle, DynamicCache(), IDLE_NEW_TOKENS, IDLE_PROMPTS)
+    def two_models(self, serving_name, idle_name, new_tokens=NEW_TOKENS, prompts=PROMPTS):
+        """The two models with DynamicCache's tokens, then in strata memory: the serving one never
+        remapped (cap 0), the idle one up to 3 of its 4 layers at 50 ms of compute a layer (the
+        budget T_T * N <= T_compute then allows that whatever this machine's timings; the budget
+        has its own tests in tiers/tests/mirage.rs)."""
+        serving, idle = tiny(serving_name), tiny(idle_name, **IDLE)
+        expected = (generate(serving, DynamicCache(), new_tokens, prompts), generate(idle, DynamicCache(), new_tokens))
+        params = (mirage.ModelParams(serving, cap=0), mirage.ModelParams(idle, cap=3, compute_per_layer=0.05))
+        return (serving, idle), expected, params
 
-    def test_idle_layers_become_kv_pages_and_stream_back_unchanged(self):
-        # From strata memory, before any remapping: the same tokens as from torch's memory.
-        idle, serving = self.idle_params, self.serving_params
-        self.assertTrue(torch.equal(self.idle_tokens(), self.idle_expected))
-        self.assertGreater(idle.stats()["measured_compute_per_layer"], 0)
-        resident = [next(layer.parameters()).data_ptr() for layer in self.idle.model.layers]
-        self.assertEqual(resident, [idle._model.layer_ptr(i) for i in range(idle.layers)])
+    def idle_tokens(self, idle, idle_params, new_tokens=NEW_TOKENS):
+        with idle_params.serving():
+            return generate(idle, DynamicCache(), new_tokens)
 
-        per_block = 2 * 2 * len(PROMPTS)  # pages of one 512-token block: layers x K/V x rows
-        squeeze_pool(per_block + 1)
+    def serve_until_the_idle_model_gives_a_layer(self, serving, serving_params, expected, new_tokens, prompts):
+        """The serving model decodes in a pool squeezed to its first block of pages plus one: at
+        the 512th token its cache takes the idle model's layer pages and still gives
+        DynamicCache's tokens. Returns the open cache."""
+        squeeze_pool(PAGES_PER_BLOCK + 1)
+        with serving_params.serving():
+            cache = StrataCache(
+                serving.config, max_cache_len=max(prompts) + new_tokens, on_out_of_memory=mirage.reclaim
+            )
+            got = generate(serving, cache, new_tokens, prompts)
+        self.assertTrue(torch.equal(got, expected), f"{(got != expected).sum()} tokens differ")
+        self.assertEqual(cache.stats()["tokens"], max(prompts) + new_tokens - 1)
+        self.assertGreater(cache.stats()["pool_adopted_pages"], 0)
+        cache.space.check()
+        self.assertEqual(serving_params.stats()["remapped_layers"], 0)
+        return cache
+
+    def reclaim_stream_and_revert(self, serving_name, idle_name, slots):
+        (serving, idle), (serving_expected, idle_expected), (serving_params, idle_params) = self.two_models(
+            serving_name, idle_name
+        )
+        if slots == 2:
+            # T_c between 3/4 and 1 of T_T: one remapped layer of 4 fails Eq. 4 (2 T_T <= 2 T_c)
+            # and passes Eq. 5 (3 T_T <= 4 T_c), two pass neither: double buffering.
+            idle_params.compute_per_layer = 0.9 * idle_params.stats()["transfer_ns"] / 1e9
+
+        # From strata memory, before any remapping, at the layers' own addresses: the first of
+        # DynamicCache's tokens (greedy, so a prefix of the full run).
+        first = self.idle_tokens(idle, idle_params, FIRST_TOKENS)
+        self.assertTrue(torch.equal(first, idle_expected[:, : first.shape[1]]))
+        resident = addresses(idle)
+        self.assertEqual(resident, [idle_params._model.layer_ptr(i) for i in range(idle_params.layers)])
+
+        cache = self.serve_until_the_idle_model_gives_a_layer(
+            serving, serving_params, serving_expected, NEW_TOKENS, PROMPTS
+        )
+        self.assertGreater(serving_params.stats()["measured_prefill"], 0)
+        s = idle_params.stats()
+        self.assertEqual((s["remapped_layers"], s["slots"], s["streamed_layers"]), (1, slots, 1 + slots), s)
+
+        # The idle model runs from its remapped layers, streamed through its slots; the pool is
+        # still squeezed, so becoming active brings nothing back. Each streamed layer but the
+        # very first was loaded ahead, while the layers before it computed.
+        seen = set()
+        hooks = [
+            layer.register_forward_hook(lambda m, a, o: seen.add(next(m.parameters()).data_ptr()))
+            for layer in idle.model.layers
+        ]
         try:
-            with serving.serving():
-                cache = StrataCache(
-                    self.serving.config, max_cache_len=max(PROMPTS) + NEW_TOKENS, on_out_of_memory=mirage.reclaim
-                )
-                got = generate(self.serving, cache, NEW_TOKENS, PROMPTS)
-            self.assertTrue(torch.equal(got, self.serving_expected), f"{(got != self.serving_expected).sum()} differ")
-            self.assertEqual(cache.stats()["tokens"], max(PROMPTS) + NEW_TOKENS - 1)
-            self.assertGreater(cache.stats()["pool_adopted_pages"], 0)
-            cache.space.check()
-            s = idle.stats()
-            self.assertGreaterEqual(s["remapped_layers"], 1, s)
-            self.assertGreaterEqual(s["streamed_layers"], s["remapped_layers"] + 1, s)
-            self.assertEqual(serving.stats()["remapped_layers"], 0)
-
-            # The idle model runs from its remapped layers: streamed through its slots.
-            seen = set()
-            hooks = [
-                layer.register_forward_hook(lambda m, a, o: seen.add(next(m.parameters()).data_ptr()))
-                for layer in self.idle.model.layers
-            ]
-            try:
-                self.assertTrue(torch.equal(self.idle_tokens(), self.idle_expected))
-            finally:
-                for h in hooks:
-                    h.remove()
-            self.assertEqual(idle.stats()["remapped_layers"], s["remapped_layers"])
-            slots = {resident[0] + idle._model.stats()["layer_bytes"] * (idle.layers + i) for i in range(s["slots"])}
-            self.assertEqual(slots, seen - set(resident), "streamed layers ran from the slots")
-
-            # The KV pages come back: the layers are resident again, the tokens the same.
-            cache.close()
-            mirage.revert()
-            self.assertEqual(idle.stats()["remapped_layers"], 0)
-            self.assertEqual([next(layer.parameters()).data_ptr() for layer in self.idle.model.layers], resident)
-            self.assertTrue(torch.equal(self.idle_tokens(), self.idle_expected))
+            got = self.idle_tokens(idle, idle_params)
         finally:
-            lift_pool_limit()
+            for h in hooks:
+                h.remove()
+        self.assertTrue(torch.equal(got, idle_expected), f"{(got != idle_expected).sum()} tokens differ")
+        after = idle_params.stats()
+        self.assertEqual(after["remapped_layers"], 1)
+        slot_addresses = {resident[0] + after["layer_bytes"] * (idle_params.layers + i) for i in range(slots)}
+        self.assertEqual(slot_addresses, seen - set(resident), "streamed layers ran from the slots")
+        runs = after["streamed_runs"] - s["streamed_runs"]
+        self.assertEqual(runs, NEW_TOKENS * after["streamed_layers"])
+        self.assertEqual(after["found_prepared"] - s["found_prepared"], runs - 1, after)
+        self.assertGreaterEqual(after["loads_ahead"] - s["loads_ahead"], runs - 1, after)
+
+        # The KV pages come back: the layers are resident again, the tokens the same.
+        cache.close()
+        mirage.revert()
+        self.assertEqual(idle_params.stats()["remapped_layers"], 0)
+        self.assertEqual(addresses(idle), resident)
+        self.assertTrue(torch.equal(self.idle_tokens(idle, idle_params), idle_expected))
+
+    def test_llama_serves_on_a_qwen2_models_layers_streamed_through_one_slot(self):
+        self.reclaim_stream_and_revert("Llama", "Qwen2", slots=1)
+
+    def test_qwen2_serves_on_a_llama_models_layers_streamed_through_two_slots(self):
+        self.reclaim_stream_and_revert("Qwen2", "Llama", slots=2)
+
+    def test_layers_come_back_when_pressure_falls_even_after_the_pool_let_its_pages_go(self):
+        (serving, idle), (serving_expected, idle_expected), (serving_params, idle_params) = self.two_models(
+            "Llama", "Llama", new_tokens=24, prompts=LONG_PROMPTS
+        )
+        self.assertTrue(torch.equal(self.idle_tokens(idle, idle_params, 24), idle_expected))
+        resident = addresses(idle)
+        cache = self.serve_until_the_idle_model_gives_a_layer(
+            serving, serving_params, serving_expected, 24, LONG_PROMPTS
+        )
+        self.assertEqual(idle_params.stats()["remapped_layers"], 1)
+        # The requests finish: their pages go back to the pool, which gives its free pages back
+        # to the driver (as its worker does above its high watermark; empty_cache does it now).
+        # Nothing is free in the pool, but the device has room again under the same cap.
+        cache.close()
+        strata.empty_cache()
+        self.assertEqual(strata.stats(0)["pool_free_bytes"], 0)
+        with idle_params.serving():  # a controller step without a shortage: dynamic reversion
+            self.assertEqual(idle_params.stats()["remapped_layers"], 0)
+            self.assertEqual(addresses(idle), resident)
+            got = generate(idle, DynamicCache(), 24)
+        self.assertTrue(torch.equal(got, idle_expected))
 
     def test_bad_use_is_a_typed_error(self):
+        serving = tiny("Llama")
+        mirage.ModelParams(serving, cap=0)
         with self.assertRaisesRegex(strata.InvalidState, "already"):
-            mirage.ModelParams(self.idle)
+            mirage.ModelParams(serving)
         with self.assertRaisesRegex(strata.InvalidArgument, "layers"):
             mirage.ModelParams(torch.nn.Linear(4, 4))
         asked = []
@@ -117,27 +180,25 @@ class MirageTest(unittest.TestCase):
             return False
 
         ids, mask = batch((8, 5, 3))
-        with StrataCache(self.serving.config, max_cache_len=10, on_out_of_memory=reclaim) as cache:
+        with StrataCache(serving.config, max_cache_len=10, on_out_of_memory=reclaim) as cache:
             with self.assertRaisesRegex(strata.InvalidArgument, "max_cache_len"):
-                generate(self.serving, cache, 6, (8, 5, 3))
+                generate(serving, cache, 6, (8, 5, 3))
         self.assertEqual(asked, [])
-        cache = StrataCache(self.serving.config, max_cache_len=64, on_out_of_memory=reclaim)
+        cache = StrataCache(serving.config, max_cache_len=64, on_out_of_memory=reclaim)
         cache.close()
         with self.assertRaisesRegex(strata.InvalidState, "closed"):
-            generate(self.serving, cache, 2, (8, 5, 3))
+            generate(serving, cache, 2, (8, 5, 3))
 
         # Out of pages with nothing to reclaim: OutOfMemory, and the cache keeps its tokens.
-        with StrataCache(self.serving.config, max_cache_len=1024, on_out_of_memory=reclaim) as cache:
+        with StrataCache(serving.config, max_cache_len=1024, on_out_of_memory=reclaim) as cache:
             with torch.no_grad():
-                self.serving(input_ids=ids, attention_mask=mask, past_key_values=cache)
+                serving(input_ids=ids, attention_mask=mask, past_key_values=cache)
             held = cache.stats()["kv_bytes"]
             squeeze_pool(0)
-            try:
-                with self.assertRaises(strata.OutOfMemory):
-                    with torch.no_grad():
-                        self.serving(input_ids=torch.ones(3, 600, dtype=torch.long), past_key_values=cache)
-            finally:
-                lift_pool_limit()
+            with self.assertRaises(strata.OutOfMemory):
+                with torch.no_grad():
+                    serving(input_ids=torch.ones(3, 600, dtype=torch.long), past_key_values=cache)
+            lift_pool_limit()
             self.assertEqual(len(asked), 1)
             self.assertGreater(asked[0], 0)
             self.assertEqual(cache.get_seq_length(), ids.shape[1])

@@ -1,5 +1,7 @@
 """strata.params through ctypes (strict mode): an idle model's layers remapped under pressure
-and reverted, every layer's bytes intact through prepare_layer / layer_done; typed errors."""
+and reverted, every layer's bytes intact through prepare_layer / layer_done and with the
+look-ahead (prepare_next); the prefill budget; reversion once the device has room, though the
+pool gave its free pages back; typed errors."""
 
 import importlib.util
 import unittest
@@ -33,6 +35,54 @@ class ParamsTest(unittest.TestCase):
         self.assertEqual(model.stats()["remapped_layers"], 0)
         for i in range(6):
             self.assertEqual(model.read(i, 1000, 5000), layer_bytes(i)[1000:6000])
+
+    def test_look_ahead_and_prefill_budget(self):
+        model = params.register([layer_bytes(i) for i in range(6)], cap=2, device=1)
+        self.assertGreater(model.stats()["transfer_ns"], 0)
+        self.assertIsNone(model.prepare_next(0))  # nothing streams
+        with self.assertRaises(strata.InvalidArgument):
+            model.prepare_next(6)
+        # An idle model's budget is its prefill when it reported one, else layers x T_c.
+        model.report_compute(1e-9)
+        self.assertEqual(model.stats()["remap_limit"], 0)
+        model.report_prefill(3600)
+        self.assertEqual(model.stats()["remap_limit"], 2)
+        model.report_compute(0.05)
+        model.set_active()  # the most recently active idle model goes first
+        model.set_active(False)
+        self.assertGreaterEqual(params.step(device=1, pages_short=1), 1)
+        st = model.stats()
+        streamed = st["streamed_layers"]
+        self.assertGreater(streamed, 0)
+        for _ in range(2):
+            for i in range(6):
+                model.prepare_layer(i)
+                self.assertEqual(model.read(i, 0, 4096), layer_bytes(i)[:4096])
+                model.layer_done(i)
+                after = i
+                while (after := model.prepare_next(after)) not in (None, i):
+                    pass
+        s = model.stats()
+        runs = s["streamed_runs"] - st["streamed_runs"]
+        self.assertEqual(runs, 2 * streamed)
+        self.assertEqual(s["found_prepared"] - st["found_prepared"], runs - 1)
+        params.revert_all(device=1)
+        model.unregister()  # no budget left behind for the other tests' steps
+
+    def test_reversion_comes_when_the_device_has_room_though_the_pool_let_its_pages_go(self):
+        model = params.register([layer_bytes(i) for i in range(4)], cap=1, device=1)
+        model.report_compute(0.05)
+        model.set_active()  # the most recently active idle model goes first
+        model.set_active(False)
+        params.step(device=1, pages_short=1)
+        self.assertEqual(model.stats()["remapped_layers"], 1)
+        strata.empty_cache()  # the pool's free pages (the layer's among them) go to the driver
+        self.assertEqual(strata.stats(device=1)["pool_free_bytes"], 0)
+        self.assertGreaterEqual(params.step(device=1, pages_short=0), 1)
+        self.assertEqual(model.stats()["remapped_layers"], 0)
+        for i in range(4):
+            self.assertEqual(model.read(i, 0, 4096), layer_bytes(i)[:4096])
+        model.unregister()
 
     def test_unregister_gives_the_pages_back_and_waits_for_idle(self):
         before = strata.stats(device=0)["pool_in_use_bytes"]

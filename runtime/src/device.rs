@@ -29,7 +29,11 @@ pub struct DeviceRuntime {
     /// Host-memory pages mapped for this device (offloaded tags), created on first use.
     host_pool: OnceLock<Arc<PagePool>>,
     pool: OnceLock<Arc<PagePool>>,
-    init: Mutex<()>,
+    /// One creation lock per lazily created field, so that an allocator's `init` may create
+    /// the host pool (see [`DeviceRuntime::allocator_with`]).
+    allocator_init: Mutex<()>,
+    host_pool_init: Mutex<()>,
+    pool_init: Mutex<()>,
 }
 
 /// A snapshot of a device's runtime (`None`: not created yet).
@@ -48,7 +52,9 @@ impl DeviceRuntime {
             allocator: OnceLock::new(),
             host_pool: OnceLock::new(),
             pool: OnceLock::new(),
-            init: Mutex::new(()),
+            allocator_init: Mutex::new(()),
+            host_pool_init: Mutex::new(()),
+            pool_init: Mutex::new(()),
         }
     }
 
@@ -64,7 +70,13 @@ impl DeviceRuntime {
     pub fn pool(&self) -> Result<&Arc<PagePool>> {
         match self.pool.get() {
             Some(p) => Ok(p),
-            None => self.create_pool(),
+            None => init_once(&self.pool, &self.pool_init, || {
+                PagePool::new(
+                    Arc::clone(&self.backend),
+                    self.device,
+                    self.config.pool.clone(),
+                )
+            }),
         }
     }
 
@@ -78,19 +90,18 @@ impl DeviceRuntime {
     /// allocator offloads tags onto it ([`CachingAllocator::offload`]). A backend without
     /// host VMM memory is [`Error::Unsupported`](strata_vmm::Error::Unsupported).
     pub fn host_pool(&self) -> Result<&Arc<PagePool>> {
-        if let Some(p) = self.host_pool.get() {
-            return Ok(p);
-        }
-        let _guard = self.init.lock();
-        if let Some(p) = self.host_pool.get() {
-            return Ok(p);
-        }
-        let pool = PagePool::new_host(
-            Arc::clone(&self.backend),
-            self.device,
-            self.config.pool.clone(),
-        )?;
-        Ok(self.host_pool.get_or_init(|| pool))
+        init_once(&self.host_pool, &self.host_pool_init, || {
+            PagePool::new_host(
+                Arc::clone(&self.backend),
+                self.device,
+                self.config.pool.clone(),
+            )
+        })
+    }
+
+    /// The host pool if it was already created.
+    pub fn existing_host_pool(&self) -> Option<&Arc<PagePool>> {
+        self.host_pool.get()
     }
 
     /// The caching allocator over [`DeviceRuntime::pool`], created on first use.
@@ -98,8 +109,32 @@ impl DeviceRuntime {
     pub fn allocator(&self) -> Result<&CachingAllocator> {
         match self.allocator.get() {
             Some(a) => Ok(a),
-            None => self.create_allocator(),
+            None => self.allocator_with(|_| Ok(())),
         }
+    }
+
+    /// [`DeviceRuntime::allocator`]; when this call creates it, `init` configures it first
+    /// (tags asleep, overflow), before any other caller can reach it: [`existing_allocator`]
+    /// and every other thread see the allocator only once `init` succeeded. If `init` fails,
+    /// the allocator is dropped and the error returned; the next call creates it again.
+    /// `init` may create the host pool, not the allocator.
+    ///
+    /// [`existing_allocator`]: DeviceRuntime::existing_allocator
+    #[cold]
+    #[inline(never)]
+    pub fn allocator_with(
+        &self,
+        init: impl FnOnce(&CachingAllocator) -> Result<()>,
+    ) -> Result<&CachingAllocator> {
+        if let Some(a) = self.allocator.get() {
+            return Ok(a);
+        }
+        let pool = Arc::clone(self.pool()?);
+        init_once(&self.allocator, &self.allocator_init, || {
+            let allocator = CachingAllocator::new(pool, self.config.caching.clone())?;
+            init(&allocator)?;
+            Ok(allocator)
+        })
     }
 
     /// The allocator if it was already created.
@@ -115,33 +150,26 @@ impl DeviceRuntime {
             allocator: self.allocator.get().map(CachingAllocator::stats),
         }
     }
+}
 
-    #[cold]
-    #[inline(never)]
-    fn create_pool(&self) -> Result<&Arc<PagePool>> {
-        let _guard = self.init.lock();
-        if let Some(p) = self.pool.get() {
-            return Ok(p);
-        }
-        let pool = PagePool::new(
-            Arc::clone(&self.backend),
-            self.device,
-            self.config.pool.clone(),
-        )?;
-        Ok(self.pool.get_or_init(|| pool))
+/// `cell`'s value, made by `make` under `lock` by the first caller (one `make` at a time; a
+/// failure is returned and the next call tries again).
+#[cold]
+#[inline(never)]
+fn init_once<'a, T>(
+    cell: &'a OnceLock<T>,
+    lock: &Mutex<()>,
+    make: impl FnOnce() -> Result<T>,
+) -> Result<&'a T> {
+    if let Some(v) = cell.get() {
+        return Ok(v);
     }
-
-    #[cold]
-    #[inline(never)]
-    fn create_allocator(&self) -> Result<&CachingAllocator> {
-        let pool = Arc::clone(self.pool()?);
-        let _guard = self.init.lock();
-        if let Some(a) = self.allocator.get() {
-            return Ok(a);
-        }
-        let allocator = CachingAllocator::new(pool, self.config.caching.clone())?;
-        Ok(self.allocator.get_or_init(|| allocator))
+    let _guard = lock.lock();
+    if let Some(v) = cell.get() {
+        return Ok(v);
     }
+    let v = make()?;
+    Ok(cell.get_or_init(|| v))
 }
 
 impl std::fmt::Debug for DeviceRuntime {

@@ -134,3 +134,38 @@ fn devices_are_validated_and_created_on_first_use() {
         .deallocate(ptr, StreamHandle::DEFAULT)
         .unwrap();
 }
+
+/// An allocator configured on creation (`allocator_with`) is reachable by no one until its
+/// `init` succeeded: another thread sees no allocator meanwhile, and a failed `init` leaves none
+/// behind, so the next call creates and configures one again. (The C ABI applies sleeping tags
+/// there: a thread that reached the allocator before could allocate under a sleeping tag.)
+#[test]
+fn an_allocator_is_published_only_once_its_init_succeeded() {
+    let b = backend(&[64 * MIB]);
+    let rt = runtime(&b);
+    let d = rt.device(0).unwrap();
+    let failed = d.allocator_with(|a| {
+        assert!(a.stats().live_allocations == 0);
+        std::thread::scope(|s| {
+            let seen = s.spawn(|| rt.existing(0).is_some()).join().unwrap();
+            assert!(!seen, "another thread reached the allocator during init");
+        });
+        assert!(d.host_pool().is_ok(), "init may create the host pool");
+        Err(Error::InvalidState("init refused".into()))
+    });
+    assert!(matches!(failed, Err(Error::InvalidState(_))));
+    assert!(d.existing_allocator().is_none() && rt.existing_all().count() == 0);
+    let mut ran = false;
+    let a = d
+        .allocator_with(|_| {
+            ran = true;
+            Ok(())
+        })
+        .unwrap();
+    assert!(ran, "created again, with its init");
+    assert!(std::ptr::eq(a, rt.existing(0).unwrap()));
+    let again = d
+        .allocator_with(|_| panic!("init runs only on creation"))
+        .unwrap();
+    assert!(std::ptr::eq(a, again));
+}

@@ -181,13 +181,7 @@ fn reclaimed_parameter_pages_are_the_kv_pages_and_revert_bit_identical() {
     // One token of the idle model: every streamed layer reloads through the slot.
     let compute = Stream::new(&b, 0).unwrap();
     for l in 0..8 {
-        let ev = m.prepare_layer(idle, l).unwrap();
-        b.stream_wait_event(compute.handle(), ev.handle()).unwrap();
-        ev.synchronize().unwrap();
-        check_bytes(&b, m.layer_ptr(idle, l).unwrap(), seed(idle, l));
-        let done = Arc::new(Event::new(&b).unwrap());
-        done.record(compute.handle()).unwrap();
-        m.layer_done(idle, l, done).unwrap();
+        run_layer(&mut m, &compute, idle, l, false);
     }
     compute.synchronize().unwrap();
 
@@ -487,4 +481,116 @@ fn unregistering_gives_every_page_back_and_waits_for_the_model_to_be_idle_and_do
         check_bytes(&b, m.layer_ptr(active, l).unwrap(), seed(active, l));
     }
     compute.synchronize().unwrap();
+}
+
+/// One run of `layer`: asked for, its load waited on by the compute stream, its bytes checked in
+/// the slot, its compute reported done, then the look-ahead fills what slots it can.
+fn run_layer(m: &mut Mirage, compute: &Stream, id: ModelId, layer: u32, look_ahead: bool) {
+    let b = Arc::clone(m.engine().backend());
+    let ev = m.prepare_layer(id, layer).unwrap();
+    b.stream_wait_event(compute.handle(), ev.handle()).unwrap();
+    compute.synchronize().unwrap();
+    check_bytes(&b, m.layer_ptr(id, layer).unwrap(), seed(id, layer));
+    let done = Arc::new(Event::new(&b).unwrap());
+    done.record(compute.handle()).unwrap();
+    m.layer_done(id, layer, done).unwrap();
+    if !look_ahead {
+        return;
+    }
+    let mut after = layer;
+    while let Some((next, _)) = m.prepare_next(id, after).unwrap() {
+        if next == layer {
+            break;
+        }
+        after = next;
+    }
+}
+
+/// An idle 8-layer model with one layer remapped: layers 0 and 4 stream through one slot.
+fn one_slot_model(b: &Arc<dyn Backend>) -> (Mirage, ModelId) {
+    let kv_pool = pool(b, Some(0));
+    let (mut m, _active, idle) = active_and_idle(b, &kv_pool, 8, (4, 4));
+    m.controller_mut()
+        .set_transfer_time(Duration::from_millis(1));
+    m.step(m.pressure(1)).unwrap();
+    let plan = m.registry().plan(idle).unwrap().clone();
+    assert_eq!((plan.alpha, plan.streamed), (1, vec![0, 4]));
+    assert_eq!(plan.buffering, Some(Buffering::Single));
+    (m, idle)
+}
+
+#[test]
+fn the_look_ahead_loads_the_next_streamed_layer_before_it_is_asked_for() {
+    let b = backend(None);
+    let compute = Stream::new(&b, 0).unwrap();
+    for look_ahead in [false, true] {
+        let (mut m, id) = one_slot_model(&b);
+        for _token in 0..3 {
+            for l in 0..8 {
+                run_layer(&mut m, &compute, id, l, look_ahead);
+            }
+        }
+        let s = m.stream_stats(id).unwrap();
+        assert_eq!(s.streamed_runs, 6, "{s:?}");
+        if look_ahead {
+            // Layer 4 loads while layers 1-3 run, layer 0 of the next token while 5-7 run:
+            // every run but the first finds its layer prepared (and the last token loaded the
+            // next one's layer 0 ahead).
+            assert_eq!(s.slot_loads, 7, "{s:?}");
+            assert_eq!((s.loads_ahead, s.found_prepared), (6, 5), "{s:?}");
+        } else {
+            assert_eq!(
+                s.slot_loads, 6,
+                "each run of a streamed layer loads it: {s:?}"
+            );
+            assert_eq!((s.loads_ahead, s.found_prepared), (0, 0), "{s:?}");
+        }
+    }
+}
+
+#[test]
+fn a_layer_loaded_ahead_gives_way_to_the_layer_asked_for() {
+    let b = backend(None);
+    let compute = Stream::new(&b, 0).unwrap();
+    let (mut m, id) = one_slot_model(&b);
+    run_layer(&mut m, &compute, id, 0, true);
+    // Layer 4 was loaded ahead into the one slot; no kernel reads it yet, so a run that asks
+    // for layer 0 again (a new forward) takes the slot instead of failing.
+    assert_eq!(m.stream_stats(id).unwrap().loads_ahead, 1);
+    run_layer(&mut m, &compute, id, 0, false);
+    assert!(matches!(m.layer_ptr(id, 4), Err(Error::InvalidState(_))));
+    // A look-ahead never evicts a layer loaded ahead and not yet run.
+    m.prepare_next(id, 0).unwrap().unwrap();
+    assert!(m.prepare_next(id, 4).unwrap().is_none());
+    // Nor does a slot holding it keep the model from being unregistered.
+    m.controller_mut().set_active(id, false);
+    assert!(m.unregister_model(id).unwrap() > 0);
+    compute.synchronize().unwrap();
+}
+
+#[test]
+fn reversion_comes_when_the_device_has_room_after_the_pool_trimmed_its_free_pages() {
+    let b = backend(None);
+    let kv_pool = pool(&b, None);
+    let (mut m, _active, idle) = active_and_idle(&b, &kv_pool, 8, (4, 4));
+    m.step(m.pressure(2)).unwrap();
+    assert_eq!(m.registry().plan(idle).unwrap().alpha, 2);
+    assert_eq!(kv_pool.stats().free, 2);
+    // The KV pool gives its free pages back to the driver (as its worker does above the high
+    // watermark, or empty_cache): nothing is free, yet the device has room for every layer.
+    assert_eq!(kv_pool.trim(0), 2);
+    let device_free = b.mem_info(0).unwrap().free / PAGE;
+    assert_eq!(m.available_pages() as u64, device_free);
+    assert!(device_free >= 2);
+    // No room under the pool's limit: the layers stay remapped.
+    kv_pool.set_limit(Some(0));
+    assert_eq!(m.available_pages(), 0);
+    assert!(m.step(m.pressure(0)).unwrap().is_empty());
+    // Room again: every layer comes back.
+    kv_pool.set_limit(None);
+    let r = m.step(m.pressure(0)).unwrap();
+    assert_eq!((r.len(), r[0].from_alpha, r[0].plan.alpha), (1, 2, 0));
+    for l in 0..8 {
+        check_bytes(&b, m.layer_ptr(idle, l).unwrap(), seed(idle, l));
+    }
 }

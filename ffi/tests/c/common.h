@@ -79,6 +79,28 @@ static inline strata_stats_t stats_of(int device) {
     return s;
 }
 
+/* Fills device `device` under tag "hog" (64 MiB blocks, then 2 MiB ones) until it refuses,
+ * whatever its size: the blocks go into hog[0..cap), their number is returned (fewer than
+ * `cap`: the device is full). free_all frees them. */
+static inline int fill_device(int device, void **hog, int cap) {
+    int n = 0;
+    CHECK_OK(strata_tag_push("hog"));
+    while (n < cap && (hog[n] = strata_malloc(64 << 20, device, NULL)) != NULL)
+        n++;
+    while (n < cap && (hog[n] = strata_malloc(2 << 20, device, NULL)) != NULL)
+        n++;
+    CHECK_OK(strata_tag_pop());
+    CHECK(n < cap);
+    return n;
+}
+
+/* Frees blocks[0..n) of `device`, then empties the cache (the memory goes back to the device). */
+static inline void free_all(int device, void **blocks, int n) {
+    for (int i = 0; i < n; i++)
+        CHECK_OK(strata_free_checked(blocks[i], 0, device, NULL));
+    strata_empty_cache();
+}
+
 /* Small deterministic PRNG for the walks. */
 static inline uint64_t next_rand(uint64_t *state) {
     uint64_t x = *state;

@@ -3,7 +3,8 @@
  *   background refill used to recreate 32 MiB per device within ~50 ms.
  * - The memory-fraction cap covers everything strata holds on the device, the pool's free
  *   pages included (they used to come on top of it).
- * - A cap of zero bytes is reported as a cap (limit_set), not as "none". */
+ * - A cap of zero bytes is reported as a cap (limit_set), not as "none".
+ * - The hooks (void) clear the last error on success: it used to keep the previous failure. */
 #define _POSIX_C_SOURCE 200809L
 #include <time.h>
 
@@ -62,7 +63,13 @@ int main(void) {
     CHECK(s.limit_set == 1 && s.limit_bytes == 0);
     CHECK(strata_malloc(4096, 0, NULL) == NULL);
     CHECK_ERR("STRATA_LIMIT_EXCEEDED");
+    /* The hooks report only through the last error: a success clears the one left before. */
     strata_set_memory_fraction(1e-300, 0);
+    CHECK(strcmp(strata_last_error(), "") == 0);
+    strata_set_memory_fraction(2.0, 0);
+    CHECK_ERR("outside [0, 1]");
+    strata_empty_cache();
+    CHECK(strcmp(strata_last_error(), "") == 0);
     s = stats_of(0);
     CHECK(s.limit_set == 1 && s.limit_bytes == 0);
     strata_set_memory_fraction(1.0, 0);

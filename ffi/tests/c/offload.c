@@ -68,14 +68,8 @@ int main(void) {
     /* Overflow: once the device is full, the overflowing tag is served from host memory and
      * other tags still get NULL; onload moves its pages to the device once there is room. */
     static void *hog[1024];
-    int nh = 0;
-    CHECK_OK(strata_tag_push("hog"));
-    while (nh < 1024 && (hog[nh] = strata_malloc(64 << 20, 0, NULL)) != NULL)
-        nh++;
-    while (nh < 1024 && (hog[nh] = strata_malloc(2 << 20, 0, NULL)) != NULL)
-        nh++;
-    CHECK_OK(strata_tag_pop());
-    CHECK(nh >= 4 && nh < 1024);
+    int nh = fill_device(0, hog, 1024);
+    CHECK(nh >= 4);
     CHECK(strata_set_overflow("model", 5) == STRATA_INVALID_ARGUMENT);
     CHECK_OK(strata_set_overflow("model", STRATA_TIER_HOST));
     CHECK_OK(strata_tag_push("model"));
@@ -89,9 +83,7 @@ int main(void) {
     CHECK_OK(strata_tag_push("other"));
     CHECK(strata_malloc(16 << 20, 0, NULL) == NULL);
     CHECK_OK(strata_tag_pop());
-    for (int i = 0; i < nh; i++)
-        CHECK_OK(strata_free_checked(hog[i], 0, 0, NULL));
-    strata_empty_cache();
+    free_all(0, hog, nh);
     CHECK_OK(strata_onload("model", NULL));
     CHECK_OK(strata_spill_stats("model", 0, &ov));
     CHECK(ov.host_bytes == 0);
@@ -101,14 +93,7 @@ int main(void) {
 
     /* Overflow onto device 1's pages, then device 1 takes them back: the allocation moves
      * to device 0 (room made first) at the same address, each move noticed once. */
-    nh = 0;
-    CHECK_OK(strata_tag_push("hog"));
-    while (nh < 1024 && (hog[nh] = strata_malloc(64 << 20, 0, NULL)) != NULL)
-        nh++;
-    while (nh < 1024 && (hog[nh] = strata_malloc(2 << 20, 0, NULL)) != NULL)
-        nh++;
-    CHECK_OK(strata_tag_pop());
-    CHECK(nh < 1024); /* the device is full, whatever its size */
+    nh = fill_device(0, hog, 1024);
     CHECK_OK(strata_set_overflow_peer("model", 1));
     CHECK_OK(strata_tag_push("model"));
     void *lent = strata_malloc(8 << 20, 0, NULL);
@@ -117,9 +102,7 @@ int main(void) {
     put_pattern(lent, 65536, 88);
     CHECK_OK(strata_spill_stats("model", 0, &ov));
     CHECK(ov.peer_bytes >= (8 << 20));
-    for (int i = 0; i < nh; i++)
-        CHECK_OK(strata_free_checked(hog[i], 0, 0, NULL));
-    strata_empty_cache();
+    free_all(0, hog, nh);
     CHECK_OK(strata_revoke_peer(1, NULL));
     CHECK(has_pattern(lent, 65536, 88));
     CHECK_OK(strata_spill_stats("model", 0, &ov));

@@ -1,6 +1,8 @@
-/* MIRAGE parameters through the C API: bad input, registration, an idle model's layers remapped
- * to the device pool under KV pressure (the serving model untouched), every layer readable with
- * its bytes through prepare_layer / layer_done on a stream, reversion, unregistering. */
+/* MIRAGE parameters through the C API: bad input, registration, the idle budget from a prefill
+ * report, an idle model's layers remapped to the device pool under KV pressure (the serving
+ * model untouched), every layer readable with its bytes through prepare_layer / layer_done on a
+ * stream, then with the look-ahead (prepare_next) and its counters, dynamic reversion after the
+ * pool let its pages go (empty_cache), reversion of everything, unregistering. */
 #include <stdlib.h>
 
 #include "common.h"
@@ -61,6 +63,24 @@ int main(void) {
     CHECK_OK(strata_params_step(0, 4, &decisions));
     CHECK(decisions == 0 && stats_of_model(idle).remapped_layers == 0);
 
+    /* T_T was measured at registration. An idle model's budget is its prefill time when it
+     * reported one (MIRAGE 5.3), else n x T_c. */
+    CHECK(stats_of_model(idle).transfer_ns > 0);
+    CHECK_OK(strata_params_report_compute(idle, 1));
+    CHECK(stats_of_model(idle).remap_limit == 0);
+    CHECK_OK(strata_params_report_prefill(idle, 3600000000000ull));
+    CHECK(stats_of_model(idle).remap_limit == 4);
+    CHECK(strata_params_report_prefill(0, 1) == STRATA_INVALID_HANDLE);
+
+    /* Nothing streams yet: the look-ahead has nothing to prepare. Bad input is refused. */
+    uint32_t next = 0;
+    CHECK_OK(strata_params_prepare_next(idle, 0, &next));
+    CHECK(next == STRATA_PARAMS_NO_LAYER);
+    CHECK(strata_params_prepare_next(idle, LAYERS, &next) == STRATA_INVALID_ARGUMENT);
+    CHECK_ERR("no layer 8");
+    CHECK(strata_params_prepare_next(idle, 0, NULL) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_prepare_next(0, 0, &next) == STRATA_INVALID_HANDLE);
+
     CHECK_OK(strata_params_set_active(serving, 1));
     CHECK_OK(strata_params_report_compute(serving, 50000000));
     CHECK_OK(strata_params_report_compute(idle, 50000000));
@@ -89,9 +109,47 @@ int main(void) {
         }
     }
     CHECK(strata_params_prepare_layer(idle, LAYERS, st) == STRATA_INVALID_ARGUMENT);
+    s = stats_of_model(idle);
+    uint64_t m = s.streamed_layers;
+    CHECK(s.streamed_runs == 2 * m && s.slot_loads == 2 * m);
+    CHECK(s.loads_ahead == 0 && s.found_prepared == 0);
 
-    /* Reversion: pages back, layers at their own addresses again with their bytes. */
+    /* With the look-ahead after each layer's done, every streamed layer but the first is loaded
+     * (or loading) when asked for; the last one's look-ahead loads the next token's first. */
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        CHECK_OK(strata_params_prepare_layer(idle, l, st));
+        CHECK_OK(strata_stream_synchronize(st));
+        check_layer(idle, l, want, got);
+        CHECK_OK(strata_params_layer_done(idle, l, st));
+        uint32_t after = l;
+        for (uint32_t k = 0; k < s.slots; k++) {
+            CHECK_OK(strata_params_prepare_next(idle, after, &next));
+            if (next == STRATA_PARAMS_NO_LAYER) break;
+            CHECK(next < LAYERS);
+            after = next;
+        }
+    }
+    s = stats_of_model(idle);
+    CHECK(s.streamed_runs == 3 * m && s.found_prepared == m - 1 && s.loads_ahead >= m);
+    CHECK(s.slot_loads == 2 * m + 1 + s.loads_ahead);
+    CHECK(s.load_waits <= s.streamed_runs);
+
+    /* Dynamic reversion: the pool gives its free pages (the reclaimed ones among them) back to
+     * the driver, yet the device has room, so a step without a shortage brings every layer
+     * back. It used to count the pool's free pages only, and wait for ever. */
     CHECK_OK(strata_stream_synchronize(st));
+    strata_empty_cache();
+    CHECK(stats_of(0).pool_free_bytes == 0);
+    CHECK_OK(strata_params_step(0, 0, &decisions));
+    CHECK(decisions == 1);
+    s = stats_of_model(idle);
+    CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);
+    for (uint32_t l = 0; l < LAYERS; l++) check_layer(idle, l, want, got);
+
+    /* Reversion of everything at once: pages back, layers at their own addresses again with
+     * their bytes. */
+    CHECK_OK(strata_params_step(0, 4, &decisions));
+    CHECK(decisions == 1 && stats_of_model(idle).remapped_layers >= 2);
     CHECK_OK(strata_params_revert_all(0));
     s = stats_of_model(idle);
     CHECK(s.remapped_layers == 0 && s.gpu_pages == gpu_before);

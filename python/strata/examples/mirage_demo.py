@@ -1,13 +1,14 @@
 """`python -m strata.examples.generate --mirage`: MIRAGE with two models in one process.
 
 Both models' decoder layers live in strata parameter memory (`strata.mirage.ModelParams`). The
-idle model runs first (its greedy tokens are the reference, and its layers' compute time is
-measured), then strata's pool is capped at what the parameters hold plus the KV of the serving
-model's first page of tokens, so the serving model's `StrataCache` runs out while it decodes:
-the idle model (twice the serving model's layers) gives layer pages to the KV cache
-(`strata.mirage.reclaim`). The idle model then runs
-from its remapped layers (streamed back through the forward pre-hooks) and again after the KV
-pages came back; its tokens must stay the same.
+idle model (twice the serving model's layers) runs first: its greedy tokens are the reference.
+Then strata's pool is capped at what the parameters hold plus the KV of the serving model's
+first page of tokens, so the serving model's `StrataCache` runs out while it decodes and the
+remapping controller gives it the idle model's layer pages (`strata.mirage.reclaim`). The idle
+model then runs from its remapped layers, streamed back through the forward hooks: with the
+look-ahead (the next streamed layer loads while the layers before it compute) and without. Last,
+the KV cache closes and the cap is lifted: when the idle model serves again its layers come back
+(dynamic reversion). Its tokens must stay the same throughout; the counters say what moved.
 """
 
 import time
@@ -15,6 +16,8 @@ import time
 import strata
 
 from .generate import generate_with_progress, human
+
+IDLE_TOKENS = 32
 
 
 def run(args, model, ids, mask, device):
@@ -29,21 +32,29 @@ def run(args, model, ids, mask, device):
     config["num_hidden_layers"] = 2 * args.layers
     idle = LlamaForCausalLM(type(model.config)(**config)).to(device=device, dtype=model.dtype).eval()
 
-    idle_seconds = []
-
-    def idle_tokens():
-        start, cpu = time.perf_counter(), time.process_time()
+    def idle_run(look_ahead=True):
+        """The idle model serving IDLE_TOKENS tokens: its tokens, seconds and counters moved."""
+        idle_params.look_ahead = look_ahead
+        before = idle_params.stats()
+        start = time.perf_counter()
         with idle_params.serving(), torch.no_grad():
             out = idle.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=IDLE_TOKENS,
+                min_new_tokens=IDLE_TOKENS,
+                do_sample=False,
             )
-        idle_seconds.append((time.perf_counter() - start, time.process_time() - cpu))
-        return out
+        seconds = time.perf_counter() - start
+        after = idle_params.stats()
+        counters = ("streamed_runs", "slot_loads", "loads_ahead", "found_prepared", "load_waits")
+        moved = {k: after[k] - before[k] for k in counters}
+        return out, seconds, after, moved
 
-    serving_params = mirage.ModelParams(model)
+    serving_params = mirage.ModelParams(model, cap=0)  # the serving model is never remapped
     per_layer = args.idle_layer_ms / 1e3 if args.idle_layer_ms > 0 else None
     idle_params = mirage.ModelParams(idle, compute_per_layer=per_layer)
-    expected = idle_tokens()
+    expected, resident_seconds, _, _ = idle_run()
 
     max_len = args.max_cache_len or args.prompt + args.new_tokens
     cache = StrataCache(model.config, max_cache_len=max_len, on_out_of_memory=mirage.reclaim)
@@ -54,10 +65,19 @@ def run(args, model, ids, mask, device):
     s = strata.stats(0)
     limit = s["pool_in_use_bytes"] + (first_page + 0.5) * s["page_size"]
     strata.set_memory_fraction(min(1.0, limit / s["total_bytes"]), 0)
+    reclaims = []  # (token, layers remapped) whenever the idle model gave more layers
+
+    def watch():
+        remapped = idle_params.stats()["remapped_layers"]
+        if remapped > (reclaims[-1][1] if reclaims else 0):
+            reclaims.append((watch.token, remapped))
+        watch.token += 1
+
+    watch.token = 1
     try:
         with serving_params.serving():
             out, elapsed = generate_with_progress(
-                model, ids, mask, cache, args.new_tokens, "generate (serving model)"
+                model, ids, mask, cache, args.new_tokens, "generate (serving model)", watch
             )
     except strata.OutOfMemory as e:
         strata.set_memory_fraction(1.0, 0)
@@ -71,21 +91,33 @@ def run(args, model, ids, mask, device):
     new = out.shape[1] - ids.shape[1]
     print(f"generated  {args.batch} x {new} tokens in {elapsed:.2f} s: {args.batch * new / elapsed:.1f} tokens/s")
     print(f"pool       capped at {human(limit)}; KV {human(kv['kv_bytes'])} in {kv['pages']} pages, "
-          f"{kv['pool_adopted_pages']} pages adopted from parameters")
-    print(f"idle model {remapped['remapped_layers']} of {remapped['layers']} layers remapped "
-          f"({human(remapped['layer_bytes'])} each), {remapped['streamed_layers']} streamed through "
-          f"{remapped['slots']} slots")
-    same = torch.equal(idle_tokens(), expected)
-    print(f"idle model runs from streamed layers: tokens {'unchanged' if same else 'CHANGED'}")
+          f"{kv['pool_adopted_pages']} of them the idle model's parameter pages")
+    print("reclaim    " + ", ".join(f"token {t}: {n} layer{'s' * (n != 1)} remapped" for t, n in reclaims)
+          + f" (the KV cache ran out; {human(remapped['layer_bytes'])} a layer, T_T "
+          f"{remapped['transfer_ns'] / 1e6:.2f} ms)")
+    print(f"idle model {remapped['remapped_layers']} of {remapped['layers']} layers remapped, "
+          f"{remapped['streamed_layers']} streamed through {remapped['slots']} slot(s)")
+
+    runs = {}
+    for look_ahead in (True, False):
+        got, seconds, _, moved = idle_run(look_ahead)
+        runs[look_ahead] = (torch.equal(got, expected), seconds, moved)
+        print(f"streamed   look-ahead {'on ' if look_ahead else 'off'}: {IDLE_TOKENS} tokens in {seconds:.2f} s, "
+              f"tokens {'unchanged' if runs[look_ahead][0] else 'CHANGED'}; {moved['streamed_runs']} streamed layer "
+              f"runs, {moved['slot_loads']} loads ({human(moved['slot_loads'] * remapped['layer_bytes'])}), "
+              f"{moved['loads_ahead']} ahead; {moved['found_prepared']} found their layer loaded, "
+              f"{moved['load_waits']} waited on a load")
+
     cache.close()
     strata.set_memory_fraction(1.0, 0)
-    mirage.revert()
-    back = torch.equal(idle_tokens(), expected)
-    print(f"reverted   {idle_params.stats()['remapped_layers']} layers remapped, "
-          f"tokens {'unchanged' if back else 'CHANGED'}")
-    (resident, resident_cpu), (streamed, streamed_cpu), (reverted, reverted_cpu) = idle_seconds
-    print(f"idle model 32 tokens, wall (process CPU) seconds: {resident:.2f} ({resident_cpu:.2f}) "
-          f"resident, {streamed:.2f} ({streamed_cpu:.2f}) with {remapped['streamed_layers']} layers "
-          f"streamed, {reverted:.2f} ({reverted_cpu:.2f}) reverted")
-    if not (same and back):
+    back, back_seconds, after, _ = idle_run()
+    same = torch.equal(back, expected)
+    print(f"reverted   pressure fell: {after['remapped_layers']} layers remapped when the idle model "
+          f"served again (dynamic reversion), tokens {'unchanged' if same else 'CHANGED'}")
+    print(f"idle model {IDLE_TOKENS} tokens, seconds: {resident_seconds:.2f} resident, {runs[True][1]:.2f} streamed "
+          f"with look-ahead, {runs[False][1]:.2f} without, {back_seconds:.2f} reverted "
+          "(STRATA_HOST_LINK models a link; without it a load is a memcpy)")
+    if not (same and runs[True][0] and runs[False][0]):
         raise SystemExit("the idle model's tokens changed")
+    if after["remapped_layers"]:
+        raise SystemExit("the idle model's layers did not come back")

@@ -12,7 +12,7 @@
 //!   context" (`cuMemGetInfo`, `cuMemAlloc*`, `cuMemHostAlloc`, streams, events, work on the
 //!   default stream) fail with `CUDA_ERROR_INVALID_CONTEXT` without one, and with
 //!   `CUDA_ERROR_CONTEXT_IS_DESTROYED` once its primary context was released;
-//! - VMM (`mem.rs`): reservations are `PROT_NONE` address space that the CPU can never touch
+//! - VMM (`mem/`): reservations are `PROT_NONE` address space that the CPU can never touch
 //!   (device memory is not CPU-accessible, as on a GPU); physical memory is a `memfd` per handle,
 //!   shared by mappings and exportable as a file descriptor; unmapping a range that queued work
 //!   still touches is a device fault (a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` from then on);

@@ -4,7 +4,8 @@
 //! answers with the new [`LayerPlan`] of every model whose remapping changes.
 //!
 //! - **When** (§5.1): remap when the KV cache runs out (`pages_short > 0`); revert (dynamic
-//!   reversion, §7.6.1) while free KV pages cover a whole remapped layer.
+//!   reversion, §7.6.1) while the pages the KV pool could hand out (free, or still creatable on
+//!   the device) cover a whole remapped layer.
 //! - **Which model** (§5.2): inactive models first, lowest scheduler priority first; with no
 //!   priorities, the most recently activated (MRU) first; each up to its cap; then active models in
 //!   the same order. Reversion goes the other way (active models first, highest priority first).
@@ -37,8 +38,10 @@ pub struct ModelSpec {
 pub struct KvPressure {
     /// Pages the KV cache needed and could not get (0: not out of KV blocks).
     pub pages_short: usize,
-    /// Free pages in the KV pool (candidates for dynamic reversion).
-    pub free_pages: usize,
+    /// Pages the KV pool could hand out now (candidates for dynamic reversion): free ones, and
+    /// the ones its limit and the device's free memory still allow creating
+    /// ([`Mirage::available_pages`](super::Mirage::available_pages)).
+    pub available_pages: usize,
 }
 
 /// One decision: move `model` to `plan` (its `α` went up by remapping or down by reversion).
@@ -233,7 +236,7 @@ impl RemapController {
 
     /// One scheduler step (Algorithm 1): while the KV cache is short, remap one layer at a time
     /// from [`next_remap`](Self::next_remap) until the shortage is covered or nothing is left;
-    /// otherwise revert remapped layers while free KV pages cover them. Returns the changes, one
+    /// otherwise revert remapped layers while the KV pool's available pages cover them. Returns the changes, one
     /// per model touched, in order; the caller applies them (the runtime maps pages, a simulator
     /// charges time) — the controller already counts them as done.
     pub fn step(&mut self, kv: KvPressure) -> Vec<Decision> {
@@ -262,7 +265,7 @@ impl RemapController {
                 record(&mut decisions, id, from, plan);
             }
         } else {
-            let mut free = kv.free_pages;
+            let mut free = kv.available_pages;
             let mut order = self.remap_order();
             order.reverse();
             for id in order {
@@ -355,7 +358,7 @@ mod tests {
     fn short(pages: usize) -> KvPressure {
         KvPressure {
             pages_short: pages,
-            free_pages: 0,
+            available_pages: 0,
         }
     }
 
@@ -433,7 +436,7 @@ mod tests {
     }
 
     #[test]
-    fn reversion_restores_active_models_first_and_stops_with_free_pages() {
+    fn reversion_restores_active_models_first_and_stops_with_available_pages() {
         let (mut c, ids) = controller(2, 8, 2);
         c.set_active(ids[0], true);
         let d = c.step(short(4));
@@ -442,7 +445,7 @@ mod tests {
         // One free page: one layer comes back, from the active model.
         let r = c.step(KvPressure {
             pages_short: 0,
-            free_pages: 1,
+            available_pages: 1,
         });
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].model, ids[0]);
@@ -451,7 +454,7 @@ mod tests {
         // Plenty free: everything reverts.
         let r = c.step(KvPressure {
             pages_short: 0,
-            free_pages: 100,
+            available_pages: 100,
         });
         assert_eq!(r.len(), 2);
         assert!(ids.iter().all(|&id| c.plan(id).unwrap().alpha == 0));
@@ -506,9 +509,9 @@ mod tests {
         // Timings forgotten (a new controller state would have none): shrinking one layer is
         // no longer plannable, so the model reverts fully, which needs all three layers' pages.
         c.t_t = None;
-        let free = |free_pages| KvPressure {
+        let free = |available_pages| KvPressure {
             pages_short: 0,
-            free_pages,
+            available_pages,
         };
         assert!(c.step(free(2)).is_empty());
         let r = c.step(free(3));

@@ -18,11 +18,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use strata_allocator::PagePool;
-use strata_vmm::{DevicePtr, Event, Result};
+use strata_vmm::{DevicePtr, Event, Location, Result};
 
 pub use controller::{Decision, KvPressure, ModelId, ModelSpec, RemapController};
 pub use plan::{Buffering, LayerPlan};
-pub use registry::{Applied, ParamRegistry};
+pub use registry::{Applied, ParamRegistry, StreamStats};
 
 use crate::transfer::TransferEngine;
 
@@ -130,12 +130,40 @@ impl Mirage {
         &self.kv_pool
     }
 
-    /// KV pressure as the pool sees it, with `pages_short` pages the KV cache could not get.
+    /// KV pressure as the pool sees it, with `pages_short` pages the KV cache could not get:
+    /// the pages it could hand out count its free list and what the device still has room for,
+    /// since the pool trims free pages above its high watermark back to the driver (counting
+    /// the free list alone, a reversion could wait forever for pages that were released).
     pub fn pressure(&self, pages_short: usize) -> KvPressure {
         KvPressure {
             pages_short,
-            free_pages: self.kv_pool.stats().free,
+            available_pages: self.available_pages(),
         }
+    }
+
+    /// Pages the KV pool could hand out now: its free pages plus what its limit and the
+    /// device's free memory still allow creating (an estimate: other users of the device may
+    /// take that memory first, and pages being created are not counted against the limit).
+    pub fn available_pages(&self) -> usize {
+        let s = self.kv_pool.stats();
+        let under_limit = s
+            .limit
+            .map(|l| l.saturating_sub(s.held_bytes()) / s.page_size);
+        let on_device = match self.kv_pool.location() {
+            Location::Device(d) => self
+                .engine
+                .backend()
+                .mem_info(d)
+                .ok()
+                .map(|m| m.free / s.page_size),
+            Location::Host => None,
+        };
+        let creatable = match (under_limit, on_device) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or(u64::MAX),
+        };
+        s.free
+            .saturating_add(usize::try_from(creatable).unwrap_or(usize::MAX))
     }
 
     /// Re-measures `T_T` by reloading `layer` of `model` and hands it to the controller.
@@ -188,6 +216,11 @@ impl Mirage {
         after: u32,
     ) -> Result<Option<(u32, Arc<Event>)>> {
         self.registry.prepare_next(&self.engine, model, after)
+    }
+
+    /// See [`ParamRegistry::stream_stats`].
+    pub fn stream_stats(&self, model: ModelId) -> Result<StreamStats> {
+        self.registry.stream_stats(model)
     }
 
     /// See [`ParamRegistry::layer_done`].

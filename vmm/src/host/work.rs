@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use strata_kernels::gemm::Gemm;
 
+use super::copy::{copy_segments, sub_segments, Segments};
 use super::fault::FaultOp;
-use super::{copy_segments, sub_segments, HostBackend, Inner, Segments};
+use super::{HostBackend, Inner};
 use crate::error::{Error, Result};
 use crate::types::{Access, DevicePtr, StreamHandle};
 use crate::vatable::Accessor;

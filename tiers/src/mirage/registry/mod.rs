@@ -10,10 +10,14 @@
 //! streaming take pages (from the freed ones, else from the KV pool), are mapped back at their
 //! parameter VA and reloaded from the host copy.
 //!
-//! Streamed layers run from a slot: [`ParamRegistry::prepare_layer`] queues the host → slot copy
-//! on the transfer engine's host→device stream after the slot's previous occupant reported its
-//! compute done ([`ParamRegistry::layer_done`]), and returns the event the compute stream waits on
-//! before the layer's kernels; [`ParamRegistry::layer_ptr`] says where the layer's parameters are.
+//! Streamed layers run from a slot (`slots.rs`): [`ParamRegistry::prepare_layer`] queues the host →
+//! slot copy on the transfer engine's host→device stream after the slot's previous occupant
+//! reported its compute done ([`ParamRegistry::layer_done`]), and returns the event the compute
+//! stream waits on before the layer's kernels; [`ParamRegistry::prepare_next`] queues the next
+//! streamed layer's copy ahead, while the current one computes; [`ParamRegistry::layer_ptr`] says
+//! where the layer's parameters are.
+
+mod slots;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,21 +31,11 @@ use strata_vmm::{
 use super::controller::ModelId;
 use super::plan::LayerPlan;
 use crate::transfer::{Direction, Submission, TransferEngine};
+use slots::Slot;
+pub use slots::StreamStats;
 
 /// Pool pages mapped back to back at one VA range; unmapped and given back on drop.
 type Backing = MappedRun;
-
-struct Slot {
-    va: DevicePtr,
-    backing: Backing,
-    /// Layer whose parameters are (being) loaded here.
-    occupant: Option<u32>,
-    /// Completes when the occupant's bytes are in the slot.
-    loaded: Option<Arc<Event>>,
-    /// Recorded after the occupant's kernels (from [`ParamRegistry::layer_done`]).
-    done: Option<Arc<Event>>,
-    last_used: u64,
-}
 
 struct Layer {
     va: DevicePtr,
@@ -56,6 +50,7 @@ struct ModelParams {
     layers: Vec<Layer>,
     slots: Vec<Slot>,
     plan: LayerPlan,
+    stats: StreamStats,
 }
 
 /// What [`ParamRegistry::apply`] moved.
@@ -191,6 +186,7 @@ impl ParamRegistry {
             layers: out,
             slots: Vec::new(),
             plan: LayerPlan::resident(layers),
+            stats: StreamStats::default(),
         }));
         Ok((id, spent / layers))
     }
@@ -312,116 +308,6 @@ impl ParamRegistry {
             })
     }
 
-    /// Makes `layer` of `model` ready to run and returns the event its kernels wait on
-    /// (`stream_wait_event` on the compute stream). Resident layers: an already complete event.
-    /// Streamed layers: reuse the slot already holding it, else take a free slot or the least
-    /// recently used one; the host → slot copy is queued on the engine's host→device stream
-    /// behind the previous occupant's compute-done event, so it never overwrites parameters a
-    /// kernel still reads. A previous occupant that never reported [`layer_done`](Self::layer_done)
-    /// is an [`Error::InvalidState`].
-    pub fn prepare_layer(
-        &mut self,
-        engine: &TransferEngine,
-        model: ModelId,
-        layer: u32,
-    ) -> Result<Arc<Event>> {
-        self.tick += 1;
-        let tick = self.tick;
-        let backend = Arc::clone(&self.backend);
-        let mp = self.get_mut(model)?;
-        let l = mp
-            .layers
-            .get(layer as usize)
-            .ok_or_else(|| invalid(format!("no layer {layer}")))?;
-        if l.backing.is_some() {
-            // Never recorded: reports complete.
-            return Ok(Arc::new(Event::new(&backend)?));
-        }
-        if let Some(s) = mp.slots.iter_mut().find(|s| s.occupant == Some(layer)) {
-            s.last_used = tick;
-            if let Some(ev) = &s.loaded {
-                return Ok(Arc::clone(ev));
-            }
-        }
-        let Some(index) = mp
-            .slots
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, s)| (s.occupant.is_some(), s.last_used))
-            .map(|(i, _)| i)
-        else {
-            return Err(Error::InvalidState(format!(
-                "layer {layer} of model {} is streamed but the model has no slot",
-                model.0
-            )));
-        };
-        let slot = &mp.slots[index];
-        if let Some(prev) = slot.occupant {
-            let Some(done) = &slot.done else {
-                return Err(Error::InvalidState(format!(
-                    "slot {index} of model {} still holds layer {prev}, not reported done",
-                    model.0
-                )));
-            };
-            engine.wait(Direction::HostToDevice, done)?;
-        }
-        let ev = Self::load(engine, &mp.reservation, &l.host, slot.va, mp.layer_bytes)?;
-        let slot = &mut mp.slots[index];
-        slot.occupant = Some(layer);
-        slot.loaded = Some(Arc::clone(&ev));
-        slot.done = None;
-        slot.last_used = tick;
-        Ok(ev)
-    }
-
-    /// The first streamed layer after `after` in ring order (wrapping to the next token), if any.
-    pub fn next_streamed(&self, model: ModelId, after: u32) -> Result<Option<u32>> {
-        let plan = &self.get(model)?.plan;
-        Ok(plan
-            .streamed
-            .iter()
-            .copied()
-            .find(|&l| l > after)
-            .or_else(|| plan.streamed.first().copied()))
-    }
-
-    /// The Async Transfer Engine's look-ahead: prepares the next streamed layer after `after`
-    /// when a slot can take it now (free, already holding it, or whose occupant reported done),
-    /// so its load overlaps the compute in between. `None` when no slot is ready yet (with one
-    /// slot, Eq. 4's case, until the running layer reports done) or nothing streams.
-    pub fn prepare_next(
-        &mut self,
-        engine: &TransferEngine,
-        model: ModelId,
-        after: u32,
-    ) -> Result<Option<(u32, Arc<Event>)>> {
-        let Some(next) = self.next_streamed(model, after)? else {
-            return Ok(None);
-        };
-        let mp = self.get(model)?;
-        let ready = mp.slots.iter().any(|s| s.occupant == Some(next))
-            || mp
-                .slots
-                .iter()
-                .min_by_key(|s| (s.occupant.is_some(), s.last_used))
-                .is_some_and(|s| s.occupant.is_none() || s.done.is_some());
-        if !ready {
-            return Ok(None);
-        }
-        self.prepare_layer(engine, model, next)
-            .map(|ev| Some((next, ev)))
-    }
-
-    /// The layer's kernels were queued; `done` is recorded after them on the compute stream. Its
-    /// slot may be reloaded once `done` completes (a no-op for resident layers).
-    pub fn layer_done(&mut self, model: ModelId, layer: u32, done: Arc<Event>) -> Result<()> {
-        let mp = self.get_mut(model)?;
-        if let Some(s) = mp.slots.iter_mut().find(|s| s.occupant == Some(layer)) {
-            s.done = Some(done);
-        }
-        Ok(())
-    }
-
     /// Unregisters `model`: its loads drain, the compute its slots' occupants reported done
     /// completes, then every page it holds (resident layers and slots) is unmapped and given
     /// back to the pool, and its host copies and address range are freed. Pages it gave the KV
@@ -432,12 +318,11 @@ impl ParamRegistry {
     /// page concerned is released instead, never given back as free).
     pub fn unregister(&mut self, engine: &TransferEngine, model: ModelId) -> Result<usize> {
         let mp = self.get(model)?;
-        if let Some((i, layer)) = mp
-            .slots
-            .iter()
-            .enumerate()
-            .find_map(|(i, s)| s.occupant.filter(|_| s.done.is_none()).map(|l| (i, l)))
-        {
+        if let Some((i, layer)) = mp.slots.iter().enumerate().find_map(|(i, s)| {
+            s.occupant
+                .filter(|_| s.claimed && s.done.is_none())
+                .map(|l| (i, l))
+        }) {
             return Err(Error::InvalidState(format!(
                 "model {}: slot {i} holds layer {layer}, not reported done (layer_done)",
                 model.0
@@ -593,14 +478,7 @@ impl ParamRegistry {
             let pages = spare.split_off(at);
             let va = reservation.ptr() + (n + s) * layer_bytes;
             let backing = self.map_backing(&reservation, va, pages)?;
-            self.get_mut(model)?.slots.push(Slot {
-                va,
-                backing,
-                occupant: None,
-                loaded: None,
-                done: None,
-                last_used: 0,
-            });
+            self.get_mut(model)?.slots.push(Slot::empty(va, backing));
         }
         for ev in &events {
             ev.synchronize()?;
