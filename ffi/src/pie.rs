@@ -359,7 +359,8 @@ pub unsafe extern "C" fn strata_pie_overlap(
     out: *mut strata_pie_overlap_t,
 ) -> c_int {
     boundary::status("strata_pie_overlap", || {
-        let out = out_ref("out", out)?;
+        // SAFETY: NULL or writable for the call, by this function's contract.
+        let out = unsafe { out_ref("out", out) }?;
         with_pie(pie, |p| {
             let (f, l) = (p.layer(from)?, p.layer(layer)?);
             let o = p.overlap.overlap(f, l, host_bytes, disk_bytes);
