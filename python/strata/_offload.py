@@ -83,7 +83,9 @@ class OffloadedStrataCache(StrataCache):
         lookahead=True,
     ):
         if isinstance(device_budget, bool) or not isinstance(device_budget, int) or device_budget <= 0:
-            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"device_budget {device_budget!r}: a positive number of bytes")
+            raise _lib.error(
+                _lib.Status.INVALID_ARGUMENT, f"device_budget {device_budget!r}: a positive number of bytes"
+            )
         super().__init__(config, max_cache_len, device=device)
         self.device_budget = device_budget
         self._host_bytes = host_bytes

@@ -367,7 +367,10 @@ class Swapper:
             if self.pie.state(layer) == GPU and (not self.shedding or self._on_device() <= self.fits):
                 break
             if not self.inflight:
-                raise _lib.error(_lib.Status.INVALID_STATE, f"Pie's controller left layer {layer} off the device with no transfer running")
+                raise _lib.error(
+                    _lib.Status.INVALID_STATE,
+                    f"Pie's controller left layer {layer} off the device with no transfer running",
+                )
             waited_since = waited_since or time.perf_counter()
             self.cond.wait()
             self._raise_error()

@@ -88,7 +88,8 @@ def main(argv=None):
     _, full, _ = run(model, ids, ("probe", None, None, 0, False), 2, max_len, args.disk_dir)
     pages = math.ceil((max_len - 1) / full["tokens_per_block"])
     kv = 2 * args.layers * args.batch * pages * full["page_size"]
-    chosen = [c for c in configs(kv, args.layers) if not args.only or c[0] == "no offload" or any(w in c[0] for w in args.only)]
+    wanted = lambda name: not args.only or name == "no offload" or any(w in name for w in args.only)  # noqa: E731
+    chosen = [c for c in configs(kv, args.layers) if wanted(c[0])]
     print(f"batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, {args.layers} layers, hidden 256, "
           f"float32; final KV {kv:,} bytes in {full['page_size']}-byte pages; {setting()}")
     for c in chosen:

@@ -196,19 +196,19 @@ def report(args, model, ids, mask, cache, max_len, device):
     print(f"pages      {s['pages']} mapped ({human(s['page_size'])} each, {s['tokens_per_block']} tokens per page)")
     print(f"tiers      {human(s['bytes_from_device'])} down, {human(s['bytes_to_device'])} up, "
           f"{s['spills']} blocks spilled, {s['restores']} restored, host {human(s['host_used_bytes'])}, "
-          f"disk {human(s['disk_used_bytes'])} ({human(s['disk_read_bytes'])} read, {human(s['disk_write_bytes'])} written)")
+          f"disk {human(s['disk_used_bytes'])} ({human(s['disk_read_bytes'])} read, "
+          f"{human(s['disk_write_bytes'])} written)")
     off = s.get("offload")
     if off:
-        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers on the device "
-              f"now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}, at most {max(cpu_layers)} during the run); "
-              f"{off['swap_ins']} swap-ins ({off['two_hop_swap_ins']} from disk), {off['swap_outs']} swap-outs; "
-              f"{off['prefetch_hits']} prefetch hits, {off['stalls']} stalls ({off['stall_seconds']:.2f} s waited); "
-              f"{s['clean_spills']} pages swapped out without a copy")
-        print(f"lookahead  Eq. 1 predicted {off['swap_ins_early']} swap-ins hidden ({off['swap_ins_early_hidden']} were); "
-              f"{off['stages']} disk hops ahead of need ({off['stages_hidden']} layers then came back from host memory "
-              f"alone); last lookahead asked: {off['lookahead_host_layers']} layers from host memory, "
+        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers "
+              f"on the device now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}, at most "
+              f"{max(cpu_layers)} during the run); {off['swap_ins']} swap-ins ({off['two_hop_swap_ins']} from disk), "
+              f"{off['swap_outs']} swap-outs; {off['prefetch_hits']} prefetch hits, {off['stalls']} stalls "
+              f"({off['stall_seconds']:.2f} s waited); {s['clean_spills']} pages swapped out without a copy")
+        print(f"lookahead  Eq. 1 predicted {off['swap_ins_early']} swap-ins hidden ({off['swap_ins_early_hidden']} "
+              f"were); {off['stages']} disk hops ahead of need ({off['stages_hidden']} layers then came back from "
+              f"host memory alone); last lookahead asked: {off['lookahead_host_layers']} layers from host memory, "
               f"{off['lookahead_disk_layers']} from disk (-1: none hides it, or not measured)")
-
 
 if __name__ == "__main__":
     main()
