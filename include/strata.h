@@ -554,7 +554,8 @@ int strata_kv_spill_idle(strata_kv_t kv, uint64_t idle_steps, int tier, uint64_t
 int strata_kv_advance(strata_kv_t kv, uint64_t step);
 
 /* The scheduler's waiting queue beyond the hinted window, in the order the requests will run
- * (eviction takes the last first). Replaces the previous queue. */
+ * (eviction, from the pool and from a full host tier to disk, takes the last first). Replaces
+ * the previous queue. */
 int strata_kv_queue(strata_kv_t kv, const strata_kv_request_t *waiting, size_t count);
 
 /* TierKV lookahead: the batches of the next `steps` steps (`step_counts[i]` handles each, one
@@ -571,6 +572,16 @@ int strata_kv_hint(strata_kv_t kv, const strata_kv_request_t *requests,
  * as fresh pages of undefined contents for the engine to recompute. */
 int strata_kv_make_resident(strata_kv_t kv, const strata_kv_request_t *batch, size_t count,
                             cudaStream_t stream);
+
+/* TierKV's first hop ahead of need: the batch's spilled blocks that sit on disk move up to host
+ * memory, so that a later strata_kv_make_resident copies them from there (one hop, not two).
+ * Room in host memory comes only from requests that run later than every request of the batch
+ * (the order strata_kv_queue and strata_kv_hint gave) and from clean copies of resident blocks;
+ * what finds no room stays on disk (advice: not an error). The file reads run without the
+ * space's lock. *objects (if not NULL) receives the number of store objects moved up (a block
+ * is one per layer and K/V). A space without a disk tier moves nothing. */
+int strata_kv_stage(strata_kv_t kv, const strata_kv_request_t *batch, size_t count,
+                    uint64_t *objects);
 
 /* The request's blocks lost to revocations and not yet reported, ascending, into
  * blocks[0..*count); each block is reported once (here or to the strata_kv_lost_fn). capacity
@@ -646,6 +657,35 @@ int strata_pie_state(strata_pie_t pie, uint32_t layer, int *out);
  * `throughput` (finite, >= 0; e.g. tokens/s) over it. *cpu_layers (if not NULL) receives the
  * number of CPU layers aimed for afterwards. */
 int strata_pie_observe(strata_pie_t pie, int waited, double throughput, uint32_t *cpu_layers);
+
+/* TierKV's overlap condition (seed 002, Eq. 1-2) per layer, from the controller's own
+ * measurements: Eq. 2 prices a layer's transfer as latency + bytes / bandwidth per hop, with
+ * each hop's latency and bandwidth fitted by least squares to the transfers reported (a plain
+ * rate until two sizes were seen); blocks on disk take both hops (disk -> host -> device).
+ * Eq. 1 holds when that time is at most the compute time of the layers in between (each
+ * layer's running mean of the times reported). */
+enum { STRATA_PIE_HOST_TO_DEVICE = 0, STRATA_PIE_DISK_TO_HOST = 1 };
+
+/* -1 where nothing was measured yet. */
+typedef struct strata_pie_overlap_t {
+    int32_t steps;      /* least layers ahead the transfer must start to be hidden (-1: none do) */
+    int32_t fits;       /* 1: started when `from` begins, it is hidden; 0: it is not */
+    double t_transfer;  /* Eq. 2, seconds */
+    double window;      /* compute of layers from, from+1, ..., layer-1 (cyclic), seconds */
+} strata_pie_overlap_t;
+
+/* Layer `layer` computed for `seconds` (from its start to the next layer's start). Seconds not
+ * finite or negative, layer out of range: STRATA_INVALID_ARGUMENT. */
+int strata_pie_observe_compute(strata_pie_t pie, uint32_t layer, double seconds);
+
+/* A transfer of `bytes` over `hop` (STRATA_PIE_HOST_TO_DEVICE or STRATA_PIE_DISK_TO_HOST) took
+ * `seconds`. Another hop, seconds not finite or negative: STRATA_INVALID_ARGUMENT. */
+int strata_pie_observe_transfer(strata_pie_t pie, int hop, uint64_t bytes, double seconds);
+
+/* The overlap condition for `layer`'s transfer of `host_bytes` from host memory and `disk_bytes`
+ * from disk, started when layer `from` begins. */
+int strata_pie_overlap(strata_pie_t pie, uint32_t from, uint32_t layer, uint64_t host_bytes,
+                       uint64_t disk_bytes, strata_pie_overlap_t *out);
 
 /* ---- Parameters (MIRAGE): idle models' layer memory lent to the KV cache ------------------ */
 

@@ -7,11 +7,18 @@
 //! `max(floor, expansion)`: the caller's floor (the layers its device budget cannot hold) and
 //! what adaptive expansion climbed to (0 when `max_cpu_layers` is 0). Controllers live in a
 //! generation-checked [`HandleTable`]; each has its own lock.
+//!
+//! Each controller also measures what TierKV's overlap condition needs ([`LayerOverlap`]: seed
+//! 002, Eq. 1–2): the caller reports each layer's compute time and each transfer's bytes and
+//! time per hop (host → device, disk → host), and asks whether a layer's transfer started now is
+//! hidden by the compute of the layers in between, and how many layers ahead it must start.
 
 use std::ffi::c_int;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
+use strata_tiers::overlap::{Hop, LayerOverlap};
 use strata_tiers::pie::{AdaptiveExpansion, FifoSwapper, State};
 use strata_vmm::{Error, Result};
 
@@ -27,9 +34,29 @@ pub struct strata_pie_decision_t {
     pub swap_out: i32,
 }
 
+/// `strata_pie_overlap_t`: TierKV's Eq. 1–2 for one layer's transfer (-1: not measured yet).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[allow(non_camel_case_types)]
+pub struct strata_pie_overlap_t {
+    /// Layers ahead the transfer must start to be hidden (-1: not measured, or none suffices).
+    pub steps: i32,
+    /// Whether the transfer started at `from`'s start is hidden: 1, 0, or -1.
+    pub fits: i32,
+    /// Eq. 2, seconds.
+    pub t_transfer: f64,
+    /// The compute of the layers from `from` up to the layer, seconds.
+    pub window: f64,
+}
+
+/// Eq. 2's block size for the controller's link fits (any size works: a transfer's time is its
+/// latency plus its bytes over the bandwidth).
+const OVERLAP_BLOCK: u64 = 4096;
+
 struct Pie {
     swapper: FifoSwapper,
     expansion: AdaptiveExpansion,
+    overlap: LayerOverlap,
     floor: usize,
     /// The mapping table's stamps: one tick per call that changes it.
     clock: u64,
@@ -111,6 +138,7 @@ pub unsafe extern "C" fn strata_pie_create(
         let pie = Pie {
             swapper: FifoSwapper::new(n, 0, 0),
             expansion: AdaptiveExpansion::new(max_cpu_layers as usize),
+            overlap: LayerOverlap::new(n, OVERLAP_BLOCK, Duration::ZERO),
             floor: 0,
             clock: 0,
         };
@@ -263,6 +291,90 @@ pub unsafe extern "C" fn strata_pie_observe(
     })
 }
 
+fn seconds(what: &str, s: f64) -> Result<f64> {
+    if s.is_finite() && s >= 0.0 {
+        Ok(s)
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what} {s}: finite and >= 0"
+        )))
+    }
+}
+
+/// Layer `layer` computed for `seconds` (from its start to the next layer's start): a sample of
+/// Eq. 1's `T_iter` for it.
+#[no_mangle]
+pub extern "C" fn strata_pie_observe_compute(pie: u64, layer: u32, seconds: f64) -> c_int {
+    boundary::status("strata_pie_observe_compute", || {
+        let s = self::seconds("seconds", seconds)?;
+        with_pie(pie, |p| {
+            let l = p.layer(layer)?;
+            p.overlap.observe_compute(l, s);
+            Ok(())
+        })
+    })
+}
+
+/// A transfer of `bytes` over `hop` (`STRATA_PIE_HOST_TO_DEVICE` 0, `STRATA_PIE_DISK_TO_HOST` 1)
+/// took `seconds`: a sample for that link's fit (Eq. 2's latency and bandwidth).
+#[no_mangle]
+pub extern "C" fn strata_pie_observe_transfer(
+    pie: u64,
+    hop: c_int,
+    bytes: u64,
+    seconds: f64,
+) -> c_int {
+    boundary::status("strata_pie_observe_transfer", || {
+        let s = self::seconds("seconds", seconds)?;
+        let hop = match hop {
+            0 => Hop::HostToDevice,
+            1 => Hop::DiskToHost,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "hop {hop}: 0 (host to device) or 1 (disk to host)"
+                )))
+            }
+        };
+        with_pie(pie, |p| {
+            p.overlap.observe_transfer(hop, bytes, s);
+            Ok(())
+        })
+    })
+}
+
+/// TierKV's overlap condition for `layer`'s transfer (`host_bytes` in host memory, `disk_bytes`
+/// on disk) started when layer `from` begins: Eq. 2's transfer time, the compute window of the
+/// layers in between, Eq. 1, and the least lookahead (in layers) that hides the transfer.
+///
+/// # Safety
+///
+/// `out` is NULL (an error) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn strata_pie_overlap(
+    pie: u64,
+    from: u32,
+    layer: u32,
+    host_bytes: u64,
+    disk_bytes: u64,
+    out: *mut strata_pie_overlap_t,
+) -> c_int {
+    boundary::status("strata_pie_overlap", || {
+        // SAFETY: NULL or writable for the call, by this function's contract.
+        let out = unsafe { out_ref("out", out) }?;
+        with_pie(pie, |p| {
+            let (f, l) = (p.layer(from)?, p.layer(layer)?);
+            let o = p.overlap.overlap(f, l, host_bytes, disk_bytes);
+            *out = strata_pie_overlap_t {
+                steps: o.steps.map_or(-1, |k| k as i32),
+                fits: o.fits.map_or(-1, i32::from),
+                t_transfer: o.t_transfer.map_or(-1.0, |t| t.as_secs_f64()),
+                window: o.window.map_or(-1.0, |t| t.as_secs_f64()),
+            };
+            Ok(())
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -363,6 +475,49 @@ mod tests {
         // Never more than two layers on the device.
         let on_device = (0..4).filter(|&l| matches!(state(p, l), 0 | 2 | 3)).count();
         assert!(on_device <= 2, "{on_device}");
+        assert_eq!(strata_pie_destroy(p), 0);
+    }
+
+    #[test]
+    fn the_overlap_has_the_header_layout_and_follows_the_measurements() {
+        assert_eq!(std::mem::size_of::<strata_pie_overlap_t>(), 24);
+        let p = create(4, 0);
+        let mut o = strata_pie_overlap_t {
+            steps: 9,
+            fits: 9,
+            t_transfer: 9.0,
+            window: 9.0,
+        };
+        // SAFETY: `o` is writable.
+        unsafe {
+            assert_eq!(strata_pie_overlap(p, 0, 2, 1 << 20, 0, &mut o), 0);
+            assert_eq!(
+                (o.steps, o.fits, o.t_transfer, o.window),
+                (-1, -1, -1.0, -1.0)
+            );
+            for l in 0..4 {
+                assert_eq!(strata_pie_observe_compute(p, l, 2e-3), 0);
+            }
+            // 1 MiB in 3 ms, 2 MiB in 5 ms: 1 ms + 2 ms per MiB.
+            assert_eq!(strata_pie_observe_transfer(p, 0, 1 << 20, 3e-3), 0);
+            assert_eq!(strata_pie_observe_transfer(p, 0, 2 << 20, 5e-3), 0);
+            assert_eq!(strata_pie_overlap(p, 1, 2, 1 << 20, 0, &mut o), 0);
+            assert!((o.t_transfer - 3e-3).abs() < 1e-9, "{o:?}");
+            assert!((o.window - 2e-3).abs() < 1e-9, "{o:?}");
+            assert_eq!((o.fits, o.steps), (0, 2));
+            assert_eq!(strata_pie_overlap(p, 0, 2, 1 << 20, 0, &mut o), 0);
+            assert_eq!(o.fits, 1);
+            // A disk hop not measured yet: unknown.
+            assert_eq!(strata_pie_overlap(p, 0, 2, 0, 1 << 20, &mut o), 0);
+            assert_eq!((o.steps, o.fits), (-1, -1));
+            let bad = Status::InvalidArgument as c_int;
+            assert_eq!(strata_pie_observe_transfer(p, 2, 1, 1.0), bad);
+            assert_eq!(strata_pie_observe_transfer(p, 0, 1, -1.0), bad);
+            assert_eq!(strata_pie_observe_compute(p, 4, 1.0), bad);
+            assert_eq!(strata_pie_observe_compute(p, 0, f64::NAN), bad);
+            assert_eq!(strata_pie_overlap(p, 0, 4, 0, 0, &mut o), bad);
+            assert_eq!(strata_pie_overlap(p, 0, 1, 0, 0, std::ptr::null_mut()), bad);
+        }
         assert_eq!(strata_pie_destroy(p), 0);
     }
 

@@ -137,6 +137,7 @@ PROTOTYPES = {
     "strata_kv_queue": (_int, [_u64, _P(_u64), _size]),
     "strata_kv_hint": (_int, [_u64, _P(_u64), _P(ctypes.c_uint32), _size, _vp]),
     "strata_kv_make_resident": (_int, [_u64, _P(_u64), _size, _vp]),
+    "strata_kv_stage": (_int, [_u64, _P(_u64), _size, _P(_u64)]),
     "strata_kv_take_lost": (_int, [_u64, _u64, _P(ctypes.c_uint32), _size, _P(_size)]),
     "strata_kv_on_lost": (_int, [_u64, LostFn, _vp]),
     "strata_kv_revoke": (_int, [_u64, _u64, _P(_u64)]),
@@ -401,6 +402,20 @@ class KvSpace:
         _lib.check(_c().strata_kv_admit(self._space(), ctypes.byref(h)))
         return Request(self, h.value)
 
+    def admit_many(self, count):
+        """`count` requests, by ascending slot; all or none (the ones admitted are released when
+        one fails)."""
+        requests = []
+        try:
+            for _ in range(count):
+                requests.append(self.admit())
+        except BaseException:
+            for r in requests:
+                r.release()
+            raise
+        requests.sort(key=lambda r: r.slot)
+        return requests
+
     def request(self, handle):
         """The Request of a raw handle (as a lost-block callback passes it)."""
         return Request(self, handle)
@@ -436,6 +451,15 @@ class KvSpace:
         _lib.check(
             _c().strata_kv_copy_tokens(self._space(), code, tokens, arr, n, _lib.stream_handle(stream))
         )
+
+    def stage(self, requests):
+        """Moves the disk-resident spilled blocks of `requests` up to host memory ahead of a
+        `make_resident` (TierKV's first hop), taking room only from requests that run later (the
+        `queue` order); returns the store objects moved (0 when nothing is on disk or no room)."""
+        arr, n = _handles(list(requests))
+        moved = _u64()
+        _lib.check(_c().strata_kv_stage(self._space(), arr, n, ctypes.byref(moved)))
+        return moved.value
 
     def hint(self, steps, stream=None):
         """Lookahead: `steps` is a list of the next steps' batches (lists of requests)."""

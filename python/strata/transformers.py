@@ -308,16 +308,7 @@ class StrataCache(Cache):
 
     def _admit(self):
         batch = self._shape[0]
-        requests = []
-        try:
-            for _ in range(batch):
-                requests.append(self._space.admit())
-        except BaseException:
-            for r in requests:
-                r.release()
-            raise
-        requests.sort(key=lambda r: r.slot)
-        self._requests = requests
+        self._requests = self._space.admit_many(batch)
         self._held = [0] * batch
 
     def _release_requests(self):

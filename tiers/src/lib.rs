@@ -1,7 +1,8 @@
 //! Where bytes live and how they move: tiers (HBM pages, host memory, disk), objects with
 //! generations and durability, a residency table, the transfer engine (per-direction streams,
 //! coalescing, the block-copy kernel, events, the two-hop disk path), revocation, and pure
-//! eviction/prefetch policies (LRU, frequency, scheduler lookahead, oracle; TierKV Eq. 1–2), and
+//! eviction/prefetch policies (LRU, frequency, scheduler lookahead, oracle; TierKV Eq. 1–2), Pie's
+//! layer swapping ([`pie`]) with TierKV's overlap condition per layer ([`overlap`]), and
 //! MIRAGE's parameter remapping ([`mirage`]).
 #![deny(unsafe_code)]
 
@@ -12,6 +13,7 @@ pub mod kv;
 pub mod kvpr;
 pub mod mirage;
 pub mod object;
+pub mod overlap;
 pub mod pie;
 pub mod policy;
 pub mod store;

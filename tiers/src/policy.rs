@@ -17,6 +17,22 @@ pub trait EvictionPolicy: Send {
     fn remove(&mut self, key: u64);
     /// The key to evict among those `evictable` accepts, or `None`.
     fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64>;
+    /// Steps until `owner` runs as far as the policy knows (`usize::MAX`: not known to run; a
+    /// policy without a schedule knows of none).
+    fn distance(&self, _owner: u64) -> usize {
+        usize::MAX
+    }
+    /// As [`victim`](Self::victim), among keys whose owner runs no sooner than `distance` steps
+    /// from now: a tier making room for an owner at that distance never displaces a block
+    /// needed before it (TierKV §3.4). Without a schedule every owner qualifies.
+    fn victim_running_after(
+        &mut self,
+        distance: usize,
+        evictable: &mut dyn FnMut(u64) -> bool,
+    ) -> Option<u64> {
+        let _ = distance;
+        self.victim(evictable)
+    }
     /// Scheduler lookahead: the owners that run in each of the next K steps (index 0: next).
     fn schedule(&mut self, _next_steps: &[Vec<u64>]) {}
     /// Scheduler queue: owners waiting to be admitted, in admission order. They run after the
@@ -182,8 +198,22 @@ impl EvictionPolicy for Lookahead {
         self.stamps.remove(key);
     }
     fn victim(&mut self, evictable: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
-        let mut owners: Vec<(usize, u64)> =
-            self.blocks.keys().map(|&o| (self.distance(o), o)).collect();
+        self.victim_running_after(0, evictable)
+    }
+    fn distance(&self, owner: u64) -> usize {
+        Lookahead::distance(self, owner)
+    }
+    fn victim_running_after(
+        &mut self,
+        distance: usize,
+        evictable: &mut dyn FnMut(u64) -> bool,
+    ) -> Option<u64> {
+        let mut owners: Vec<(usize, u64)> = self
+            .blocks
+            .keys()
+            .map(|&o| (Lookahead::distance(self, o), o))
+            .filter(|&(d, _)| d >= distance)
+            .collect();
         owners.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         for group in owners.chunk_by(|a, b| a.0 == b.0) {
             // Owners at the same distance: their blocks merged in LRU order.
@@ -478,6 +508,26 @@ mod tests {
         assert_eq!(p.victim(&mut all), Some(10));
         p.remove(10);
         assert_eq!(p.victim(&mut all), None);
+    }
+
+    #[test]
+    fn lookahead_makes_room_only_from_owners_that_run_no_sooner() {
+        let mut p = Lookahead::default();
+        p.touch(10, 1, 0);
+        p.touch(20, 2, 1);
+        p.touch(30, 3, 2);
+        // Unknown owners: every one qualifies, least recently used first.
+        assert_eq!(p.victim_running_after(usize::MAX, &mut all), Some(10));
+        p.queue(&[1, 2, 3]);
+        assert_eq!(EvictionPolicy::distance(&p, 2), 1);
+        assert_eq!(p.victim_running_after(1, &mut all), Some(30));
+        assert_eq!(p.victim_running_after(1, &mut |k| k != 30), Some(20));
+        assert_eq!(p.victim_running_after(3, &mut all), None);
+        // An LRU knows no schedule: anything goes.
+        let mut lru = Lru::default();
+        lru.touch(10, 1, 0);
+        assert_eq!(EvictionPolicy::distance(&lru, 1), usize::MAX);
+        assert_eq!(lru.victim_running_after(5, &mut all), Some(10));
     }
 
     #[test]

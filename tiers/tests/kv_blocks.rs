@@ -16,7 +16,8 @@ use rand::{Rng, SeedableRng};
 use strata_allocator::{Kind, PagePool, PoolConfig};
 use strata_tiers::policy::Links;
 use strata_tiers::{
-    DiskConfig, KvBlockManager, KvBlocksConfig, RequestId, StoreConfig, Tier, TierSpec, TierStore,
+    DiskConfig, KvBlockManager, KvBlocksConfig, PolicyKind, RequestId, StoreConfig, Tier, TierSpec,
+    TierStore,
 };
 use strata_vmm::Error;
 
@@ -59,6 +60,8 @@ fn manager_on(
     dir: &std::path::Path,
 ) -> KvBlockManager {
     let mut c = StoreConfig::new(CHUNK, 0, host_chunks * CHUNK);
+    // As strata_kv_create: the host tier sends the blocks of the request running last to disk.
+    c.host_policy = PolicyKind::Lookahead;
     c.disk = Some(DiskConfig {
         dir: dir.to_path_buf(),
         spec: TierSpec {
@@ -367,6 +370,64 @@ fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     assert_eq!(m.blocks(d).unwrap(), vec![Some(Tier::Host)]);
     for (q, seed) in [(r[0], 30), (r[2], 32)] {
         assert_eq!(verify(&m, q, seed).unwrap(), (Tier::Hbm, 1));
+    }
+    m.check_invariants().unwrap();
+}
+
+/// TierKV's order for the host tier: a full host tier sends the blocks of the request that runs
+/// last to disk (never one that runs sooner), and `stage` brings the disk blocks of the next
+/// request up to host memory ahead of its restore, taking room only from requests that run
+/// later.
+#[test]
+fn host_room_follows_the_queue_and_stage_brings_the_next_request_up_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    // The host tier holds one full block (2 layers × K/V × 4 chunks).
+    let m = manager(16, 16, 256, dir.path());
+    let r: Vec<RequestId> = (0..3).map(|_| m.admit().unwrap()).collect();
+    for (i, &q) in r.iter().enumerate() {
+        grow(&m, q, 60 + i as u64, TPB).unwrap();
+    }
+    m.queue(&[r[0], r[1], r[2]]);
+    m.pause(r[0], Tier::Host).unwrap();
+    // r[2] and r[1] run after r[0]: they go to disk rather than push r[0] there.
+    m.pause(r[2], Tier::Host).unwrap();
+    m.pause(r[1], Tier::Host).unwrap();
+    let tiers = |m: &KvBlockManager| -> Vec<Vec<Option<Tier>>> {
+        r.iter().map(|&q| m.blocks(q).unwrap()).collect()
+    };
+    assert_eq!(
+        tiers(&m),
+        vec![
+            vec![Some(Tier::Host)],
+            vec![Some(Tier::Disk)],
+            vec![Some(Tier::Disk)]
+        ]
+    );
+    // r[0] ran; now r[1] runs next and r[0] last: staging r[1] moves r[0]'s blocks to disk to
+    // make room.
+    m.queue(&[r[1], r[2], r[0]]);
+    let read_before = m.store().stats().disk_read_bytes;
+    assert_eq!(m.stage(&[r[1]]).unwrap(), 16);
+    assert_eq!(
+        tiers(&m),
+        vec![
+            vec![Some(Tier::Disk)],
+            vec![Some(Tier::Host)],
+            vec![Some(Tier::Disk)]
+        ]
+    );
+    assert_eq!(m.store().stats().disk_read_bytes - read_before, 16 * CHUNK);
+    assert_eq!(m.store().stats().staged, 16);
+    // r[2] runs after r[1]: staging it would displace r[1]'s blocks, so nothing moves.
+    assert_eq!(m.stage(&[r[2]]).unwrap(), 0);
+    assert_eq!(m.blocks(r[2]).unwrap(), vec![Some(Tier::Disk)]);
+    // r[1] comes back from host memory: one hop, nothing read from disk.
+    let read_before = m.store().stats().disk_read_bytes;
+    m.make_resident(&[r[1]]).unwrap().synchronize().unwrap();
+    assert_eq!(m.store().stats().disk_read_bytes, read_before);
+    for (i, &q) in r.iter().enumerate() {
+        m.make_resident(&[q]).unwrap().synchronize().unwrap();
+        assert_eq!(verify(&m, q, 60 + i as u64).unwrap(), (Tier::Hbm, 1));
     }
     m.check_invariants().unwrap();
 }

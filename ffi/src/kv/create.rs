@@ -9,7 +9,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use strata_tiers::policy::Links;
 use strata_tiers::{
-    DiskConfig, Durability, KvBlockManager, KvBlocksConfig, StoreConfig, TierSpec, TierStore,
+    DiskConfig, Durability, KvBlockManager, KvBlocksConfig, PolicyKind, StoreConfig, TierSpec,
+    TierStore,
 };
 use strata_vmm::{Error, Result};
 
@@ -112,6 +113,9 @@ unsafe fn create(c: &strata_kv_config_t) -> Result<KvEntry> {
     let block = pool.page_size().min(MAX_STORE_BLOCK);
     let mut store = StoreConfig::new(block, 0, c.host_bytes);
     store.device = device;
+    // A full host tier moves to disk the blocks whose request runs furthest away (TierKV §3.4:
+    // strata_kv_hint and strata_kv_queue give the order); with neither, least recently used.
+    store.host_policy = PolicyKind::Lookahead;
     let host_link = (store.host.latency, store.host.bandwidth);
     let disk_spec = TierSpec {
         capacity: c.disk_bytes,

@@ -129,6 +129,33 @@ pub unsafe extern "C" fn strata_kv_make_resident(
     })
 }
 
+/// Moves the disk-resident spilled blocks of `batch` up to host memory ahead of a
+/// `strata_kv_make_resident` (the first hop of the two-hop path); `*objects` (if not NULL)
+/// receives the store objects moved.
+///
+/// # Safety
+///
+/// `batch` is NULL with `count == 0`, or readable for `count` handles; `objects` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn strata_kv_stage(
+    kv: u64,
+    batch: *const u64,
+    count: usize,
+    objects: *mut u64,
+) -> c_int {
+    boundary::status("strata_kv_stage", || {
+        let s = space(kv)?;
+        let batch = s.requests(batch, count)?;
+        let n = s.manager.stage(&batch)?;
+        if !objects.is_null() {
+            // SAFETY: non-NULL and writable by this function's contract.
+            unsafe { objects.write(n as u64) };
+        }
+        Ok(())
+    })
+}
+
 /// Blocks of a request lost to revocations since the last report, each reported once.
 ///
 /// # Safety

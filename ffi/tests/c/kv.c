@@ -1,6 +1,6 @@
 /* KV spaces through the C API: every call with good and bad input (NULL, stale handles, wrong
  * device, a request of another space, append past max_tokens), contents compared bit for bit
- * across spills to host and disk and back, lost blocks reported exactly once (callback or
+ * across spills to host and disk (staged up to host ahead of need) and back, lost blocks reported exactly once (callback or
  * take_lost), Backed revocations losing nothing, stats. Strict host backend: bytes move only
  * through strata_kv_write / strata_kv_read. */
 #define _DEFAULT_SOURCE
@@ -253,6 +253,15 @@ int main(void) {
     CHECK(n == 2 && res[0] == STRATA_KV_ON_DISK && res[1] == STRATA_KV_ON_DISK);
     CHECK(holds_all(kv, r1, 1500, 100, &tier) && tier == 2);
     CHECK(strata_kv_spill(other, q, STRATA_TIER_DISK) == STRATA_OK); /* nothing to spill */
+    /* Up to host memory ahead of need (the first hop), then one hop back. */
+    uint64_t staged = 0;
+    CHECK(strata_kv_stage(kv, NULL, 1, &staged) == STRATA_INVALID_ARGUMENT);
+    CHECK_OK(strata_kv_stage(kv, &r1, 1, &staged));
+    CHECK(staged > 0);
+    CHECK_OK(strata_kv_residency(kv, r1, res, 8, &n));
+    CHECK(n == 2 && res[0] == STRATA_KV_IN_HOST && res[1] == STRATA_KV_IN_HOST);
+    CHECK_OK(strata_kv_stage(kv, &r1, 1, NULL)); /* nothing left on disk */
+    CHECK(holds_all(kv, r1, 1500, 100, &tier) && tier == 1);
     CHECK_OK(strata_kv_make_resident(kv, &r1, 1, s));
     CHECK_OK(strata_stream_synchronize(s));
     CHECK(holds_all(kv, r1, 1500, 100, &tier) && tier == 0);

@@ -1,6 +1,6 @@
 /* Pie's controller through the C API: bad input, the FIFO protocol keeping at most the budget's
- * layers on the device over many tokens with every layer on the device when it runs, and
- * adaptive expansion above the floor. */
+ * layers on the device over many tokens with every layer on the device when it runs,
+ * adaptive expansion above the floor, and TierKV's overlap condition from measured times. */
 #include "common.h"
 
 #define LAYERS 6
@@ -75,6 +75,31 @@ int main(void) {
     CHECK_OK(strata_pie_set_floor(p, 2, NULL));
     CHECK_OK(strata_pie_observe(p, 0, 50.0, &m));
     CHECK(m == 2);
+    CHECK_OK(strata_pie_destroy(p));
+    /* TierKV's overlap condition from the controller's measurements: 2 ms per layer; 1 MiB
+     * crosses host -> device in 3 ms and 2 MiB in 5 ms (1 ms + 2 ms per MiB). */
+    CHECK_OK(strata_pie_create(4, 0, &p));
+    strata_pie_overlap_t o;
+    CHECK_OK(strata_pie_overlap(p, 0, 2, 1u << 20, 0, &o));
+    CHECK(o.steps == -1 && o.fits == -1 && o.t_transfer < 0 && o.window < 0);
+    for (uint32_t l = 0; l < 4; l++)
+        CHECK_OK(strata_pie_observe_compute(p, l, 2e-3));
+    CHECK_OK(strata_pie_observe_transfer(p, STRATA_PIE_HOST_TO_DEVICE, 1u << 20, 3e-3));
+    CHECK_OK(strata_pie_observe_transfer(p, STRATA_PIE_HOST_TO_DEVICE, 2u << 20, 5e-3));
+    CHECK_OK(strata_pie_overlap(p, 1, 2, 1u << 20, 0, &o));
+    CHECK(o.fits == 0 && o.steps == 2); /* one layer (2 ms) does not hide 3 ms; two do */
+    CHECK(o.t_transfer > 2.9e-3 && o.t_transfer < 3.1e-3 && o.window > 1.9e-3 && o.window < 2.1e-3);
+    CHECK_OK(strata_pie_overlap(p, 0, 2, 1u << 20, 0, &o));
+    CHECK(o.fits == 1);
+    /* Blocks on disk need the disk link, not measured yet. */
+    CHECK_OK(strata_pie_overlap(p, 0, 2, 0, 1u << 20, &o));
+    CHECK(o.steps == -1 && o.fits == -1);
+    CHECK_OK(strata_pie_observe_transfer(p, STRATA_PIE_DISK_TO_HOST, 1u << 20, 5e-4));
+    CHECK_OK(strata_pie_overlap(p, 0, 2, 0, 1u << 20, &o));
+    CHECK(o.fits == 1 && o.steps == 2); /* 3 + 0.5 ms: hidden by two layers (4 ms) */
+    CHECK(strata_pie_observe_transfer(p, 2, 1, 1.0) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_pie_observe_compute(p, 4, 1.0) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_pie_overlap(p, 0, 1, 0, 0, NULL) == STRATA_INVALID_ARGUMENT);
     CHECK_OK(strata_pie_destroy(p));
     printf("pie: ok\n");
     return 0;

@@ -4,6 +4,8 @@ pages mapped and the tier traffic.
 
     python -m strata.examples.generate --batch 4 --prompt 64 --new-tokens 512
     python -m strata.examples.generate --device-budget 4MiB   # tiered offload (Pie's swapping)
+    python -m strata.examples.generate --device-budget 4MiB --host-bytes 2MiB --disk-bytes 64MiB
+                                        # host memory too small: the rest on disk (TierKV's lookahead)
 
 On a machine without a GPU strata runs its host backend; torch reads the KV tensors there only
 outside strict mode (STRATA_HOST_STRICT unset or 0). STRATA_HOST_GRANULARITY sets its page size.
@@ -11,6 +13,7 @@ outside strict mode (STRATA_HOST_STRICT unset or 0). STRATA_HOST_GRANULARITY set
 
 import argparse
 import os
+import tempfile
 import time
 
 
@@ -34,6 +37,12 @@ def parse_args(argv=None):
         help="offload: device bytes for the KV (e.g. 4MiB); layers beyond it swap to host memory",
     )
     p.add_argument("--expand", action="store_true", help="offload: Pie's adaptive expansion above the budget's floor")
+    p.add_argument("--host-bytes", type=size, default=None, help="offload: the host tier (default: all of the KV)")
+    p.add_argument("--disk-bytes", type=size, default=0, help="offload: a disk tier for what host memory cannot hold")
+    p.add_argument("--disk-dir", default=None, help="offload: the disk tier's directory (default: a temporary one)")
+    p.add_argument(
+        "--no-lookahead", action="store_true", help="offload: no disk hop ahead of need (TierKV's lookahead off)"
+    )
     p.add_argument(
         "--mirage",
         action="store_true",
@@ -144,14 +153,36 @@ def main(argv=None):
         return mirage_demo.run(args, model, ids, mask, device)
 
     max_len = args.max_cache_len or args.prompt + args.new_tokens
-    if args.device_budget is None:
-        cache = StrataCache(model.config, max_cache_len=max_len)
-    else:
-        cache = OffloadedStrataCache(model.config, max_cache_len=max_len, device_budget=args.device_budget, expand=args.expand)
+    with tempfile.TemporaryDirectory(prefix="strata-generate-") as scratch:
+        if args.device_budget is None:
+            cache = StrataCache(model.config, max_cache_len=max_len)
+        else:
+            disk = dict(disk_bytes=args.disk_bytes, disk_dir=args.disk_dir or scratch) if args.disk_bytes else {}
+            cache = OffloadedStrataCache(
+                model.config,
+                max_cache_len=max_len,
+                device_budget=args.device_budget,
+                host_bytes=args.host_bytes,
+                expand=args.expand,
+                lookahead=not args.no_lookahead,
+                **disk,
+            )
+        try:
+            report(args, model, ids, mask, cache, max_len, device)
+        finally:
+            cache.close()
+
+
+def report(args, model, ids, mask, cache, max_len, device):
+    """Generates with `cache` and prints what it cost."""
     peak = {"kv_bytes": 0}
+    cpu_layers = [0]
 
     def watch():
-        peak["kv_bytes"] = max(peak["kv_bytes"], cache.stats()["kv_bytes"])
+        s = cache.stats()
+        peak["kv_bytes"] = max(peak["kv_bytes"], s["kv_bytes"])
+        if s.get("offload"):
+            cpu_layers.append(s["offload"]["cpu_layers"])
 
     out, elapsed = generate_with_progress(model, ids, mask, cache, args.new_tokens, "generate", watch)
 
@@ -165,15 +196,19 @@ def main(argv=None):
     print(f"pages      {s['pages']} mapped ({human(s['page_size'])} each, {s['tokens_per_block']} tokens per page)")
     print(f"tiers      {human(s['bytes_from_device'])} down, {human(s['bytes_to_device'])} up, "
           f"{s['spills']} blocks spilled, {s['restores']} restored, host {human(s['host_used_bytes'])}, "
-          f"disk {human(s['disk_used_bytes'])}")
+          f"disk {human(s['disk_used_bytes'])} ({human(s['disk_read_bytes'])} read, "
+          f"{human(s['disk_write_bytes'])} written)")
     off = s.get("offload")
     if off:
-        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers on the device "
-              f"now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}); {off['swap_ins']} swap-ins, "
+        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers "
+              f"on the device now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}, at most "
+              f"{max(cpu_layers)} during the run); {off['swap_ins']} swap-ins ({off['two_hop_swap_ins']} from disk), "
               f"{off['swap_outs']} swap-outs; {off['prefetch_hits']} prefetch hits, {off['stalls']} stalls "
               f"({off['stall_seconds']:.2f} s waited); {s['clean_spills']} pages swapped out without a copy")
-    cache.close()
-
+        print(f"lookahead  Eq. 1 predicted {off['swap_ins_early']} swap-ins hidden ({off['swap_ins_early_hidden']} "
+              f"were); {off['stages']} disk hops ahead of need ({off['stages_hidden']} layers then came back from "
+              f"host memory alone); last lookahead asked: {off['lookahead_host_layers']} layers from host memory, "
+              f"{off['lookahead_disk_layers']} from disk (-1: none hides it, or not measured)")
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use strata_allocator::KvSpace;
 use strata_vmm::{record_deferred, Event, Result};
 
-use crate::object::Tier;
+use crate::object::{ObjectId, Tier};
 use crate::policy::{plan_prefetch, EvictionPolicy};
 
 use super::{get, lost_first, runs, Inner, KvBlockManager, RequestId};
@@ -90,6 +90,29 @@ impl KvBlockManager {
         let ev = self.bring_in(&mut inner, &wanted, &keep, true)?;
         inner.stats.hinted_prefetches += inner.stats.restores - before;
         Ok(ev)
+    }
+
+    /// TierKV's first hop ahead of need (§3.3): the spilled blocks of `batch` that sit on disk
+    /// move up to host memory, so that a later [`KvBlockManager::make_resident`] copies them
+    /// from there. Room comes only from requests that run later than every request of `batch`
+    /// (the order [`KvBlockManager::queue`] and [`KvBlockManager::hint`] gave the store's host
+    /// policy) and from clean copies; what finds none stays on disk (a hint, not an error).
+    /// Returns the store objects moved up. The file reads run without this manager's lock, so
+    /// requests outside `batch` can be spilled and made resident meanwhile.
+    pub fn stage(&self, batch: &[RequestId]) -> Result<usize> {
+        let ids: Vec<ObjectId> = {
+            let inner = self.inner.lock();
+            let mut ids = Vec::new();
+            for &r in batch {
+                ids.extend(get(&inner.reqs, r)?.spilled.values().flatten().copied());
+            }
+            ids
+        };
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let owners: Vec<u64> = batch.iter().map(|r| r.0).collect();
+        self.store.stage_to_host(&ids, &owners)
     }
 
     /// Makes every block of `batch` resident: maps pages behind its spilled and lost blocks

@@ -88,7 +88,7 @@ impl TierStore {
         let mut to_disk = Vec::new();
         if !to_host.is_empty() {
             let protect: HashSet<u32> = victims.iter().copied().collect();
-            let _ = self.make_room_host(op, to_host.len(), &protect);
+            let _ = self.make_room_host(op, to_host.len(), &protect, 0);
             let fit = op.st.host.free.len().min(to_host.len());
             to_disk = to_host.split_off(fit);
         }
@@ -169,7 +169,7 @@ impl TierStore {
         };
         op.settle();
         if op.st.disk.free.is_empty() {
-            self.drop_redundant(op, |r| r.disk, &HashSet::from([index]));
+            self.drop_redundant(op, SlotTier::Disk, &HashSet::from([index]));
         }
         let st = &mut *op.st;
         st.lease(SlotTier::Disk, index, &self.returns)
@@ -180,14 +180,21 @@ impl TierStore {
             })
     }
 
-    /// Drops one unprotected redundant object that holds a slot of the tier `slot_of` reads
-    /// (the host policy's victim first), whole: it becomes lost. False when there is none.
+    /// Frees the `tier` slot of one unprotected redundant object that holds one (the
+    /// host policy's victim first): only that copy when it has another one in host memory or on
+    /// disk (it stays a redundant copy there), else the whole object, which becomes lost. False
+    /// when there is none.
     pub(super) fn drop_redundant(
         &self,
         op: &mut Op<'_>,
-        slot_of: SlotOf,
+        tier: SlotTier,
         protect: &HashSet<u32>,
     ) -> bool {
+        let slot_of: SlotOf = match tier {
+            SlotTier::Hbm => |r| r.hbm,
+            SlotTier::Host => |r| r.host,
+            SlotTier::Disk => |r| r.disk,
+        };
         let me = op.token();
         let st = &mut *op.st;
         let droppable = |i: u32, o: &Obj| {
@@ -209,6 +216,15 @@ impl TierStore {
         else {
             return false;
         };
+        let res = st.objs[i as usize].res;
+        if tier != SlotTier::Hbm && res.host.is_some() && res.disk.is_some() {
+            if tier == SlotTier::Host {
+                st.drop_host(i);
+            } else if let Some(d) = st.objs[i as usize].res.disk.take() {
+                st.disk.put_back(d, None);
+            }
+            return true;
+        }
         st.drop_lower(i);
         st.drop_hbm(i);
         let o = &mut st.objs[i as usize];
@@ -219,12 +235,14 @@ impl TierStore {
     }
 
     /// Ensures `n` free host slots: drops unprotected redundant objects first, then moves
-    /// host copies to disk (or drops copies that are not the last one).
+    /// host copies to disk (or drops copies that are not the last one), only those whose owner
+    /// runs no sooner than `after` steps from now by the host policy (0: any).
     pub(super) fn make_room_host(
         &self,
         op: &mut Op<'_>,
         n: usize,
         protect: &HashSet<u32>,
+        after: usize,
     ) -> Result<()> {
         let mut tried: HashSet<u32> = HashSet::new();
         loop {
@@ -232,14 +250,14 @@ impl TierStore {
             if op.st.host.free.len() >= n {
                 return Ok(());
             }
-            if self.drop_redundant(op, |r| r.host, protect) {
+            if self.drop_redundant(op, SlotTier::Host, protect) {
                 continue;
             }
             let me = op.token();
             let st = &mut *op.st;
             let has_disk = self.disk.is_some() && !st.disk.free.is_empty();
             let objs = &st.objs;
-            let v = st.host_policy.victim(&mut |k| {
+            let v = st.host_policy.victim_running_after(after, &mut |k| {
                 let id = ObjectId::from_key(k);
                 let i = id.index;
                 !protect.contains(&i)

@@ -56,8 +56,11 @@ impl TierStore {
         scope: &[&Reservation],
     ) -> Result<()> {
         let protect: HashSet<u32> = idx.iter().copied().collect();
-        // Best effort: what does not fit in host memory goes to disk.
-        let _ = self.make_room_host(op, idx.len(), &protect);
+        // Best effort: what does not fit in host memory goes to disk, and so does what would
+        // displace a block whose owner runs sooner (TierKV §3.4).
+        let owner = idx.first().map(|&i| op.st.objs[i as usize].owner);
+        let after = owner.map_or(0, |o| op.st.host_policy.distance(o));
+        let _ = self.make_room_host(op, idx.len(), &protect, after);
         let fit = op.st.host.free.len().min(idx.len());
         let (to_host, to_disk) = idx.split_at(fit);
         if !to_host.is_empty() {

@@ -1,16 +1,17 @@
 //! Bringing objects up: prefetch into HBM (host copies in one batch, disk copies by the
-//! two-hop path disk → staging → device, pipelined over two staging halves), reads, and
-//! spills down. File reads and host waits happen outside the lock, on pinned objects.
+//! two-hop path disk → staging → device, pipelined over two staging halves), the first hop alone
+//! ahead of need (disk → host memory), reads, and spills down. File reads and host waits happen outside the lock, on pinned objects.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use strata_vmm::{DevicePtr, Error, Event, Reservation, Result};
+use strata_vmm::{DevicePtr, Error, Event, HostBuffer, Reservation, Result};
 
 use super::io::{sync, Batch};
 use super::slots::{SlotLease, SlotTier};
 use super::state::Op;
 use super::TierStore;
+use crate::disk::{DiskFile, IoPool};
 use crate::object::ObjectId;
 use crate::policy::Tier;
 use crate::transfer::Direction;
@@ -136,25 +137,7 @@ impl TierStore {
                 for f in staging[base..base + half].iter().chain(&kept_fences) {
                     sync(f)?;
                 }
-                let mut tickets = Vec::with_capacity(reads.len());
-                let mut first_err = None;
-                for (buf, off, file_off) in reads {
-                    let disk = Arc::clone(disk);
-                    match io.submit(move || disk.read_into(&buf, off, file_off, b)) {
-                        Ok(t) => tickets.push(t),
-                        Err(e) => {
-                            first_err = Some(e);
-                            break;
-                        }
-                    }
-                }
-                // Every submitted read finishes before its buffer can be reused.
-                for t in tickets {
-                    if let Err(e) = t.wait() {
-                        first_err.get_or_insert(e);
-                    }
-                }
-                first_err.map_or(Ok(()), Err)
+                read_blocks(disk, io, b, reads)
             })?;
             // Hop 2: one H2D batch for the chunk.
             let st = &mut *op.st;
@@ -192,6 +175,76 @@ impl TierStore {
             })?;
         }
         Ok(())
+    }
+
+    /// Brings the disk copies of `ids` (owned by `owners`) up into host memory: the first hop
+    /// of the two-hop path, run ahead of the restore that needs them (TierKV §3.3's longer
+    /// lookahead for disk). The disk copy stays, so the host copy can go again without a write.
+    /// Room comes by the host policy from redundant objects and from objects of other owners
+    /// that run later than every one of `owners`; what finds none stays on disk only (advice,
+    /// not an error). Ids that are stale, lost, already in host memory or
+    /// HBM, or not on disk, are passed over. Returns the objects moved up; the file reads run in
+    /// parallel outside the lock.
+    pub fn stage_to_host(&self, ids: &[ObjectId], owners: &[u64]) -> Result<usize> {
+        if self.disk.is_none() {
+            return Ok(0);
+        }
+        let (mut op, idx) = self.begin(|st| {
+            let mut idx: Vec<u32> = ids
+                .iter()
+                .filter_map(|&id| st.check(id).ok())
+                .filter(|&i| {
+                    let r = st.objs[i as usize].res;
+                    r.disk.is_some() && r.host.is_none() && r.hbm.is_none()
+                })
+                .collect();
+            idx.sort_unstable();
+            idx.dedup();
+            Ok(idx)
+        })?;
+        if idx.is_empty() {
+            return Ok(0);
+        }
+        let (disk, io) = self.disk()?;
+        let mut protect: HashSet<u32> = idx.iter().copied().collect();
+        protect.extend(op.st.objs.iter().enumerate().filter_map(|(i, o)| {
+            (o.live && !o.redundant && owners.contains(&o.owner)).then_some(i as u32)
+        }));
+        let nearest = owners
+            .iter()
+            .map(|&o| op.st.host_policy.distance(o))
+            .min()
+            .unwrap_or(0);
+        let _ = self.make_room_host(&mut op, idx.len(), &protect, nearest.saturating_add(1));
+        let fit = op.st.host.free.len().min(idx.len());
+        let mut reads = Vec::with_capacity(fit);
+        let mut fences = Vec::with_capacity(fit);
+        let mut leases = Vec::with_capacity(fit);
+        for &i in &idx[..fit] {
+            let st = &mut *op.st;
+            let d = st.objs[i as usize].res.disk.unwrap_or_default();
+            let Some(lease) = st.lease(SlotTier::Host, i, &self.returns) else {
+                break;
+            };
+            // A free slot's fence names the last copy that read it.
+            fences.push(st.host.fence[lease.slot() as usize].clone());
+            let (buf, off) = self.host_chunk(lease.slot());
+            reads.push((Arc::clone(buf), off, self.disk_offset(d)));
+            leases.push((i, lease));
+        }
+        let b = self.config.block_size;
+        op.unlocked(|| {
+            for f in &fences {
+                sync(f)?;
+            }
+            read_blocks(disk, io, b, reads)
+        })?;
+        let moved = leases.len();
+        for (i, lease) in leases {
+            op.st.add_host_copy(i, lease.keep());
+        }
+        op.st.staged += moved as u64;
+        Ok(moved)
     }
 
     /// Reads an object (exactly its length) from its fastest copy, after the copy's last write.
@@ -273,4 +326,33 @@ impl TierStore {
         }
         op.st.check_not_dropped(&idx)
     }
+}
+
+/// Reads `reads` (host buffer, offset in it, offset in the file) of `b` bytes each from the disk
+/// file in parallel on the I/O pool; every submitted read finishes before this returns, so its
+/// buffer may be reused after an error too.
+fn read_blocks(
+    disk: &Arc<DiskFile>,
+    io: &IoPool,
+    b: u64,
+    reads: Vec<(Arc<HostBuffer>, u64, u64)>,
+) -> Result<()> {
+    let mut tickets = Vec::with_capacity(reads.len());
+    let mut first_err = None;
+    for (buf, off, file_off) in reads {
+        let disk = Arc::clone(disk);
+        match io.submit(move || disk.read_into(&buf, off, file_off, b)) {
+            Ok(t) => tickets.push(t),
+            Err(e) => {
+                first_err = Some(e);
+                break;
+            }
+        }
+    }
+    for t in tickets {
+        if let Err(e) = t.wait() {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }

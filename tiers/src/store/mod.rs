@@ -42,7 +42,7 @@
 //!
 //! `slots.rs` (slot tables, leases), `state.rs` (what the lock guards, operations and pins),
 //! `io.rs` (addresses, submission, batches), `demote.rs` (making room), `fetch.rs` (prefetch,
-//! the two-hop path, reads, spills), `device.rs` (objects to and from device addresses the
+//! the two-hop path and its first hop ahead of need, reads, spills), `device.rs` (objects to and from device addresses the
 //! store does not own), `revoke.rs`, `invariants.rs`.
 
 mod demote;
@@ -159,6 +159,8 @@ pub struct StoreStats {
     pub evictions_hbm: u64,
     pub evictions_host: u64,
     pub prefetched_blocks: u64,
+    /// Objects moved up from disk to host memory ahead of need ([`TierStore::stage_to_host`]).
+    pub staged: u64,
     pub fell_back: u64,
     pub lost: u64,
     /// Redundant objects dropped for room, ever (see the module documentation).
@@ -275,6 +277,7 @@ impl TierStore {
             evictions_hbm: 0,
             evictions_host: 0,
             prefetched: 0,
+            staged: 0,
             fell_back: 0,
             lost: 0,
             redundant_dropped: 0,
@@ -502,7 +505,7 @@ impl TierStore {
     /// if it has (or can make) room, else disk. The caller swaps it in for the old copies.
     fn back_up(&self, op: &mut Op<'_>, index: u32, data: &[u8]) -> Result<Residency> {
         let protect: HashSet<u32> = [index].into();
-        if self.make_room_host(op, 1, &protect).is_ok() {
+        if self.make_room_host(op, 1, &protect, 0).is_ok() {
             if let Some(lease) = op.st.lease(SlotTier::Host, index, &self.returns) {
                 let fence = op.st.host.fence[lease.slot() as usize].clone();
                 let (buf, off) = self.host_chunk(lease.slot());
@@ -569,6 +572,7 @@ impl TierStore {
             evictions_hbm: st.evictions_hbm,
             evictions_host: st.evictions_host,
             prefetched_blocks: st.prefetched,
+            staged: st.staged,
             fell_back: st.fell_back,
             lost: st.lost,
             redundant_dropped: st.redundant_dropped,

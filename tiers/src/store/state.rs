@@ -50,6 +50,7 @@ pub(super) struct State {
     pub(super) evictions_hbm: u64,
     pub(super) evictions_host: u64,
     pub(super) prefetched: u64,
+    pub(super) staged: u64,
     pub(super) fell_back: u64,
     pub(super) lost: u64,
     pub(super) redundant_dropped: u64,
@@ -218,6 +219,16 @@ impl State {
         if let Some(d) = o.res.disk.take() {
             self.disk.put_back(d, None);
         }
+        self.touch_host(i);
+    }
+
+    /// Object `i`'s bytes were read from its disk copy into host slot `h` by the CPU (no device
+    /// copy touched the slot): the host slot becomes a second copy, the disk copy stays.
+    pub(super) fn add_host_copy(&mut self, i: u32, h: u32) {
+        self.host.fence[h as usize] = None;
+        let o = &mut self.objs[i as usize];
+        o.res.host = Some(h);
+        o.host_ready = None;
         self.touch_host(i);
     }
 
