@@ -504,3 +504,36 @@ fn a_page_whose_unmap_failed_keeps_its_va_out_of_later_allocations() {
         e.alloc.deallocate(q, S0).unwrap();
     }
 }
+
+/// A retired tag id starts clean for its next name: no migrations of the previous name in its
+/// spill stats, and no overflow setting (a full device is out of memory for it again).
+#[test]
+fn a_retired_tag_forgets_its_migrations_and_its_overflow() {
+    let e = env();
+    e.alloc.set_overflow(1, Some(Arc::clone(&e.host))).unwrap();
+    let p = e.alloc.allocate_tagged(4 * MIB, S0, 1).unwrap();
+    e.alloc.offload(1, &e.host, S0).unwrap();
+    e.alloc.onload(1, S0).unwrap();
+    let used = e.alloc.spill_stats(Some(1)).counts;
+    assert!(used.to_host > 0 && used.to_device > 0, "{used:?}");
+    e.alloc.deallocate(p, S0).unwrap();
+    assert!(e.alloc.retire_tag(1));
+    assert_eq!(
+        e.alloc.spill_stats(Some(1)).counts,
+        strata_allocator::SpillCounts::default(),
+        "the next name of id 1 moved nothing yet"
+    );
+    assert_eq!(
+        e.alloc.spill_stats(None).counts,
+        used,
+        "the allocator's totals keep every migration"
+    );
+    let mut hog = Vec::new();
+    while let Ok(q) = e.alloc.allocate_tagged(8 * MIB, S0, 2) {
+        hog.push(q);
+    }
+    let refused = e.alloc.allocate_tagged(4 * MIB, S0, 1).unwrap_err();
+    assert!(refused.is_out_of_memory(), "{refused}");
+    assert_eq!(e.host.stats().in_use, 0, "nothing overflowed");
+    consistent(&e, "retired");
+}

@@ -668,9 +668,11 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Lets the caller reuse `tag`'s id for another name: succeeds (and restarts the tag's
-    /// counters) only while nothing of it is live, asleep or growing. Its cached pages stay
-    /// (blocks of one id never share a page with another id, whoever names it).
+    /// Lets the caller reuse `tag`'s id for another name: succeeds only while nothing of it is
+    /// live, asleep or growing, and then restarts the tag as its next name finds it: its
+    /// counters and migration counts from zero, no overflow. Its cached pages stay (blocks of
+    /// one id never share a page with another id, whoever names it); the allocator's totals
+    /// keep everything.
     pub fn retire_tag(&self, tag: TagId) -> bool {
         let mut st = self.state.lock();
         let Some(ti) = st.tag_slot(tag) else {
@@ -679,10 +681,12 @@ impl CachingAllocator {
         if !st.tag_is_idle(ti) {
             return false;
         }
-        let totals = &mut st.tags[ti].totals;
-        totals.allocs = 0;
-        totals.frees = 0;
-        totals.peak_allocated = totals.allocated;
+        let t = &mut st.tags[ti];
+        t.totals.allocs = 0;
+        t.totals.frees = 0;
+        t.totals.peak_allocated = t.totals.allocated;
+        t.spill = offload::SpillCounts::default();
+        t.overflow = None;
         true
     }
 
