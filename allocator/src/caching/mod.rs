@@ -41,6 +41,7 @@
 mod arena;
 mod bins;
 mod cache;
+mod freed;
 mod grow;
 mod inflight;
 mod invariants;
@@ -51,10 +52,11 @@ mod revoke;
 mod sleep;
 mod stats;
 mod streams;
+mod supply;
+mod tags;
 mod unmap;
 
-use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write as _;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
@@ -76,7 +78,10 @@ pub use cache::{CachedRun, RangeCache, Run};
 pub use large::{Extents, LargeSegment, LARGE_ALIGN};
 pub use offload::{Moved, SpillCounts, SpillStats, TierBytes};
 pub use revoke::Revoked;
-pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
+pub use stats::{human_size, AllocatorCounts, AllocatorStats, LiveAllocation, TagStats};
+
+use freed::FreedLog;
+use tags::TagState;
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
 pub type TagId = u32;
@@ -90,8 +95,6 @@ const LARGE: u16 = u16::MAX;
 const NO_SEGMENT: u32 = u32::MAX;
 /// Idle events kept for reuse.
 const IDLE_EVENTS: usize = 64;
-/// Live allocations listed per tag in a report.
-const REPORT_PER_TAG: usize = 32;
 
 /// Configuration of a [`CachingAllocator`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,21 +125,6 @@ impl Default for CachingConfig {
             report_leaks: true,
         }
     }
-}
-
-/// One live allocation, as [`CachingAllocator::live_allocations`] lists it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LiveAllocation {
-    pub ptr: DevicePtr,
-    /// Requested bytes.
-    pub size: u64,
-    /// Bytes of the block that holds it (size class, or the request rounded to 512 bytes).
-    pub block_size: u64,
-    pub tag: TagId,
-    /// The stream it was allocated on.
-    pub stream: StreamHandle,
-    /// Whether it is a large block (in a large segment).
-    pub large: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,67 +192,9 @@ struct Segment {
     mapped: Vec<MappedPage>,
 }
 
-struct TagState {
-    tag: TagId,
-    bins: Vec<ClassBin>,
-    asleep: bool,
-    sleep: sleep::SleepData,
-    totals: stats::TagTotals,
-    spill: offload::SpillCounts,
-    /// Where growth takes pages when the device is out of memory (`offload.rs`).
-    overflow: Option<Arc<PagePool>>,
-}
-
 struct PendingFree {
     block: u32,
     events: Vec<Event>,
-}
-
-/// Recently freed pointers and released segments (start → (length, stride)), bounded, so a
-/// double free is told from an unknown pointer. Entries are dropped when their VA is reused.
-#[derive(Default)]
-struct FreedLog {
-    entries: BTreeMap<u64, (u64, u64)>,
-    order: VecDeque<u64>,
-    capacity: usize,
-}
-
-impl FreedLog {
-    fn record(&mut self, start: u64, len: u64, stride: u64) {
-        if self.capacity == 0 {
-            return;
-        }
-        self.entries.insert(start, (len, stride.max(1)));
-        self.order.push_back(start);
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.entries.remove(&old);
-            }
-        }
-    }
-
-    fn contains(&self, ptr: u64) -> bool {
-        self.entries
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&s, &(len, stride))| ptr - s < len && (ptr - s) % stride == 0)
-    }
-
-    fn invalidate(&mut self, start: u64, len: u64) {
-        if self.entries.is_empty() {
-            return;
-        }
-        let end = start.saturating_add(len);
-        let mut doomed: Vec<u64> = self.entries.range(start..end).map(|(&s, _)| s).collect();
-        if let Some((&s, &(l, _))) = self.entries.range(..start).next_back() {
-            if s.saturating_add(l) > start {
-                doomed.push(s);
-            }
-        }
-        for s in doomed {
-            self.entries.remove(&s);
-        }
-    }
 }
 
 /// Everything behind the allocator's one lock.
@@ -303,26 +233,6 @@ struct State {
 }
 
 impl State {
-    /// Index of a tag already seen (tag 0 always is).
-    #[inline]
-    fn tag_slot(&self, tag: TagId) -> Option<usize> {
-        if tag == UNTAGGED {
-            Some(0)
-        } else {
-            self.tag_ix.get(&tag).map(|&i| i as usize)
-        }
-    }
-
-    fn ensure_tag(&mut self, tag: TagId, classes: usize) -> usize {
-        if let Some(i) = self.tag_slot(tag) {
-            return i;
-        }
-        let i = self.tags.len();
-        self.tags.push(TagState::new(tag, classes));
-        self.tag_ix.insert(tag, i as u32);
-        i
-    }
-
     /// The fast path: pops a block of `class` freed on `stream`. Counts the allocation, not
     /// the cache hit.
     #[inline]
@@ -407,9 +317,13 @@ impl State {
             .collect()
     }
 
-    fn tag_is_idle(&self, ti: usize) -> bool {
-        let t = &self.tags[ti];
-        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+    /// Pages of the mapped segments with no live or pending block.
+    fn empty_segment_pages(&self) -> u64 {
+        self.empty_segments(true)
+            .iter()
+            .filter_map(|&i| self.segments[i as usize].as_ref())
+            .map(|s| s.pages)
+            .sum()
     }
 
     fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
@@ -417,20 +331,6 @@ impl State {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
-    }
-}
-
-impl TagState {
-    fn new(tag: TagId, classes: usize) -> Self {
-        TagState {
-            tag,
-            bins: vec![ClassBin::default(); classes],
-            asleep: false,
-            sleep: sleep::SleepData::default(),
-            totals: stats::TagTotals::default(),
-            spill: offload::SpillCounts::default(),
-            overflow: None,
-        }
     }
 }
 
@@ -506,10 +406,7 @@ impl CachingAllocator {
             va: VaArena::new(arena_pages),
             pending: Vec::new(),
             idle_events: Vec::new(),
-            freed: FreedLog {
-                capacity: config.freed_history,
-                ..FreedLog::default()
-            },
+            freed: FreedLog::new(config.freed_history),
             totals: stats::Totals::default(),
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
@@ -668,180 +565,14 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Lets the caller reuse `tag`'s id for another name: succeeds only while nothing of it is
-    /// live, asleep or growing, and then restarts the tag as its next name finds it: its
-    /// counters and migration counts from zero, no overflow. Its cached pages stay (blocks of
-    /// one id never share a page with another id, whoever names it); the allocator's totals
-    /// keep everything.
-    pub fn retire_tag(&self, tag: TagId) -> bool {
-        let mut st = self.state.lock();
-        let Some(ti) = st.tag_slot(tag) else {
-            return true;
-        };
-        if !st.tag_is_idle(ti) {
-            return false;
-        }
-        let t = &mut st.tags[ti];
-        t.totals.allocs = 0;
-        t.totals.frees = 0;
-        t.totals.peak_allocated = t.totals.allocated;
-        t.spill = offload::SpillCounts::default();
-        t.overflow = None;
-        true
-    }
-
-    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
-    pub fn tag_is_idle(&self, tag: TagId) -> bool {
-        let st = self.state.lock();
-        st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
-    }
-
     /// The cap on reserved bytes.
     pub fn limit(&self) -> Option<u64> {
         self.state.lock().limit
-    }
-
-    /// A snapshot of the accounting.
-    pub fn stats(&self) -> AllocatorStats {
-        let st = self.state.lock();
-        let page = self.page;
-        let mut tags: Vec<TagStats> = st
-            .tags
-            .iter()
-            .map(|t| TagStats {
-                tag: t.tag,
-                allocated_bytes: t.totals.allocated,
-                allocated_block_bytes: t.totals.allocated_blocks,
-                reserved_bytes: t.totals.mapped_pages * page,
-                peak_allocated_bytes: t.totals.peak_allocated,
-                live_allocations: t.totals.live,
-                allocs: t.totals.allocs,
-                frees: t.totals.frees,
-                asleep: t.asleep,
-                host_copy_bytes: t.sleep.copy_bytes(),
-            })
-            .collect();
-        tags.sort_by_key(|t| t.tag);
-        AllocatorStats {
-            device: self.device,
-            page_size: page,
-            arena_bytes: self.arena.size(),
-            free_va_bytes: st.va.free_units() * page,
-            allocated_bytes: st.totals.allocated,
-            allocated_block_bytes: st.totals.allocated_blocks,
-            reserved_bytes: st.totals.mapped_pages * page,
-            mapped_pages: st.totals.mapped_pages,
-            cached_large_bytes: st.cache.pages() * page,
-            large_segment_bytes: st.large.values().map(|s| s.pages).sum::<u64>() * page,
-            large_free_bytes: st.extents.bytes(),
-            cached_small_bytes: st
-                .iter_segments()
-                .filter(|&(id, s)| st.segment_live(id) == 0 && !s.mapped.is_empty())
-                .map(|(_, s)| s.pages * page)
-                .sum(),
-            peak_allocated_bytes: st.totals.peak_allocated,
-            peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
-            peak_reserved_bytes: st.totals.peak_mapped_pages * page,
-            live_allocations: st.totals.live,
-            pending_blocks: st.pending.len() as u64,
-            limit: st.limit,
-            counts: st.totals.counts,
-            tags,
-        }
-    }
-
-    /// Resets the peaks to the current figures.
-    pub fn reset_peak_stats(&self) {
-        let mut st = self.state.lock();
-        st.totals.peak_allocated = st.totals.allocated;
-        st.totals.peak_allocated_blocks = st.totals.allocated_blocks;
-        st.totals.peak_mapped_pages = st.totals.mapped_pages;
-        for t in &mut st.tags {
-            t.totals.peak_allocated = t.totals.allocated;
-        }
-    }
-
-    /// Every live allocation, by address.
-    pub fn live_allocations(&self) -> Vec<LiveAllocation> {
-        let st = self.state.lock();
-        Self::live_of(&st)
-    }
-
-    fn live_of(st: &State) -> Vec<LiveAllocation> {
-        let mut v: Vec<LiveAllocation> = st
-            .blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Live)
-            .map(|b| LiveAllocation {
-                ptr: b.ptr,
-                size: b.requested,
-                block_size: b.size,
-                tag: st.tags[b.tag as usize].tag,
-                stream: b.stream,
-                large: b.class == LARGE,
-            })
-            .collect();
-        v.sort_by_key(|a| a.ptr);
-        v
-    }
-
-    /// A human-readable report: totals, counts, and live allocations by tag.
-    pub fn report(&self) -> String {
-        let stats = self.stats();
-        let live = self.live_allocations();
-        let mut out = String::new();
-        stats::write_summary(&mut out, &stats);
-        for t in &stats.tags {
-            let _ = writeln!(
-                out,
-                "  tag {}: {} live, {} allocated ({} blocks), {} reserved, peak {}{}",
-                t.tag,
-                t.live_allocations,
-                human_size(t.allocated_bytes),
-                human_size(t.allocated_block_bytes),
-                human_size(t.reserved_bytes),
-                human_size(t.peak_allocated_bytes),
-                if t.asleep {
-                    format!(
-                        ", ASLEEP ({} in host copies)",
-                        human_size(t.host_copy_bytes)
-                    )
-                } else {
-                    String::new()
-                }
-            );
-            write_allocations(&mut out, live.iter().filter(|a| a.tag == t.tag));
-        }
-        out
     }
 }
 
 fn internal(reason: String) -> Error {
     Error::InvalidState(format!("caching allocator internal error: {reason}"))
-}
-
-fn write_allocations<'a>(out: &mut String, allocs: impl Iterator<Item = &'a LiveAllocation>) {
-    let mut shown = 0usize;
-    let mut hidden = 0usize;
-    for a in allocs {
-        if shown == REPORT_PER_TAG {
-            hidden += 1;
-            continue;
-        }
-        shown += 1;
-        let _ = writeln!(
-            out,
-            "    {:#014x}  {:>11}  (block {}, {}, stream {:#x})",
-            a.ptr,
-            human_size(a.size),
-            human_size(a.block_size),
-            if a.large { "large" } else { "small" },
-            a.stream.0
-        );
-    }
-    if hidden > 0 {
-        let _ = writeln!(out, "    ... and {hidden} more");
-    }
 }
 
 impl MemoryResource for CachingAllocator {
@@ -875,7 +606,7 @@ impl Drop for CachingAllocator {
                 live.len(),
                 human_size(bytes)
             );
-            write_allocations(&mut msg, live.iter());
+            stats::write_allocations(&mut msg, live.iter());
             eprint!("{msg}");
         }
         if exiting {
@@ -917,36 +648,5 @@ impl Drop for CachingAllocator {
             pages.push(page);
         }
         self.pool.give(pages);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn freed_log_tells_double_frees_and_forgets_reused_ranges() {
-        let mut log = FreedLog {
-            capacity: 3,
-            ..FreedLog::default()
-        };
-        log.record(0x1000, 1, 1); // a large pointer
-        log.record(0x10_0000, 0x1000, 0x100); // a released segment of 256-byte blocks
-        assert!(log.contains(0x1000));
-        assert!(!log.contains(0x1001));
-        assert!(log.contains(0x10_0000) && log.contains(0x10_0f00));
-        assert!(!log.contains(0x10_0080)); // not a block start
-        assert!(!log.contains(0x10_1000)); // past the segment
-        log.invalidate(0x10_0800, 0x100); // part of the segment is reused
-        assert!(!log.contains(0x10_0000));
-        assert!(log.contains(0x1000));
-        log.record(0x2000, 1, 1);
-        log.record(0x3000, 1, 1);
-        log.record(0x4000, 1, 1); // the oldest entries fall out
-        assert!(!log.contains(0x1000));
-        assert!(log.contains(0x4000));
-        let mut off = FreedLog::default();
-        off.record(0x1000, 1, 1);
-        assert!(!off.contains(0x1000));
     }
 }

@@ -1,0 +1,233 @@
+//! Where the pages of a new mapping come from: cached pages recycled (unmapped and mapped
+//! again elsewhere) and fresh ones from the pool, checked against the limit and reserved under
+//! the lock, gathered with it dropped (`grow.rs`).
+
+use parking_lot::Mutex;
+use strata_vmm::{DevicePtr, Error, Location, Result, StreamHandle};
+
+use super::grow::DriverCalls;
+use super::unmap::unmap_pages;
+use super::{CachingAllocator, State};
+use crate::mapped::MappedPage;
+use crate::pool::{Page, PagePool};
+
+/// Pages on their way to a new mapping: `want` of them, all or none.
+#[derive(Default)]
+pub(super) struct Supply {
+    pub(super) want: u64,
+    /// Cached pages out of the tables, still mapped at their old VA.
+    pub(super) mapped: Vec<MappedPage>,
+    /// The old arena ranges of `mapped`, held until they are unmapped.
+    pub(super) ranges: Vec<(u64, u64)>,
+    /// Pages already unmapped.
+    pub(super) ready: Vec<Page>,
+    /// Pages to take from the pool.
+    pub(super) fresh: usize,
+}
+
+impl Supply {
+    /// Pages held outside the tables (counted against the limit while in flight).
+    pub(super) fn pages(&self) -> u64 {
+        (self.mapped.len() + self.ready.len() + self.fresh) as u64
+    }
+
+    /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
+    /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
+    /// old ranges are the caller's to free.
+    /// `overflow`: a pool (host memory, a peer's) whose pages stand in when `pool` is out of
+    /// memory (a tag that allows overflow); they return to it wherever they are freed.
+    pub(super) fn gather(
+        self,
+        pool: &PagePool,
+        overflow: Option<&PagePool>,
+        calls: &mut DriverCalls,
+        requested: u64,
+        stuck: &Mutex<Vec<DevicePtr>>,
+    ) -> Result<Vec<Page>> {
+        let mut pages = self.ready;
+        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls, stuck);
+        // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
+        // gets the device's own pages in their place.
+        let (mut pages, foreign): (Vec<Page>, Vec<Page>) =
+            pages.into_iter().partition(|p| p.is_home(pool));
+        let missing = self.fresh + foreign.len();
+        pool.give(foreign);
+        let fresh = unmapped.and_then(|()| match missing {
+            0 => Ok(Vec::new()),
+            n => match (pool.take(n), overflow) {
+                (Err(e), Some(spill)) if e.is_out_of_memory() => spill.take(n),
+                (got, _) => got,
+            },
+        });
+        match fresh {
+            Ok(fresh) => {
+                pages.extend(fresh);
+                if pages.len() as u64 > self.want {
+                    pool.give(pages.split_off(self.want as usize));
+                }
+                Ok(pages)
+            }
+            Err(e) => {
+                pool.give(pages);
+                Err(for_request(e, requested))
+            }
+        }
+    }
+}
+
+/// The pool's out-of-memory error (about the page it failed to create) restated for the
+/// caller's whole request.
+#[cold]
+fn for_request(e: Error, requested: u64) -> Error {
+    match e {
+        Error::OutOfMemory {
+            location,
+            available,
+            ..
+        } => Error::OutOfMemory {
+            location,
+            requested,
+            available,
+        },
+        e => e,
+    }
+}
+
+impl CachingAllocator {
+    /// Under the lock: checks that `n` more pages fit (under the limit, counting the pages of
+    /// in-flight work, and on the device) and takes the cached pages to recycle out of the
+    /// tables (unmapped cached pages come first, so reserved memory does not grow while
+    /// cached pages sit idle); the rest will come from the pool.
+    pub(super) fn reserve_supply(&self, st: &mut State, n: u64, requested: u64) -> Result<Supply> {
+        let reclaimable =
+            st.cache.pages() + st.empty_segment_pages() + self.cuttable_pages(st, None);
+        let fresh = n.saturating_sub(reclaimable);
+        if let Some(limit) = st.limit {
+            let held = st.totals.mapped_pages + st.inflight.pages();
+            let after = held
+                .checked_add(fresh)
+                .and_then(|p| p.checked_mul(self.page));
+            if after.is_none_or(|a| a > limit) {
+                st.totals.counts.ooms += 1;
+                return Err(Error::LimitExceeded {
+                    requested,
+                    used: held * self.page,
+                    limit,
+                });
+            }
+        }
+        if fresh
+            .checked_mul(self.page)
+            .is_none_or(|b| b > self.device_total)
+            && fresh > self.device_total / self.page + self.pool.stats().free as u64
+        {
+            // Hopeless: fail before the pool creates (and drops) a device's worth of pages.
+            return Err(self.oom(st, requested));
+        }
+        let mut supply = Supply {
+            want: n,
+            fresh: usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?,
+            ..Supply::default()
+        };
+        if n > fresh {
+            self.take_cached(st, n - fresh, &mut supply)?;
+        }
+        Ok(supply)
+    }
+
+    /// Takes at least `need` cached pages (smallest cached runs first, then empty small
+    /// segments; whole free pages are cut out of large segments first if those are short)
+    /// out of the tables into `supply`, after synchronizing the streams that may
+    /// touch them (under the lock: a failure leaves everything in place). They stay mapped,
+    /// their ranges held, until the supply is gathered.
+    fn take_cached(&self, st: &mut State, need: u64, supply: &mut Supply) -> Result<()> {
+        let short = need.saturating_sub(st.cache.pages() + st.empty_segment_pages());
+        if short > 0 {
+            self.cut_free_pages(st, Some(short), None);
+        }
+        let mut remaining = need;
+        let mut runs = Vec::new();
+        for start in st.cache.starts_smallest_first() {
+            if remaining == 0 {
+                break;
+            }
+            let Some(have) = st.cache.get(start).map(|r| r.pages) else {
+                continue;
+            };
+            let k = have.min(remaining);
+            if let Some(taken) = st.cache.take_tail(start, k) {
+                remaining -= k;
+                runs.push(taken);
+            }
+        }
+        let mut segs = Vec::new();
+        if remaining > 0 {
+            for id in st.empty_segments(true) {
+                if remaining == 0 {
+                    break;
+                }
+                if let Some(seg) = &st.segments[id as usize] {
+                    remaining = remaining.saturating_sub(seg.pages);
+                    segs.push(id);
+                }
+            }
+        }
+        let mut streams: Vec<StreamHandle> = runs.iter().map(|(_, r)| r.stream).collect();
+        for &id in &segs {
+            if let Some(seg) = &st.segments[id as usize] {
+                streams.extend(seg.blocks.iter().map(|&b| st.blocks[b as usize].stream));
+            }
+        }
+        if let Err(e) = self.sync_streams(st, streams) {
+            for (start, run) in runs {
+                st.cache.insert(start, run);
+            }
+            return Err(e);
+        }
+        for (start, run) in runs {
+            st.totals.sub_pages(run.pages);
+            st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
+            st.totals.counts.pages_recycled += run.pages;
+            supply.mapped.extend(run.payload);
+            supply.ranges.push((start, run.pages));
+        }
+        for id in segs {
+            let (range, mapped) = self.release_segment(st, id)?;
+            st.totals.counts.pages_recycled += mapped.len() as u64;
+            supply.mapped.extend(mapped);
+            supply.ranges.push(range);
+        }
+        Ok(())
+    }
+
+    /// `n` pages to map, gathered with the lock held throughout (wake; growth when the arena's
+    /// VA is short): cached pages unmapped, their old ranges freed, the rest from the pool.
+    pub(super) fn gather_locked(
+        &self,
+        st: &mut State,
+        n: u64,
+        requested: u64,
+    ) -> Result<Vec<Page>> {
+        let mut supply = self.reserve_supply(st, n, requested)?;
+        let ranges = std::mem::take(&mut supply.ranges);
+        let mut calls = DriverCalls::default();
+        let got = supply.gather(&self.pool, None, &mut calls, requested, &self.stuck_va);
+        calls.add_to(&mut st.totals.counts);
+        for (start, len) in ranges {
+            self.free_va(st, start, len)?;
+        }
+        if got.as_ref().is_err_and(Error::is_out_of_memory) {
+            st.totals.counts.ooms += 1;
+        }
+        got
+    }
+
+    pub(super) fn oom(&self, st: &mut State, requested: u64) -> Error {
+        st.totals.counts.ooms += 1;
+        Error::OutOfMemory {
+            location: Location::Device(self.device),
+            requested,
+            available: st.va.largest().saturating_mul(self.page),
+        }
+    }
+}
