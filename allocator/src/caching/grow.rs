@@ -260,6 +260,7 @@ impl CachingAllocator {
                 (st.segments.len() - 1) as u32
             }
         };
+        self.count_mapped(st, ti, &mapped);
         st.segments[seg_id as usize] = Some(Segment {
             start,
             pages,
@@ -269,8 +270,6 @@ impl CachingAllocator {
             blocks: Vec::new(),
             mapped,
         });
-        st.totals.add_pages(pages);
-        st.tags[ti].totals.mapped_pages += pages;
         st.totals.counts.segments_created += 1;
         Ok(seg_id)
     }
@@ -356,6 +355,8 @@ impl CachingAllocator {
         requested: u64,
     ) -> Result<(u64, Vec<MappedPage>)> {
         let st = &mut **guard;
+        let overflow = st.tags[ti].overflow.clone();
+        let overflows = overflow.is_some();
         let taken = match choice {
             VaChoice::BestFit => st.va.alloc(pages),
             VaChoice::WithRoom(room) => st.va.alloc_with_room(pages, room),
@@ -367,7 +368,7 @@ impl CachingAllocator {
             }
         };
         let (start, mut supply) = match taken {
-            Some(start) => match self.reserve_supply(st, pages, requested) {
+            Some(start) => match self.reserve_supply(st, pages, requested, overflows) {
                 Ok(supply) => (start, supply),
                 Err(e) => {
                     self.free_va(st, start, pages)?;
@@ -395,9 +396,8 @@ impl CachingAllocator {
             Some(ti as u32),
             Some((start, pages)),
             retiring,
-            supply.pages(),
+            supply.device_pages(self.device),
         );
-        let overflow = st.tags[ti].overflow.clone();
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

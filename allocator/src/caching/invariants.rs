@@ -2,6 +2,7 @@
 
 use rustc_hash::FxHashMap;
 
+use super::supply::elsewhere;
 use super::{
     run_slot, BlockState, CachingAllocator, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN, NO_SEGMENT,
 };
@@ -20,8 +21,9 @@ impl CachingAllocator {
     /// - the pointer table, the bins and the pending list agree with the block table;
     /// - each small block's run count slot is its run's, every run's count is the number of its
     ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
-    /// - allocated, live and mapped-page figures (total and per tag) agree with the tables,
-    ///   and pages held = reserved bytes / page size.
+    /// - allocated, live and mapped-page figures (total and per tag, and the pages not of the
+    ///   device's own memory) agree with the tables, and pages held = reserved bytes / page
+    ///   size.
     pub fn check_invariants(&self) -> Result<(), String> {
         let st = self.state.lock();
         self.check_state(&st)
@@ -86,6 +88,7 @@ impl CachingAllocator {
 
         // 2. Mappings.
         let mut mapped_total = 0u64;
+        let mut elsewhere_total = 0u64;
         let mut mapped_by_tag: FxHashMap<u32, u64> = FxHashMap::default();
         let mut check_run = |start: u64,
                              pages: u64,
@@ -120,6 +123,7 @@ impl CachingAllocator {
                 }
             }
             mapped_total += run.len() as u64;
+            elsewhere_total += elsewhere(run, self.device);
             *mapped_by_tag.entry(tag).or_default() += run.len() as u64;
             Ok(())
         };
@@ -157,6 +161,12 @@ impl CachingAllocator {
             return Err(format!(
                 "{mapped_total} pages mapped, stats say {}",
                 st.totals.mapped_pages
+            ));
+        }
+        if elsewhere_total != st.totals.elsewhere_pages {
+            return Err(format!(
+                "{elsewhere_total} pages mapped of elsewhere than the device, stats say {}",
+                st.totals.elsewhere_pages
             ));
         }
         for (i, t) in st.tags.iter().enumerate() {

@@ -105,7 +105,10 @@ pub struct CachingConfig {
     /// Requests below this many bytes are small (size classes in shared pages). Capped at
     /// [`MAX_SEGMENT_PAGES`] pages, so small page sizes lower it.
     pub small_threshold: u64,
-    /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
+    /// Cap on the bytes of the device's own memory held mapped (live, small segments, cache):
+    /// PyTorch's memory fraction. Pages of host memory or of a peer behind the allocator's
+    /// addresses (overflow, offload, revocation to host) do not count. Beyond it,
+    /// [`Error::LimitExceeded`], or the tag's overflow pool ([`CachingAllocator::set_overflow`]).
     pub limit: Option<u64>,
     /// How many freed pointers (and released segments) are remembered to tell a double free
     /// from an unknown pointer.
@@ -315,6 +318,11 @@ impl State {
             .filter(|&(id, s)| self.segment_live(id) == 0 && s.mapped.is_empty() != mapped)
             .map(|(id, _)| id)
             .collect()
+    }
+
+    /// Pages mapped of the device's own memory (what the limit counts).
+    fn device_pages(&self) -> u64 {
+        self.totals.mapped_pages - self.totals.elsewhere_pages
     }
 
     /// Pages of the mapped segments with no live or pending block.
@@ -552,20 +560,22 @@ impl CachingAllocator {
         self.release_cached(&mut st)
     }
 
-    /// Sets (or lifts) the cap on reserved bytes. Lowering it below what is reserved empties
+    /// Sets (or lifts) the cap on the device's own memory held ([`CachingConfig::limit`]);
+    /// growth, [`onload`](Self::onload) and revocations stay under it. Lowering it below what
+    /// is held empties
     /// the cache; live allocations stay, and further growth fails until under the cap. A
     /// growth already in flight (admitted under the old cap) still completes.
     pub fn set_limit(&self, limit: Option<u64>) -> Result<()> {
         let mut st = self.state.lock();
         st.limit = limit;
-        let reserved = st.totals.mapped_pages * self.page;
+        let reserved = st.device_pages() * self.page;
         if limit.is_some_and(|l| reserved > l) {
             self.release_cached(&mut st)?;
         }
         Ok(())
     }
 
-    /// The cap on reserved bytes.
+    /// The cap on the device's own memory held ([`CachingConfig::limit`]).
     pub fn limit(&self) -> Option<u64> {
         self.state.lock().limit
     }

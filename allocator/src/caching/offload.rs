@@ -12,9 +12,10 @@ use std::time::Instant;
 
 use strata_vmm::{Access, Error, Location, Result, StreamHandle};
 
+use super::supply::{elsewhere, on_device};
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
 use crate::mapped::{MappedRun, Migrated};
-use crate::pool::{Page, PagePool, PageSource};
+use crate::pool::{Page, PagePool};
 
 /// Bytes of mapped pages by where their memory is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,7 +88,8 @@ impl CachingAllocator {
     /// Moves every page of `tag` that is not the device's own (offloaded to host memory)
     /// back onto the device's pages at the same addresses; the reverse of
     /// [`offload`](Self::offload), with the same ordering and failure behaviour. Out of device
-    /// memory leaves the rest where it is (still usable).
+    /// memory, or a segment that would take the device past the limit
+    /// ([`Error::LimitExceeded`]), leaves the rest where it is (still usable).
     pub fn onload(&self, tag: TagId, stream: StreamHandle) -> Result<Moved> {
         self.move_tag(tag, &self.pool, stream)
     }
@@ -97,6 +99,8 @@ impl CachingAllocator {
     /// [`revoke`](Self::revoke) gives back) when the device is out of memory: instead of
     /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
     /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
+    /// Past the limit ([`CachingConfig::limit`](super::CachingConfig::limit)) growth fills the
+    /// room left under it and takes the rest from `to`, whose pages do not count against it.
     /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
     pub fn set_overflow(&self, tag: TagId, to: Option<Arc<PagePool>>) -> Result<()> {
         if let Some(to) = &to {
@@ -141,11 +145,12 @@ impl CachingAllocator {
         let mut tiers = TierBytes::default();
         for page in pages_of(&st, ti) {
             let bytes = page.size();
-            match (page.source(), page.phys().location()) {
-                (PageSource::Borrowed { .. }, _) => tiers.peer += bytes,
-                (_, Location::Host) => tiers.host += bytes,
-                (_, Location::Device(d)) if d != self.device => tiers.peer += bytes,
-                _ => tiers.local += bytes,
+            if on_device(page, self.device) {
+                tiers.local += bytes;
+            } else if page.phys().location() == Location::Host {
+                tiers.host += bytes;
+            } else {
+                tiers.peer += bytes;
             }
         }
         let counts = match ti {
@@ -207,6 +212,7 @@ impl CachingAllocator {
             return Ok(None);
         };
         let pages = std::mem::take(mapped);
+        let was_elsewhere = elsewhere(&pages, self.device);
         let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages).map_err(
             |(back, e)| {
                 put_back(st, target, back);
@@ -217,18 +223,43 @@ impl CachingAllocator {
         let began = Instant::now();
         let mut migrated = Err(internal("no pool to migrate onto".into()));
         for pool in pools {
-            migrated = run.migrate(pool, stream, &[], &grants);
+            migrated = match self.limit_refuses(st, pool, was_elsewhere, run.size()) {
+                Some(refused) => Err(refused),
+                None => run.migrate(pool, stream, &[], &grants),
+            };
             if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
                 break;
             }
         }
         let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        put_back(st, target, run.into_mapped_pages());
+        let pages = run.into_mapped_pages();
+        st.totals.elsewhere_pages =
+            st.totals.elsewhere_pages - was_elsewhere + elsewhere(&pages, self.device);
+        put_back(st, target, pages);
         let m = migrated?;
         let onto_device = m.to == Location::Device(self.device);
         st.spill.add(m.bytes, onto_device, stalled);
         st.tags[ti].spill.add(m.bytes, onto_device, stalled);
         Ok(Some(m))
+    }
+
+    /// The limit's refusal of `incoming` pages of elsewhere (`bytes` of a run) moving onto
+    /// `pool`, when it is the device's own pool and they do not fit under the limit.
+    fn limit_refuses(
+        &self,
+        st: &State,
+        pool: &PagePool,
+        incoming: u64,
+        bytes: u64,
+    ) -> Option<Error> {
+        let limit = st.limit?;
+        let held = st.device_pages() + st.inflight.pages();
+        let fits = held.saturating_add(incoming) <= limit / self.page;
+        (!fits && std::ptr::eq(pool, &*self.pool)).then(|| Error::LimitExceeded {
+            requested: bytes,
+            used: held * self.page,
+            limit,
+        })
     }
 
     /// Gives up the cached free memory of tag index `ti`: whole free pages of its large
@@ -245,8 +276,7 @@ impl CachingAllocator {
         self.cut_free_pages(st, None, Some(t32));
         for start in st.cache.starts_of_tag(t32) {
             if let Some(run) = st.cache.remove(start) {
-                st.totals.sub_pages(run.pages);
-                st.tags[ti].totals.mapped_pages -= run.pages;
+                self.uncount_mapped(st, ti, &run.payload);
                 self.unmap_into(st, run.payload, pages, first_err);
                 self.free_va(st, start, run.pages)?;
             }

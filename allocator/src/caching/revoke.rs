@@ -28,7 +28,8 @@ pub struct Revoked {
 impl CachingAllocator {
     /// Gives every page of `lender` back: tags stop overflowing onto it, their cached free
     /// memory goes, and each segment with a page of `lender` moves to this device's pages,
-    /// or to `fallback`'s (host memory) when the device is out of memory, at the same
+    /// or to `fallback`'s (host memory) when the device is out of memory or at the limit
+    /// ([`CachingConfig::limit`](super::CachingConfig::limit)), at the same
     /// addresses, copies ordered on `stream` after the streams that used the tag's memory.
     /// Data and addresses never change. Returns how many segments moved; what moved where is
     /// queued for [`take_revoked`](Self::take_revoked).

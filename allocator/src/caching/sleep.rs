@@ -200,9 +200,7 @@ impl CachingAllocator {
                 }
                 (_, Some(seg)) => {
                     let m = std::mem::take(&mut seg.mapped);
-                    let n = seg.pages;
-                    st.totals.sub_pages(n);
-                    st.tags[ti].totals.mapped_pages -= n;
+                    self.uncount_mapped(st, ti, &m);
                     m
                 }
                 (_, None) => Vec::new(),
@@ -220,9 +218,7 @@ impl CachingAllocator {
                 continue;
             };
             let mapped = std::mem::take(&mut seg.mapped);
-            let n = mapped.len() as u64;
-            st.totals.sub_pages(n);
-            st.tags[ti].totals.mapped_pages -= n;
+            self.uncount_mapped(st, ti, &mapped);
             self.unmap_into(st, mapped, &mut pages, &mut first_err);
         }
         self.pool.release(pages);
@@ -306,6 +302,7 @@ impl CachingAllocator {
             return Err(e);
         }
         for (target, m) in staged {
+            self.count_mapped(st, ti, &m);
             match target {
                 Target::Segment(id) => {
                     if let Some(seg) = st.segments[id as usize].as_mut() {
@@ -319,9 +316,7 @@ impl CachingAllocator {
                 }
             }
         }
-        st.totals.add_pages(total);
         let t = &mut st.tags[ti];
-        t.totals.mapped_pages += total;
         t.asleep = false;
         t.sleep = SleepData::default();
         st.totals.counts.wakes += 1;

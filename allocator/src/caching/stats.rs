@@ -114,6 +114,8 @@ pub(super) struct Totals {
     pub allocated_blocks: u64,
     pub live: u64,
     pub mapped_pages: u64,
+    /// Of `mapped_pages`, pages of host memory or of a peer: not counted against the limit.
+    pub elsewhere_pages: u64,
     pub peak_allocated: u64,
     pub peak_allocated_blocks: u64,
     pub peak_mapped_pages: u64,

@@ -1,6 +1,12 @@
 //! Where the pages of a new mapping come from: cached pages recycled (unmapped and mapped
-//! again elsewhere) and fresh ones from the pool, checked against the limit and reserved under
-//! the lock, gathered with it dropped (`grow.rs`).
+//! again elsewhere) and fresh ones from the pool or, past the limit or the device's memory, from
+//! the tag's overflow pool; checked against the limit and reserved under the lock, gathered
+//! with it dropped (`grow.rs`).
+//!
+//! The limit ([`CachingConfig::limit`](super::CachingConfig::limit)) is on the device's own
+//! memory, like PyTorch's memory fraction and like the device pool's own limit: pages of host
+//! memory or of a peer behind the allocator's addresses (overflow, offload, revocation to host)
+//! do not count against it. A tag with an overflow pool goes on past it there.
 
 use parking_lot::Mutex;
 use strata_vmm::{DevicePtr, Error, Location, Result, StreamHandle};
@@ -9,7 +15,29 @@ use super::grow::DriverCalls;
 use super::unmap::unmap_pages;
 use super::{CachingAllocator, State};
 use crate::mapped::MappedPage;
-use crate::pool::{Page, PagePool};
+use crate::pool::{Page, PagePool, PageSource};
+
+/// Whether `page` is `device`'s own memory, what the limit counts: not host memory, not a
+/// peer's pages (overflowed onto, or borrowed).
+pub(super) fn on_device(page: &Page, device: u32) -> bool {
+    !matches!(page.source(), PageSource::Borrowed { .. })
+        && page.phys().location() == Location::Device(device)
+}
+
+/// Of `pages`, how many are not the device's own memory ([`on_device`]).
+pub(super) fn elsewhere(pages: &[MappedPage], device: u32) -> u64 {
+    pages.iter().filter(|m| !on_device(&m.page, device)).count() as u64
+}
+
+/// Room under the limit when a supply was reserved.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Cap {
+    /// Fresh pages the device's pool may still give.
+    pub(super) room: u64,
+    /// Bytes held on the device then, and the limit (for [`Error::LimitExceeded`]).
+    pub(super) used: u64,
+    pub(super) limit: u64,
+}
 
 /// Pages on their way to a new mapping: `want` of them, all or none.
 #[derive(Default)]
@@ -23,19 +51,29 @@ pub(super) struct Supply {
     pub(super) ready: Vec<Page>,
     /// Pages to take from the pool.
     pub(super) fresh: usize,
+    /// At most this many fresh pages (with the replacements of recycled pages of other pools)
+    /// come from the device's pool, the rest from the overflow pool; `None`: all from the
+    /// device's pool, or all from the overflow pool when the device is out of memory.
+    pub(super) cap: Option<Cap>,
 }
 
 impl Supply {
-    /// Pages held outside the tables (counted against the limit while in flight).
-    pub(super) fn pages(&self) -> u64 {
-        (self.mapped.len() + self.ready.len() + self.fresh) as u64
+    /// Pages of the device's own memory held outside the tables (counted against the limit
+    /// while in flight): recycled ones, and the fresh ones the device's pool will give (every
+    /// recycled page of elsewhere counted as replaced by one).
+    pub(super) fn device_pages(&self, device: u32) -> u64 {
+        let foreign = elsewhere(&self.mapped, device);
+        let fresh = self.fresh as u64 + foreign;
+        let fresh = self.cap.map_or(fresh, |c| fresh.min(c.room));
+        self.mapped.len() as u64 - foreign + self.ready.len() as u64 + fresh
     }
 
     /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
     /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
     /// old ranges are the caller's to free.
     /// `overflow`: a pool (host memory, a peer's) whose pages stand in when `pool` is out of
-    /// memory (a tag that allows overflow); they return to it wherever they are freed.
+    /// memory or the limit is reached (a tag that allows overflow); they return to it wherever
+    /// they are freed.
     pub(super) fn gather(
         self,
         pool: &PagePool,
@@ -52,13 +90,8 @@ impl Supply {
             pages.into_iter().partition(|p| p.is_home(pool));
         let missing = self.fresh + foreign.len();
         pool.give(foreign);
-        let fresh = unmapped.and_then(|()| match missing {
-            0 => Ok(Vec::new()),
-            n => match (pool.take(n), overflow) {
-                (Err(e), Some(spill)) if e.is_out_of_memory() => spill.take(n),
-                (got, _) => got,
-            },
-        });
+        let fresh =
+            unmapped.and_then(|()| take_fresh(pool, overflow, self.cap, missing, requested));
         match fresh {
             Ok(fresh) => {
                 pages.extend(fresh);
@@ -71,6 +104,49 @@ impl Supply {
                 pool.give(pages);
                 Err(for_request(e, requested))
             }
+        }
+    }
+}
+
+/// `n` fresh pages: from `pool` as far as `cap` lets it (all of them, unless it is out of
+/// memory and `overflow` takes them all), the rest from `overflow`.
+fn take_fresh(
+    pool: &PagePool,
+    overflow: Option<&PagePool>,
+    cap: Option<Cap>,
+    n: usize,
+    requested: u64,
+) -> Result<Vec<Page>> {
+    let on_device = cap.map_or(n, |c| usize::try_from(c.room).map_or(n, |r| r.min(n)));
+    let mut got = match on_device {
+        0 => Vec::new(),
+        k => match pool.take(k) {
+            Ok(pages) => pages,
+            Err(e) if e.is_out_of_memory() && overflow.is_some() => Vec::new(),
+            Err(e) => return Err(e),
+        },
+    };
+    let rest = n - got.len();
+    if rest == 0 {
+        return Ok(got);
+    }
+    let more = match (overflow, cap) {
+        (Some(spill), _) => spill.take(rest),
+        (None, Some(cap)) => Err(Error::LimitExceeded {
+            requested,
+            used: cap.used,
+            limit: cap.limit,
+        }),
+        (None, None) => Err(super::internal(format!("{rest} pages from nowhere"))),
+    };
+    match more {
+        Ok(more) => {
+            got.extend(more);
+            Ok(got)
+        }
+        Err(e) => {
+            pool.give(got);
+            Err(e)
         }
     }
 }
@@ -95,26 +171,34 @@ fn for_request(e: Error, requested: u64) -> Error {
 
 impl CachingAllocator {
     /// Under the lock: checks that `n` more pages fit (under the limit, counting the pages of
-    /// in-flight work, and on the device) and takes the cached pages to recycle out of the
-    /// tables (unmapped cached pages come first, so reserved memory does not grow while
-    /// cached pages sit idle); the rest will come from the pool.
-    pub(super) fn reserve_supply(&self, st: &mut State, n: u64, requested: u64) -> Result<Supply> {
+    /// in-flight work, and on the device; past either when the tag `overflows`) and takes the
+    /// cached pages to recycle out of the tables (unmapped cached pages come first, so
+    /// reserved memory does not grow while cached pages sit idle); the rest will come from the
+    /// pool, or from the overflow pool.
+    pub(super) fn reserve_supply(
+        &self,
+        st: &mut State,
+        n: u64,
+        requested: u64,
+        overflows: bool,
+    ) -> Result<Supply> {
         let reclaimable =
             st.cache.pages() + st.empty_segment_pages() + self.cuttable_pages(st, None);
         let fresh = n.saturating_sub(reclaimable);
+        let mut cap = None;
         if let Some(limit) = st.limit {
-            let held = st.totals.mapped_pages + st.inflight.pages();
-            let after = held
-                .checked_add(fresh)
-                .and_then(|p| p.checked_mul(self.page));
-            if after.is_none_or(|a| a > limit) {
+            let held = st.device_pages() + st.inflight.pages();
+            let room = (limit / self.page).saturating_sub(held);
+            let used = held * self.page;
+            if fresh > room && !overflows {
                 st.totals.counts.ooms += 1;
                 return Err(Error::LimitExceeded {
                     requested,
-                    used: held * self.page,
+                    used,
                     limit,
                 });
             }
+            cap = Some(Cap { room, used, limit });
         }
         if fresh
             .checked_mul(self.page)
@@ -127,6 +211,7 @@ impl CachingAllocator {
         let mut supply = Supply {
             want: n,
             fresh: usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?,
+            cap,
             ..Supply::default()
         };
         if n > fresh {
@@ -185,8 +270,7 @@ impl CachingAllocator {
             return Err(e);
         }
         for (start, run) in runs {
-            st.totals.sub_pages(run.pages);
-            st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
+            self.uncount_mapped(st, run.tag as usize, &run.payload);
             st.totals.counts.pages_recycled += run.pages;
             supply.mapped.extend(run.payload);
             supply.ranges.push((start, run.pages));
@@ -208,7 +292,7 @@ impl CachingAllocator {
         n: u64,
         requested: u64,
     ) -> Result<Vec<Page>> {
-        let mut supply = self.reserve_supply(st, n, requested)?;
+        let mut supply = self.reserve_supply(st, n, requested, false)?;
         let ranges = std::mem::take(&mut supply.ranges);
         let mut calls = DriverCalls::default();
         let got = supply.gather(&self.pool, None, &mut calls, requested, &self.stuck_va);
@@ -229,5 +313,22 @@ impl CachingAllocator {
             requested,
             available: st.va.largest().saturating_mul(self.page),
         }
+    }
+
+    /// `pages` join the tables under tag index `ti`: counted in the totals and the tag's, and
+    /// those not the device's own memory apart, out of the limit's reach.
+    pub(super) fn count_mapped(&self, st: &mut State, ti: usize, pages: &[MappedPage]) {
+        let n = pages.len() as u64;
+        st.totals.add_pages(n);
+        st.totals.elsewhere_pages += elsewhere(pages, self.device);
+        st.tags[ti].totals.mapped_pages += n;
+    }
+
+    /// `pages` leave the tables of tag index `ti` (the reverse of [`Self::count_mapped`]).
+    pub(super) fn uncount_mapped(&self, st: &mut State, ti: usize, pages: &[MappedPage]) {
+        let n = pages.len() as u64;
+        st.totals.sub_pages(n);
+        st.totals.elsewhere_pages -= elsewhere(pages, self.device);
+        st.tags[ti].totals.mapped_pages -= n;
     }
 }

@@ -118,10 +118,7 @@ impl CachingAllocator {
                 self.classes.size(r.class as usize),
             );
         }
-        if !seg.mapped.is_empty() {
-            st.totals.sub_pages(seg.pages);
-            st.tags[seg.tag as usize].totals.mapped_pages -= seg.pages;
-        }
+        self.uncount_mapped(st, seg.tag as usize, &seg.mapped);
         st.totals.counts.segments_released += 1;
         Ok(((seg.start, seg.pages), seg.mapped))
     }
@@ -174,8 +171,7 @@ impl CachingAllocator {
         let mut mapped = Vec::new();
         let mut ranges = Vec::new();
         for (start, run) in runs {
-            st.totals.sub_pages(run.pages);
-            st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
+            self.uncount_mapped(st, run.tag as usize, &run.payload);
             mapped.extend(run.payload);
             ranges.push((start, run.pages));
         }
