@@ -97,11 +97,15 @@ impl CachingAllocator {
     /// Lets allocations of `tag` overflow onto pages of `to` (a host pool of this device,
     /// [`PagePool::new_host`], or a peer device's pool: borrowed memory that
     /// [`revoke`](Self::revoke) gives back) when the device is out of memory: instead of
-    /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
-    /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
-    /// Past the limit ([`CachingConfig::limit`](super::CachingConfig::limit)) growth fills the
-    /// room left under it and takes the rest from `to`, whose pages do not count against it.
-    /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
+    /// [`Error::OutOfMemory`], growth takes the pages the device has left (its free memory and
+    /// the pool's free pages) and the rest from `to` (slower memory at an ordinary address;
+    /// [`onload`](Self::onload) moves them to the device once it has room), so a request
+    /// larger than the device succeeds when the two together hold it. Past the limit
+    /// ([`CachingConfig::limit`](super::CachingConfig::limit)) growth fills the room left
+    /// under it and takes the rest from `to`, whose pages do not count against it. A device
+    /// that gives less than it seemed to have left (another user took it meanwhile) leaves
+    /// the whole growth to `to`. `None` turns it off (the default); pages already taken stay
+    /// until freed or onloaded.
     pub fn set_overflow(&self, tag: TagId, to: Option<Arc<PagePool>>) -> Result<()> {
         if let Some(to) = &to {
             self.check_tier_pool(to)?;

@@ -29,16 +29,6 @@ pub(super) fn elsewhere(pages: &[MappedPage], device: u32) -> u64 {
     pages.iter().filter(|m| !on_device(&m.page, device)).count() as u64
 }
 
-/// Room under the limit when a supply was reserved.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Cap {
-    /// Fresh pages the device's pool may still give.
-    pub(super) room: u64,
-    /// Bytes held on the device then, and the limit (for [`Error::LimitExceeded`]).
-    pub(super) used: u64,
-    pub(super) limit: u64,
-}
-
 /// Pages on their way to a new mapping: `want` of them, all or none.
 #[derive(Default)]
 pub(super) struct Supply {
@@ -52,9 +42,12 @@ pub(super) struct Supply {
     /// Pages to take from the pool.
     pub(super) fresh: usize,
     /// At most this many fresh pages (with the replacements of recycled pages of other pools)
-    /// come from the device's pool, the rest from the overflow pool; `None`: all from the
+    /// come from the device's pool (the room under the limit, and for a tag that overflows
+    /// what the device has left), the rest from the overflow pool; `None`: all from the
     /// device's pool, or all from the overflow pool when the device is out of memory.
-    pub(super) cap: Option<Cap>,
+    pub(super) device_room: Option<u64>,
+    /// Bytes held on the device and the limit, when one was set (for [`Error::LimitExceeded`]).
+    pub(super) limit: Option<(u64, u64)>,
 }
 
 impl Supply {
@@ -64,7 +57,7 @@ impl Supply {
     pub(super) fn device_pages(&self, device: u32) -> u64 {
         let foreign = elsewhere(&self.mapped, device);
         let fresh = self.fresh as u64 + foreign;
-        let fresh = self.cap.map_or(fresh, |c| fresh.min(c.room));
+        let fresh = self.device_room.map_or(fresh, |r| fresh.min(r));
         self.mapped.len() as u64 - foreign + self.ready.len() as u64 + fresh
     }
 
@@ -90,8 +83,12 @@ impl Supply {
             pages.into_iter().partition(|p| p.is_home(pool));
         let missing = self.fresh + foreign.len();
         pool.give(foreign);
-        let fresh =
-            unmapped.and_then(|()| take_fresh(pool, overflow, self.cap, missing, requested));
+        let fresh = unmapped.and_then(|()| {
+            let room = self.device_room.map_or(missing, |r| {
+                usize::try_from(r).map_or(missing, |r| r.min(missing))
+            });
+            take_fresh(pool, overflow, (room, missing), self.limit, requested)
+        });
         match fresh {
             Ok(fresh) => {
                 pages.extend(fresh);
@@ -108,16 +105,16 @@ impl Supply {
     }
 }
 
-/// `n` fresh pages: from `pool` as far as `cap` lets it (all of them, unless it is out of
-/// memory and `overflow` takes them all), the rest from `overflow`.
+/// `n` fresh pages, `on_device` of them from `pool` (all `n` from `overflow` when `pool` is out
+/// of memory), the rest from `overflow`; without one, the rest is refused by the `limit` (bytes
+/// held, limit).
 fn take_fresh(
     pool: &PagePool,
     overflow: Option<&PagePool>,
-    cap: Option<Cap>,
-    n: usize,
+    (on_device, n): (usize, usize),
+    limit: Option<(u64, u64)>,
     requested: u64,
 ) -> Result<Vec<Page>> {
-    let on_device = cap.map_or(n, |c| usize::try_from(c.room).map_or(n, |r| r.min(n)));
     let mut got = match on_device {
         0 => Vec::new(),
         k => match pool.take(k) {
@@ -130,12 +127,12 @@ fn take_fresh(
     if rest == 0 {
         return Ok(got);
     }
-    let more = match (overflow, cap) {
+    let more = match (overflow, limit) {
         (Some(spill), _) => spill.take(rest),
-        (None, Some(cap)) => Err(Error::LimitExceeded {
+        (None, Some((used, limit))) => Err(Error::LimitExceeded {
             requested,
-            used: cap.used,
-            limit: cap.limit,
+            used,
+            limit,
         }),
         (None, None) => Err(super::internal(format!("{rest} pages from nowhere"))),
     };
@@ -185,7 +182,8 @@ impl CachingAllocator {
         let reclaimable =
             st.cache.pages() + st.empty_segment_pages() + self.cuttable_pages(st, None);
         let fresh = n.saturating_sub(reclaimable);
-        let mut cap = None;
+        let mut device_room = None;
+        let mut held_limit = None;
         if let Some(limit) = st.limit {
             let held = st.device_pages() + st.inflight.pages();
             let room = (limit / self.page).saturating_sub(held);
@@ -198,9 +196,15 @@ impl CachingAllocator {
                     limit,
                 });
             }
-            cap = Some(Cap { room, used, limit });
+            device_room = Some(room);
+            held_limit = Some((used, limit));
         }
-        if fresh
+        if overflows {
+            // What the device has left goes first, the rest onto the overflow pool (a request
+            // larger than the device included).
+            let left = self.pool_room();
+            device_room = Some(device_room.map_or(left, |r| r.min(left)));
+        } else if fresh
             .checked_mul(self.page)
             .is_none_or(|b| b > self.device_total)
             && fresh > self.device_total / self.page + self.pool.stats().free as u64
@@ -211,7 +215,8 @@ impl CachingAllocator {
         let mut supply = Supply {
             want: n,
             fresh: usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?,
-            cap,
+            device_room,
+            limit: held_limit,
             ..Supply::default()
         };
         if n > fresh {
@@ -313,6 +318,18 @@ impl CachingAllocator {
             requested,
             available: st.va.largest().saturating_mul(self.page),
         }
+    }
+
+    /// Pages the device's pool could still hand out: its free pages and those it could create
+    /// (the device's free memory, under the pool's own limit).
+    pub(super) fn pool_room(&self) -> u64 {
+        let pool = self.pool.stats();
+        let held = (pool.free + pool.in_use) as u64;
+        let free = self.backend.mem_info(self.device).map_or(0, |m| m.free);
+        let creatable = pool.limit.map_or(free / self.page, |limit| {
+            (free / self.page).min((limit / self.page).saturating_sub(held))
+        });
+        pool.free as u64 + creatable
     }
 
     /// `pages` join the tables under tag index `ti`: counted in the totals and the tag's, and
