@@ -54,3 +54,30 @@ fn a_request_larger_than_both_is_out_of_memory_on_the_overflow_pool() {
     consistent(&e, "refused");
     assert_eq!((e.device.stats().in_use, e.peer.stats().in_use), (0, 0));
 }
+
+/// Out of memory says what was asked and what the device could still give (its free memory,
+/// the pool's free pages and the allocator's cached pages), not the largest free address range.
+#[test]
+fn out_of_memory_reports_what_the_device_could_still_give() {
+    let e = env();
+    let live = e.alloc.allocate_tagged(10 * PAGE, S0, 2).unwrap();
+    let cached = e.alloc.allocate_tagged(2 * PAGE, S0, 2).unwrap();
+    e.alloc.deallocate(cached, S0).unwrap();
+    let err = e.alloc.allocate_tagged(40 * PAGE, S0, 1).unwrap_err();
+    match err {
+        Error::OutOfMemory {
+            location,
+            requested,
+            available,
+        } => {
+            assert_eq!((location, requested), (Location::Device(0), 40 * PAGE));
+            assert_eq!(
+                available,
+                22 * PAGE,
+                "20 pages free on the device, 2 cached"
+            );
+        }
+        other => panic!("{other}"),
+    }
+    e.alloc.deallocate(live, S0).unwrap();
+}

@@ -311,12 +311,17 @@ impl CachingAllocator {
         got
     }
 
+    /// Out of memory on the device for `requested` bytes; `available` is what growth could
+    /// still get there: the pages the pool can hand out ([`Self::pool_room`]) and the cached
+    /// pages it would recycle.
+    #[cold]
     pub(super) fn oom(&self, st: &mut State, requested: u64) -> Error {
         st.totals.counts.ooms += 1;
+        let cached = st.cache.pages() + st.empty_segment_pages() + self.cuttable_pages(st, None);
         Error::OutOfMemory {
             location: Location::Device(self.device),
             requested,
-            available: st.va.largest().saturating_mul(self.page),
+            available: (self.pool_room() + cached).saturating_mul(self.page),
         }
     }
 
