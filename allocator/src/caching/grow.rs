@@ -60,9 +60,10 @@ impl CachingAllocator {
         stream: StreamHandle,
         tag: TagId,
     ) -> Result<DevicePtr> {
+        let ti = guard.ensure_tag(tag, self.classes.len());
+        self.wait_while_moving(guard, ti);
         let st = &mut **guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
-        if st.tags[ti].asleep {
+        if st.tags[ti].asleep() {
             return Err(Error::InvalidState(format!("tag {tag} is asleep")));
         }
         if !st.pending.is_empty() {

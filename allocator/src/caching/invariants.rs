@@ -4,7 +4,8 @@ use rustc_hash::FxHashMap;
 
 use super::supply::elsewhere;
 use super::{
-    run_slot, BlockState, CachingAllocator, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN, NO_SEGMENT,
+    run_slot, BlockState, CachingAllocator, Mode, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN,
+    NO_SEGMENT,
 };
 
 impl CachingAllocator {
@@ -17,7 +18,8 @@ impl CachingAllocator {
     ///   stream, 512-byte aligned) and its free extents (filed under its tag and stream, merged
     ///   with free neighbours), and is never wholly free; every extent lies in a segment;
     /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
-    ///   tag has nothing mapped while an awake one has everything mapped;
+    ///   tag has nothing mapped while an awake one has everything mapped (but the segments a
+    ///   migration of a claimed tag holds the pages of, with the lock dropped);
     /// - the pointer table, the bins and the pending list agree with the block table;
     /// - each small block's run count slot is its run's, every run's count is the number of its
     ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
@@ -89,6 +91,7 @@ impl CachingAllocator {
         // 2. Mappings.
         let mut mapped_total = 0u64;
         let mut elsewhere_total = 0u64;
+        let mut migrating = 0usize;
         let mut mapped_by_tag: FxHashMap<u32, u64> = FxHashMap::default();
         let mut check_run = |start: u64,
                              pages: u64,
@@ -96,9 +99,20 @@ impl CachingAllocator {
                              tag: u32,
                              what: &str|
          -> Result<(), String> {
-            let asleep = st.tags[tag as usize].asleep;
+            let asleep = st.tags[tag as usize].asleep();
             if run.is_empty() && !asleep && pages > 0 {
-                return Err(format!("{what}: awake tag but nothing mapped"));
+                // Its pages may be out for a migration, with the lock dropped.
+                let out = st.migrating.iter().find(|m| m.start == start).filter(|m| {
+                    m.tag == tag && m.pages == pages && st.tags[tag as usize].mode == Mode::Moving
+                });
+                let Some(out) = out else {
+                    return Err(format!("{what}: awake tag but nothing mapped"));
+                };
+                migrating += 1;
+                mapped_total += out.pages;
+                elsewhere_total += out.elsewhere;
+                *mapped_by_tag.entry(tag).or_default() += out.pages;
+                return Ok(());
             }
             if !run.is_empty() && asleep {
                 return Err(format!("{what}: sleeping tag but pages mapped"));
@@ -146,7 +160,7 @@ impl CachingAllocator {
             )?;
         }
         for (s, r) in st.cache.iter() {
-            if st.tags[r.tag as usize].asleep {
+            if st.tags[r.tag as usize].asleep() {
                 return Err(format!("cached run at page {s} belongs to a sleeping tag"));
             }
             check_run(
@@ -156,6 +170,12 @@ impl CachingAllocator {
                 r.tag,
                 &format!("cached run at page {s}"),
             )?;
+        }
+        if migrating != st.migrating.len() {
+            return Err(format!(
+                "{} runs out for migration, {migrating} segments wait for them",
+                st.migrating.len()
+            ));
         }
         if mapped_total != st.totals.mapped_pages {
             return Err(format!(
@@ -400,7 +420,7 @@ impl CachingAllocator {
                     tag.tag, tt.allocated, tt.allocated_blocks, tt.live
                 ));
             }
-            if !tag.asleep && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
+            if !tag.asleep() && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
                 return Err(format!("awake tag {} keeps host copies", tag.tag));
             }
         }

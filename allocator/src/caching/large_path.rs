@@ -27,9 +27,10 @@ impl CachingAllocator {
     ) -> Result<DevicePtr> {
         let pages = size / self.page + u64::from(size % self.page != 0);
         let mut guard = self.state.lock();
+        let ti = guard.ensure_tag(tag, self.classes.len());
+        self.wait_while_moving(&mut guard, ti);
         let st = &mut *guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
-        if st.tags[ti].asleep {
+        if st.tags[ti].asleep() {
             return Err(Error::InvalidState(format!("tag {tag} is asleep")));
         }
         if let Some(limit) = st.limit {
@@ -345,7 +346,7 @@ impl CachingAllocator {
     fn may_cut(&self, st: &State, extent: u64, tag: Option<u32>) -> bool {
         st.extents
             .owner(extent)
-            .is_some_and(|(t, _)| tag.is_none_or(|want| want == t) && !st.tags[t as usize].asleep)
+            .is_some_and(|(t, _)| tag.is_none_or(|want| want == t) && !st.tags[t as usize].asleep())
     }
 
     /// Cuts whole free pages out of mapped segments (largest extents first) into the cache,

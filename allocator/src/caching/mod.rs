@@ -32,8 +32,10 @@
 //! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
 //! against the limit under it (an in-flight record, `inflight.rs`), make the driver calls with
 //! it dropped, and publish or roll back under it again, so one thread's growth does not stall
-//! the others' fast path. Stream synchronization before unmapping cached pages, sleep and
-//! wake still run under the lock.
+//! the others' fast path. Offload, onload, revocation and sleep claim their tags (`quiet.rs`:
+//! the tags' allocations and frees wait) and wait for the tags' streams and copy their pages
+//! with the lock dropped. Stream synchronization before unmapping cached pages, unmapping in
+//! sleep, and wake still run under the lock.
 //!
 //! Zero sizes: `allocate(0, _)` returns `Ok(0)` and changes nothing; `deallocate(0, _)` is a
 //! no-op.
@@ -48,6 +50,7 @@ mod invariants;
 mod large;
 mod large_path;
 mod offload;
+mod quiet;
 mod revoke;
 mod sleep;
 mod stats;
@@ -81,7 +84,7 @@ pub use revoke::Revoked;
 pub use stats::{human_size, AllocatorCounts, AllocatorStats, LiveAllocation, TagStats};
 
 use freed::FreedLog;
-use tags::TagState;
+use tags::{Mode, TagState};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
 pub type TagId = u32;
@@ -198,6 +201,9 @@ struct Segment {
 struct PendingFree {
     block: u32,
     events: Vec<Event>,
+    /// The streams `events` were recorded on (a claimed tag's are waited for with the lock
+    /// dropped, `quiet.rs`).
+    streams: Vec<StreamHandle>,
 }
 
 /// Everything behind the allocator's one lock.
@@ -229,6 +235,8 @@ struct State {
     inflight: inflight::InFlightTable,
     /// Migrations of all tags (`offload.rs`).
     spill: offload::SpillCounts,
+    /// Runs whose pages a migration holds with the lock dropped (`offload.rs`).
+    migrating: Vec<offload::InMigration>,
     /// Revocation notices not yet taken (`revoke.rs`).
     revoked: Vec<revoke::Revoked>,
     /// Arena pages taken for good: their unmap failed and they may still be mapped.
@@ -248,7 +256,7 @@ impl State {
     ) -> Option<DevicePtr> {
         let ti = self.tag_slot(tag)?;
         let t = &mut self.tags[ti];
-        if t.asleep {
+        if t.mode != Mode::Awake {
             return None;
         }
         let id = t.bins[class].pop(stream)?;
@@ -419,6 +427,7 @@ impl CachingAllocator {
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
             spill: offload::SpillCounts::default(),
+            migrating: Vec::new(),
             revoked: Vec::new(),
             stuck_pages: Vec::new(),
         };
@@ -508,8 +517,9 @@ impl CachingAllocator {
             return Err(Error::DoubleFree(ptr));
         }
         let t = &mut st.tags[b.tag as usize];
-        if b.class == LARGE || b.stream != stream || !b.used_on.is_empty() || t.asleep {
-            return self.free_slow(st, id, stream);
+        if b.class == LARGE || b.stream != stream || !b.used_on.is_empty() || t.mode != Mode::Awake
+        {
+            return self.free_slow(&mut guard, ptr, id, stream);
         }
         b.state = BlockState::Free;
         t.totals.on_free(b.requested, b.size);

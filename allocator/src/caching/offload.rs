@@ -2,6 +2,8 @@
 //! for [`CachingAllocator::offload`], the device's own pages for
 //! [`CachingAllocator::onload`]) at the same addresses, one segment at a time through
 //! [`MappedRun::migrate`]. Pointers stay valid throughout; only the speed of access changes.
+//! The tag is claimed for the move (`quiet.rs`): its streams are waited for and each segment
+//! is copied and remapped with the lock dropped, while other tags allocate and free.
 //!
 //! Pages remember their home pool ([`Page`](crate::Page)), so a host page freed while its tag
 //! is offloaded goes back to the host pool from any of the allocator's release paths, and
@@ -12,6 +14,7 @@ use std::time::Instant;
 
 use strata_vmm::{Access, Error, Location, Result, StreamHandle};
 
+use super::quiet::Quiet;
 use super::supply::{elsewhere, on_device};
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
 use crate::mapped::{MappedRun, Migrated};
@@ -54,6 +57,20 @@ impl SpillCounts {
     }
 }
 
+/// A run whose pages a migration holds with the lock dropped: its segment's `mapped` is empty
+/// until they are put back.
+pub(super) struct InMigration {
+    /// First arena page of its segment (small or large).
+    pub start: u64,
+    /// Tag index.
+    pub tag: u32,
+    pub pages: u64,
+    /// Of `pages`, those not of the device's own memory (as counted in the totals).
+    pub elsewhere: u64,
+    /// Where they were when the migration took them.
+    pub tiers: TierBytes,
+}
+
 /// Where a tag's (or the allocator's) pages are and what moved them there.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpillStats {
@@ -75,7 +92,10 @@ impl CachingAllocator {
     /// the device, at the link's speed. The tag's cached free memory is given back first, so
     /// the device memory it held is free for others. Work on the streams that used the tag's
     /// memory is waited for; the copies are queued on `stream` and it is synchronized before
-    /// each remap. New allocations of the tag still come from the device.
+    /// each remap. New allocations of the tag still come from the device. The waits and the
+    /// copies run with the allocator's lock dropped: other tags allocate and free meanwhile,
+    /// while the tag's own allocations and frees wait until the offload is done. The tag's
+    /// memory must not be used (by work queued after this call began) until it returns.
     ///
     /// A failure (out of host memory included) leaves the segment being moved on its old
     /// pages with its contents; segments moved before it stay moved, and calling again moves
@@ -136,7 +156,8 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`.
+    /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`. A
+    /// segment being moved counts where its pages were until it has moved.
     pub fn spill_stats(&self, tag: Option<TagId>) -> SpillStats {
         let st = self.state.lock();
         let ti = match tag {
@@ -146,8 +167,27 @@ impl CachingAllocator {
                 None => return SpillStats::default(),
             },
         };
+        let mut tiers = self.tier_bytes(pages_of(&st, ti));
+        for m in st
+            .migrating
+            .iter()
+            .filter(|m| ti.is_none_or(|t| t == m.tag))
+        {
+            tiers.local += m.tiers.local;
+            tiers.peer += m.tiers.peer;
+            tiers.host += m.tiers.host;
+        }
+        let counts = match ti {
+            None => st.spill,
+            Some(i) => st.tags[i as usize].spill,
+        };
+        SpillStats { tiers, counts }
+    }
+
+    /// Bytes of `pages` by where their memory is.
+    fn tier_bytes<'p>(&self, pages: impl Iterator<Item = &'p Page>) -> TierBytes {
         let mut tiers = TierBytes::default();
-        for page in pages_of(&st, ti) {
+        for page in pages {
             let bytes = page.size();
             if on_device(page, self.device) {
                 tiers.local += bytes;
@@ -157,42 +197,25 @@ impl CachingAllocator {
                 tiers.peer += bytes;
             }
         }
-        let counts = match ti {
-            None => st.spill,
-            Some(i) => st.tags[i as usize].spill,
-        };
-        SpillStats { tiers, counts }
+        tiers
     }
 
     fn move_tag(&self, tag: TagId, to: &Arc<PagePool>, stream: StreamHandle) -> Result<Moved> {
-        let mut guard = self.state.lock();
-        let Some(ti) = guard.tag_slot(tag) else {
+        let mut quiet = Quiet::new(self);
+        let Some(ti) = quiet.tag_slot(tag) else {
             return Ok(Moved::default());
         };
-        while guard.inflight.growing(ti as u32) {
-            self.settled.wait(&mut guard);
-        }
-        let st = &mut *guard;
-        if st.tags[ti].asleep {
+        quiet.claim(ti);
+        if quiet.tags[ti].asleep() {
             return Err(Error::InvalidState(format!(
                 "tag {tag} is asleep: wake it before moving its pages"
             )));
         }
-        let t32 = ti as u32;
-        self.drain_pending(st, Some(t32))?;
-        let streams = streams_of_tag(st, t32);
-        self.sync_streams(st, streams)?;
-        let mut dropped = Vec::new();
-        let mut first_err = None;
-        self.drop_cached_of_tag(st, ti, &mut dropped, &mut first_err)?;
-        self.pool.give(dropped);
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-
+        self.quiesce(&mut quiet)?;
+        self.drop_cached_of_claimed(&mut quiet)?;
         let mut moved = Moved::default();
-        for (target, start) in targets_of(st, t32, to) {
-            if let Some(m) = self.migrate_target(st, target, start, ti, &[to], stream)? {
+        for (target, start) in targets_of(&quiet, ti as u32, to) {
+            if let Some(m) = self.migrate_target(&mut quiet, target, start, ti, &[to], stream)? {
                 moved.runs += 1;
                 moved.bytes += m.bytes;
             }
@@ -200,50 +223,89 @@ impl CachingAllocator {
         Ok(moved)
     }
 
-    /// Moves the pages of `target` (at arena page `start`, tag index `ti`) at the same
-    /// address onto the first of `pools` that has room, and counts the move and the time it
-    /// stalled in the spill stats. `None`: the target has no mapped pages.
+    /// Moves the pages of `target` (at arena page `start`, of tag index `ti`, claimed and
+    /// quiesced in `quiet`) at the same address onto the first of `pools` that has room (the
+    /// device's own pool only as far as the limit lets it), and counts the move and the time
+    /// it stalled in the spill stats. The pages leave the tables for the copy and the remap,
+    /// which run with the lock dropped (an [`InMigration`] record tells the invariant checker
+    /// and the spill stats where they are; the device pages they may take count against the
+    /// limit in flight). `None`: the target has no mapped pages.
     pub(super) fn migrate_target(
         &self,
-        st: &mut State,
+        quiet: &mut Quiet<'_>,
         target: Target,
         start: u64,
         ti: usize,
         pools: &[&Arc<PagePool>],
         stream: StreamHandle,
     ) -> Result<Option<Migrated>> {
-        let Some(mapped) = mapped_of(st, target) else {
+        let Some(mapped) = mapped_of(quiet, target) else {
             return Ok(None);
         };
         let pages = std::mem::take(mapped);
-        let was_elsewhere = elsewhere(&pages, self.device);
+        let record = InMigration {
+            start,
+            tag: ti as u32,
+            pages: pages.len() as u64,
+            elsewhere: elsewhere(&pages, self.device),
+            tiers: self.tier_bytes(pages.iter().map(|m| &m.page)),
+        };
         let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages).map_err(
             |(back, e)| {
-                put_back(st, target, back);
+                put_back(quiet, target, back);
                 internal(e.to_string())
             },
         )?;
+        let mut refused = None;
+        let allowed: Vec<&Arc<PagePool>> = pools
+            .iter()
+            .copied()
+            .filter(
+                |pool| match self.limit_refuses(quiet, pool, record.elsewhere, run.size()) {
+                    Some(e) => {
+                        refused.get_or_insert(e);
+                        false
+                    }
+                    None => true,
+                },
+            )
+            .collect();
+        let onto_device = allowed.iter().any(|p| Arc::ptr_eq(p, &self.pool));
+        let held = quiet.inflight.begin(
+            None,
+            None,
+            Vec::new(),
+            if onto_device { record.elsewhere } else { 0 },
+        );
+        let was_elsewhere = record.elsewhere;
+        quiet.migrating.push(record);
         let grants = [(Location::Device(self.device), Access::ReadWrite)];
         let began = Instant::now();
-        let mut migrated = Err(internal("no pool to migrate onto".into()));
-        for pool in pools {
-            migrated = match self.limit_refuses(st, pool, was_elsewhere, run.size()) {
-                Some(refused) => Err(refused),
-                None => run.migrate(pool, stream, &[], &grants),
-            };
-            if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
-                break;
-            }
-        }
+        let migrated = quiet.unlocked(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut migrated =
+                    Err(refused.unwrap_or_else(|| internal("no pool to migrate onto".into())));
+                for pool in allowed {
+                    migrated = run.migrate(pool, stream, &[], &grants);
+                    if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
+                        break;
+                    }
+                }
+                migrated
+            }))
+        });
         let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        // Settled even on a panic, so that nothing waits for this migration for ever.
+        quiet.inflight.end(held);
+        quiet.migrating.retain(|m| m.start != start);
         let pages = run.into_mapped_pages();
-        st.totals.elsewhere_pages =
-            st.totals.elsewhere_pages - was_elsewhere + elsewhere(&pages, self.device);
-        put_back(st, target, pages);
-        let m = migrated?;
+        quiet.totals.elsewhere_pages =
+            quiet.totals.elsewhere_pages - was_elsewhere + elsewhere(&pages, self.device);
+        put_back(quiet, target, pages);
+        let m = migrated.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         let onto_device = m.to == Location::Device(self.device);
-        st.spill.add(m.bytes, onto_device, stalled);
-        st.tags[ti].spill.add(m.bytes, onto_device, stalled);
+        quiet.spill.add(m.bytes, onto_device, stalled);
+        quiet.tags[ti].spill.add(m.bytes, onto_device, stalled);
         Ok(Some(m))
     }
 

@@ -225,7 +225,7 @@ impl CachingAllocator {
                 live_allocations: t.totals.live,
                 allocs: t.totals.allocs,
                 frees: t.totals.frees,
-                asleep: t.asleep,
+                asleep: t.asleep(),
                 host_copy_bytes: t.sleep.copy_bytes(),
             })
             .collect();

@@ -6,11 +6,23 @@ use std::sync::Arc;
 use super::{offload, sleep, stats, CachingAllocator, ClassBin, State, TagId, UNTAGGED};
 use crate::pool::PagePool;
 
+/// What a tag is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Its allocations and frees take the fast path.
+    Awake,
+    /// Its pages are released, its VA kept (`sleep.rs`).
+    Asleep,
+    /// Claimed by a move of its pages or a sleep that runs with the lock dropped
+    /// ([`Quiet`](super::quiet::Quiet)): its allocations and frees wait until it ends.
+    Moving,
+}
+
 /// One tag's bins, mode and counters.
 pub(super) struct TagState {
     pub(super) tag: TagId,
     pub(super) bins: Vec<ClassBin>,
-    pub(super) asleep: bool,
+    pub(super) mode: Mode,
     pub(super) sleep: sleep::SleepData,
     pub(super) totals: stats::TagTotals,
     pub(super) spill: offload::SpillCounts,
@@ -19,11 +31,15 @@ pub(super) struct TagState {
 }
 
 impl TagState {
+    pub(super) fn asleep(&self) -> bool {
+        self.mode == Mode::Asleep
+    }
+
     pub(super) fn new(tag: TagId, classes: usize) -> Self {
         TagState {
             tag,
             bins: vec![ClassBin::default(); classes],
-            asleep: false,
+            mode: Mode::Awake,
             sleep: sleep::SleepData::default(),
             totals: stats::TagTotals::default(),
             spill: offload::SpillCounts::default(),
@@ -55,7 +71,7 @@ impl State {
 
     pub(super) fn tag_is_idle(&self, ti: usize) -> bool {
         let t = &self.tags[ti];
-        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+        t.mode == Mode::Awake && t.totals.live == 0 && !self.inflight.growing(ti as u32)
     }
 }
 
@@ -82,7 +98,8 @@ impl CachingAllocator {
         true
     }
 
-    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
+    /// True when nothing of `tag` is live, asleep, moving or growing (see
+    /// [`Self::retire_tag`]).
     pub fn tag_is_idle(&self, tag: TagId) -> bool {
         let st = self.state.lock();
         st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
