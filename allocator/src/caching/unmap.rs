@@ -22,15 +22,13 @@ pub(super) fn unmap_pages(
     stuck: &Mutex<Vec<DevicePtr>>,
 ) -> Result<()> {
     let mut first_err = None;
-    for MappedPage { mapping, page } in mapped {
+    for mp in mapped {
         calls.unmap += 1;
-        match mapping.try_unmap() {
-            Ok(_) => out.push(page),
-            Err((still_mapped, e)) => {
-                stuck.lock().push(still_mapped.va());
-                std::mem::forget(still_mapped);
+        match mp.unmap_or_quarantine(pool) {
+            Ok(page) => out.push(page),
+            Err((va, e)) => {
+                stuck.lock().push(va);
                 first_err.get_or_insert(e);
-                pool.quarantine(page);
             }
         }
     }
