@@ -637,6 +637,52 @@ fn a_held_two_hop_read_does_not_stop_other_objects_moving() {
     s.check_invariants().unwrap();
 }
 
+/// Demand first: while a restore's two-hop reads are under way, no staging read starts, even on
+/// an idle I/O thread; the staging reads run once the restore's are done.
+#[test]
+fn staging_reads_wait_while_a_restore_reads_disk() {
+    use std::time::{Duration, Instant};
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(store(&b, dir.path(), 1, 8, 16));
+    let ids: Vec<_> = (0..5)
+        .map(|k| s.put(&block(10 + k), Durability::Backed, k).unwrap())
+        .collect();
+    s.spill(&ids, Tier::Disk).unwrap();
+    let io = s.io_pool().unwrap();
+    let hold = s.disk_file().unwrap().hold_reads();
+    let demand = {
+        let s = Arc::clone(&s);
+        let id = ids[0];
+        std::thread::spawn(move || s.prefetch(&[id]).and_then(|ev| ev.synchronize()))
+    };
+    assert!(
+        hold.wait_for_readers(1, Duration::from_secs(10)),
+        "the restore's read never started"
+    );
+    let stage = {
+        let s = Arc::clone(&s);
+        let staged = ids[1..].to_vec();
+        std::thread::spawn(move || s.stage_to_host(&staged, &[]))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while io.queued() != (0, 4) {
+        assert!(Instant::now() < deadline, "queued: {:?}", io.queued());
+        std::thread::yield_now();
+    }
+    // The second I/O thread is idle, yet no staging read reaches the disk.
+    assert!(!hold.wait_for_readers(2, Duration::from_millis(200)));
+    assert_eq!(io.queued(), (0, 4));
+    drop(hold);
+    demand.join().unwrap().unwrap();
+    assert_eq!(stage.join().unwrap().unwrap(), 4);
+    assert_eq!(s.stats().staged, 4);
+    for (k, &id) in ids.iter().enumerate() {
+        check(&s, id, 10 + k as u64);
+    }
+    s.check_invariants().unwrap();
+}
+
 /// Threads each working on their own objects (every operation, every tier) beside a revoker:
 /// every byte survives and the tables agree at the end.
 #[test]

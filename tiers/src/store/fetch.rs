@@ -11,7 +11,7 @@ use super::io::{sync, Batch};
 use super::slots::{SlotLease, SlotTier};
 use super::state::Op;
 use super::TierStore;
-use crate::disk::{DiskFile, IoPool};
+use crate::disk::{DiskFile, IoPool, Lane};
 use crate::object::ObjectId;
 use crate::policy::Tier;
 use crate::transfer::Direction;
@@ -97,6 +97,8 @@ impl TierStore {
     ) -> Result<()> {
         let (disk, io) = self.disk()?;
         let b = self.config.block_size;
+        // A restore waits for these reads: no staging read starts until they are done.
+        let _demand = io.demand();
         let mut staging = op.unlocked(|| self.staging_fences.lock());
         let half = staging.len() / 2;
         for (round, chunk) in objs.chunks(half).enumerate() {
@@ -137,7 +139,7 @@ impl TierStore {
                 for f in staging[base..base + half].iter().chain(&kept_fences) {
                     sync(f)?;
                 }
-                read_blocks(disk, io, b, reads)
+                read_blocks(disk, io, Lane::Demand, b, reads)
             })?;
             // Hop 2: one H2D batch for the chunk.
             let st = &mut *op.st;
@@ -237,7 +239,7 @@ impl TierStore {
             for f in &fences {
                 sync(f)?;
             }
-            read_blocks(disk, io, b, reads)
+            read_blocks(disk, io, Lane::Background, b, reads)
         })?;
         let moved = leases.len();
         for (i, lease) in leases {
@@ -329,11 +331,12 @@ impl TierStore {
 }
 
 /// Reads `reads` (host buffer, offset in it, offset in the file) of `b` bytes each from the disk
-/// file in parallel on the I/O pool; every submitted read finishes before this returns, so its
-/// buffer may be reused after an error too.
+/// file in parallel on the I/O pool's `lane`; every submitted read finishes before this
+/// returns, so its buffer may be reused after an error too.
 fn read_blocks(
     disk: &Arc<DiskFile>,
     io: &IoPool,
+    lane: Lane,
     b: u64,
     reads: Vec<(Arc<HostBuffer>, u64, u64)>,
 ) -> Result<()> {
@@ -341,7 +344,7 @@ fn read_blocks(
     let mut first_err = None;
     for (buf, off, file_off) in reads {
         let disk = Arc::clone(disk);
-        match io.submit(move || disk.read_into(&buf, off, file_off, b)) {
+        match io.submit(lane, move || disk.read_into(&buf, off, file_off, b)) {
             Ok(t) => tickets.push(t),
             Err(e) => {
                 first_err = Some(e);

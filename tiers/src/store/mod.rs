@@ -323,6 +323,11 @@ impl TierStore {
         self.disk.as_ref()
     }
 
+    /// The disk tier's I/O threads, if the store has a disk tier.
+    pub fn io_pool(&self) -> Option<&IoPool> {
+        self.io.as_ref()
+    }
+
     pub fn block_size(&self) -> u64 {
         self.config.block_size
     }
