@@ -23,7 +23,8 @@ pub(super) enum HopTarget<'a> {
     Hbm,
     /// Device addresses of another owner (`dsts[k]` for the k-th object), inside `scope`.
     /// An object whose `keep[k]` is set is read into a free host slot instead of staging and
-    /// stays there, leaving the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
+    /// stays there as a second copy (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move; the
+    /// disk copy stays, so a later eviction of the host copy writes nothing).
     Outside {
         dsts: &'a [DevicePtr],
         scope: &'a [&'a Reservation],
@@ -171,7 +172,7 @@ impl TierStore {
                     o.hbm_ready = Some(Arc::clone(ev));
                 }
                 match kept {
-                    Some(h) => st.move_disk_to_host(i, h.keep(), ev),
+                    Some(h) => st.add_host_copy(i, h.keep(), Some(ev)),
                     None => staging[staged] = Some(Arc::clone(ev)),
                 }
             })?;
@@ -243,7 +244,7 @@ impl TierStore {
         })?;
         let moved = leases.len();
         for (i, lease) in leases {
-            op.st.add_host_copy(i, lease.keep());
+            op.st.add_host_copy(i, lease.keep(), None);
         }
         op.st.staged += moved as u64;
         Ok(moved)

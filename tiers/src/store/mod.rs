@@ -11,7 +11,8 @@
 //! An object is *redundant* while its owner holds the same bytes outside the store (a
 //! [`TierStore::copy_to_device`] restore marks it; [`TierStore::set_redundant`] changes it).
 //! Such a restore reads a disk object into a free host slot rather than staging, and the object
-//! keeps that slot and leaves the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
+//! keeps that slot (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move) and its disk copy:
+//! both hold the same bytes, so when the host copy goes again nothing is written.
 //! Redundant objects go first under pressure: a full host tier drops them (whole: every copy)
 //! before it moves any other host copy to disk or fails, and a full disk tier drops them before
 //! it fails. A dropped object stays live but lost (like a revoked one: [`TierStore::residency`]

@@ -209,23 +209,12 @@ impl State {
         self.free_objs.push(index);
     }
 
-    /// Object `i`'s bytes now sit in host slot `h` (read there from disk; `ev` reads them):
-    /// the host slot becomes its copy and its disk slot is freed.
-    pub(super) fn move_disk_to_host(&mut self, i: u32, h: u32, ev: &Arc<Event>) {
-        self.host.fence[h as usize] = Some(Arc::clone(ev));
-        let o = &mut self.objs[i as usize];
-        o.res.host = Some(h);
-        o.host_ready = None;
-        if let Some(d) = o.res.disk.take() {
-            self.disk.put_back(d, None);
-        }
-        self.touch_host(i);
-    }
-
-    /// Object `i`'s bytes were read from its disk copy into host slot `h` by the CPU (no device
-    /// copy touched the slot): the host slot becomes a second copy, the disk copy stays.
-    pub(super) fn add_host_copy(&mut self, i: u32, h: u32) {
-        self.host.fence[h as usize] = None;
+    /// Object `i`'s bytes were read from its disk copy into host slot `h` by the CPU: the host
+    /// slot becomes a second copy and the disk copy stays (an object's bytes never change while
+    /// it has lower copies: a write drops them), so dropping the host copy later writes nothing.
+    /// `reader` is the copy already queued to read the slot, if any.
+    pub(super) fn add_host_copy(&mut self, i: u32, h: u32, reader: Option<&Arc<Event>>) {
+        self.host.fence[h as usize] = reader.cloned();
         let o = &mut self.objs[i as usize];
         o.res.host = Some(h);
         o.host_ready = None;
