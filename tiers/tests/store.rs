@@ -708,7 +708,7 @@ fn staging_reads_wait_while_a_restore_reads_disk() {
     let stage = {
         let s = Arc::clone(&s);
         let staged = ids[1..].to_vec();
-        std::thread::spawn(move || s.stage_to_host(&staged, &[]))
+        std::thread::spawn(move || s.stage_to_host(&staged, 0))
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     while io.queued() != (0, 4) {

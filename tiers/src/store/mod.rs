@@ -162,6 +162,8 @@ pub struct StoreStats {
     pub prefetched_blocks: u64,
     /// Objects moved up from disk to host memory ahead of need ([`TierStore::stage_to_host`]).
     pub staged: u64,
+    /// Of those, objects whose host copy was dropped again before a restore or read used it.
+    pub staged_evicted: u64,
     pub fell_back: u64,
     pub lost: u64,
     /// Redundant objects dropped for room, ever (see the module documentation).
@@ -279,6 +281,7 @@ impl TierStore {
             evictions_host: 0,
             prefetched: 0,
             staged: 0,
+            staged_evicted: 0,
             fell_back: 0,
             lost: 0,
             redundant_dropped: 0,
@@ -482,6 +485,7 @@ impl TierStore {
         }
         st.objs[index as usize].hbm_ready = None;
         st.touch_hbm(index);
+        st.objs[index as usize].staged = false;
         if st.objs[index as usize].durability == Durability::Lossy {
             st.drop_lower(index);
             return Ok(());
@@ -579,6 +583,7 @@ impl TierStore {
             evictions_host: st.evictions_host,
             prefetched_blocks: st.prefetched,
             staged: st.staged,
+            staged_evicted: st.staged_evicted,
             fell_back: st.fell_back,
             lost: st.lost,
             redundant_dropped: st.redundant_dropped,
