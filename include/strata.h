@@ -80,7 +80,9 @@ typedef struct strata_stats_t {
     uint64_t peak_reserved_bytes;
     uint64_t live_allocations;
     uint64_t pending_blocks;        /* freed blocks waiting for other streams */
-    uint64_t limit_bytes;           /* cap on reserved bytes (0 and limit_set == 0: none) */
+    uint64_t limit_bytes;           /* cap on the device's own memory held (host and peer pages
+                                       in reserved_bytes do not count; 0 and limit_set == 0:
+                                       none) */
     uint64_t allocs;                /* counts since the allocator was created */
     uint64_t frees;
     uint64_t cache_hits;
@@ -150,10 +152,12 @@ void strata_init(int device_count);
  * so an idle process holds no more than its live allocations afterwards. */
 void strata_empty_cache(void);
 
-/* Caps everything strata holds on `device` (pages mapped for allocations and cache, and the
- * page pool's free pages) at `fraction` (0..1) of its memory; 1 lifts the cap. Beyond it
- * strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED). A cap of 0 bytes is a cap (limit_set
- * in strata_stats_t tells it from none). */
+/* Caps everything strata holds of `device`'s own memory (pages mapped for allocations and
+ * cache, and the page pool's free pages) at `fraction` (0..1) of it; 1 lifts the cap. Host
+ * memory and peer pages behind strata's addresses (strata_offload, overflow) do not count.
+ * Beyond it strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED), except for a tag set to
+ * overflow, which goes on onto its overflow memory; strata_onload and revocations stay under
+ * it. A cap of 0 bytes is a cap (limit_set in strata_stats_t tells it from none). */
 void strata_set_memory_fraction(double fraction, int device);
 
 /* `ptr` is also used on `stream`: after its free, its memory is reused only once the work
@@ -228,7 +232,8 @@ int strata_offload(const char *tag, int tier, cudaStream_t stream);
 int strata_onload(const char *tag, cudaStream_t stream);
 
 /* Overflow (off by default): with `tier` STRATA_TIER_HOST, allocations of tag `tag` that find
- * a device out of memory succeed on host memory mapped for the device instead of returning
+ * a device out of memory (or at its strata_set_memory_fraction cap: what is left under it is
+ * used first) succeed on host memory mapped for the device instead of returning
  * NULL (slower; strata_onload moves them to the device once it has room); `tier` 0 turns it
  * off (pages already taken stay until freed or onloaded). Applies to every device, including
  * those first used later. Replaces a strata_set_overflow_peer of the tag. A tag set to

@@ -151,6 +151,25 @@ pub struct MappedPage {
     pub page: Page,
 }
 
+impl MappedPage {
+    /// Unmaps the page and hands it back, still counted in use by its pool. When the driver
+    /// refuses, the page may still be mapped: it is quarantined ([`PagePool::quarantine`]:
+    /// never reused, never released), its mapping leaked with it (so its reservation is never
+    /// freed under it), and the error comes back with the address that stays mapped.
+    pub fn unmap_or_quarantine(self, pool: &PagePool) -> Result<Page, (DevicePtr, Error)> {
+        let MappedPage { mapping, page } = self;
+        match mapping.try_unmap() {
+            Ok(_) => Ok(page),
+            Err((still_mapped, e)) => {
+                let va = still_mapped.va();
+                std::mem::forget(still_mapped);
+                pool.quarantine(page);
+                Err((va, e))
+            }
+        }
+    }
+}
+
 /// Pool pages mapped back to back at `va`; unmapped and returned to their pool on drop.
 pub struct MappedRun {
     /// `mappings[i]` maps `lease.pages()[i]` at `va + i * page_size`.

@@ -133,8 +133,12 @@ struct State {
     borrowed: usize,
     /// Pages being created outside the lock, counted against the limit.
     pending: usize,
-    /// Pages being released outside the lock (trims): their memory is not back yet.
+    /// Pages being released outside the lock (trims, releases): their memory is not back yet.
     releasing: usize,
+    /// Times memory moved: pages created or released outside the lock settled (landed in the
+    /// free list, went to a caller, or back to the driver) or pages were given back. A take
+    /// that ran out of memory looks again when this changed while it tried.
+    settles: u64,
     created_total: u64,
     released_total: u64,
     created_on_demand: u64,
@@ -233,6 +237,7 @@ impl PagePool {
                 quarantined: 0,
                 last_activity: Instant::now(),
                 releasing: 0,
+                settles: 0,
                 refill_blocked: false,
                 refill_after_demand: false,
                 limit: config.limit,
@@ -301,68 +306,58 @@ impl PagePool {
         self.take_slow(n)
     }
 
+    /// Creates the pages the free list is short of, with the lock dropped. When the driver
+    /// runs out of memory while memory moved (pages other threads created or released outside
+    /// the lock landed in the free list or went back to the driver, or given back pages joined
+    /// it) or is still moving, it waits (bounded) for that to settle and looks again, rather
+    /// than report an out-of-memory that a moment later is not true.
     #[cold]
     #[inline(never)]
     fn take_slow(&self, n: usize) -> Result<Vec<Page>> {
         let mut attempts = 0;
+        let mut state = self.inner.state.lock();
         loop {
-            match self.try_take_slow(n) {
-                Err(e) if e.is_out_of_memory() && attempts < SETTLE_RETRIES => {
-                    // The driver said no while the worker (or another take) was creating or
-                    // releasing pages outside the lock: that memory is about to be free, or
-                    // in the free list. Wait for it to settle and look again, rather than
-                    // report an out-of-memory that a moment later is not true.
-                    let mut state = self.inner.state.lock();
-                    if state.pending == 0 && state.releasing == 0 {
-                        return Err(e);
-                    }
-                    while state.pending > 0 || state.releasing > 0 {
-                        if self
-                            .inner
-                            .settled
-                            .wait_for(&mut state, SETTLE_WAIT)
-                            .timed_out()
-                        {
-                            return Err(e);
-                        }
-                    }
-                    attempts += 1;
+            // The free list may have grown since `take` looked: hand out exactly `n`. Free
+            // pages are already held, so only the missing ones count as more against the limit.
+            let keep = state.free.len().saturating_sub(n);
+            let missing = n - (state.free.len() - keep);
+            self.inner.admit(&state, missing)?;
+            let mut pages = state.free.split_off(keep);
+            state.pending += missing;
+            state.in_use += pages.len();
+            let seen = state.settles;
+            let created = MutexGuard::unlocked(&mut state, || self.inner.create_pages(missing));
+            state.pending -= missing;
+            let moved = state.settles != seen;
+            self.inner.settle(&mut state);
+            let e = match created {
+                Ok(fresh) => {
+                    state.created_total += fresh.len() as u64;
+                    state.created_on_demand += fresh.len() as u64;
+                    state.in_use += fresh.len();
+                    pages.extend(fresh);
+                    self.inner.wake_worker.notify_one();
+                    return Ok(pages);
                 }
-                result => return result,
+                Err(e) => e,
+            };
+            state.in_use -= pages.len();
+            state.free.append(&mut pages);
+            let settling = state.pending > 0 || state.releasing > 0;
+            if !e.is_out_of_memory() || attempts == SETTLE_RETRIES || !(moved || settling) {
+                return Err(e);
             }
-        }
-    }
-
-    fn try_take_slow(&self, n: usize) -> Result<Vec<Page>> {
-        let mut state = self.inner.state.lock();
-        // The free list may have grown since `take` looked: hand out exactly `n`. Free pages
-        // are already held, so only the missing ones count as more against the limit.
-        let keep = state.free.len().saturating_sub(n);
-        let missing = n - (state.free.len() - keep);
-        self.inner.admit(&state, missing)?;
-        let mut pages = state.free.split_off(keep);
-        state.pending += missing;
-        state.in_use += pages.len();
-        drop(state);
-
-        let created = self.inner.create_pages(missing);
-        let mut state = self.inner.state.lock();
-        state.pending -= missing;
-        self.inner.settled.notify_all();
-        match created {
-            Ok(fresh) => {
-                state.created_total += fresh.len() as u64;
-                state.created_on_demand += fresh.len() as u64;
-                state.in_use += fresh.len();
-                pages.extend(fresh);
-                self.inner.wake_worker.notify_one();
-                Ok(pages)
+            while state.pending > 0 || state.releasing > 0 {
+                if self
+                    .inner
+                    .settled
+                    .wait_for(&mut state, SETTLE_WAIT)
+                    .timed_out()
+                {
+                    return Err(e);
+                }
             }
-            Err(e) => {
-                state.in_use -= pages.len();
-                state.free.append(&mut pages);
-                Err(e)
-            }
+            attempts += 1;
         }
     }
 
@@ -563,6 +558,7 @@ impl Inner {
         state.last_activity = Instant::now();
         state.uncount(pages.len(), borrowed_count(&pages));
         state.refill_blocked = false;
+        state.settles += 1;
         state.free.extend(pages);
         if state.free.len() > self.config.high_watermark {
             self.wake_worker.notify_one();
@@ -570,20 +566,17 @@ impl Inner {
     }
 
     fn release(&self, pages: Vec<Page>) {
-        let n = pages.len();
-        let borrowed = borrowed_count(&pages);
-        drop(pages);
         let mut state = self.state.lock();
-        state.uncount(n, borrowed);
-        state.released_total += n as u64;
-        state.refill_blocked = false;
+        state.uncount(pages.len(), borrowed_count(&pages));
+        self.release_unlocked(state, pages);
         self.wake_worker.notify_one();
     }
 
-    /// Releases `pages`, which no counter holds any more (split off the free list, or just
-    /// created), to the driver outside the lock: until their memory is back they count as
-    /// `releasing`, so that a take running out of memory meanwhile waits for them
-    /// (`take_slow`). Consumes the lock's guard; returns how many pages went.
+    /// Releases `pages`, which no counter holds any more (split off the free list, just
+    /// created, or given up by a caller), to the driver outside the lock: until their memory is
+    /// back they count as `releasing`, so that a take running out of memory meanwhile waits
+    /// for them (`take_slow`), and a refill that ran out may try again after. Consumes the
+    /// lock's guard; returns how many pages went.
     fn release_unlocked(&self, mut state: MutexGuard<'_, State>, pages: Vec<Page>) -> usize {
         let n = pages.len();
         if n == 0 {
@@ -593,9 +586,18 @@ impl Inner {
         state.releasing += n;
         drop(state);
         drop(pages); // driver calls outside the lock
-        self.state.lock().releasing -= n;
-        self.settled.notify_all();
+        let mut state = self.state.lock();
+        state.releasing -= n;
+        state.refill_blocked = false;
+        self.settle(&mut state);
         n
+    }
+
+    /// Pages created or released outside the lock settled: counts the move
+    /// ([`State::settles`]) and wakes the takes waiting for it.
+    fn settle(&self, state: &mut State) {
+        state.settles += 1;
+        self.settled.notify_all();
     }
 
     /// Checks that `extra` more pages fit under the limit.
@@ -658,7 +660,7 @@ impl Inner {
                     let created = self.create_pages(want);
                     state = self.state.lock();
                     state.pending -= want;
-                    self.settled.notify_all();
+                    self.settle(&mut state);
                     match created {
                         // A trim while these were created asked for an empty pool: release.
                         Ok(pages) if state.refill_after_demand => {

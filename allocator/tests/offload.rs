@@ -3,116 +3,15 @@
 //! pages go back to the pool they came from, and an injected failure at any step of a
 //! migration loses nothing.
 
+mod common;
+
 use std::sync::Arc;
-use std::time::Duration;
 
+use common::*;
 use rand::{Rng, SeedableRng};
-use strata_allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig, TagId};
-use strata_kernels::pattern;
-use strata_vmm::host::{FaultOp, HostBackend, Link, LinkModel};
-use strata_vmm::{Backend, Error, HostConfig, StreamHandle};
-
-const MIB: u64 = 1 << 20;
-const PAGE: u64 = 2 * MIB;
-const S0: StreamHandle = StreamHandle::DEFAULT;
-
-struct Env {
-    backend: Arc<dyn Backend>,
-    device: Arc<PagePool>,
-    host: Arc<PagePool>,
-    /// Device 1's pool: a lender for overflow and revocation.
-    peer: Arc<PagePool>,
-    alloc: CachingAllocator,
-}
-
-fn manual() -> PoolConfig {
-    PoolConfig {
-        low_watermark: 0,
-        high_watermark: 0,
-        limit: None,
-        idle_trim_after: None,
-        background: false,
-    }
-}
-
-/// Two 64 MiB devices whose links run at 20 GB/s with 5 µs latency (what `STRATA_HOST_LINK`
-/// sets), so copies are really in flight on the stream while a migration waits.
-fn env() -> Env {
-    let link = Link {
-        bandwidth: 20e9,
-        latency: Duration::from_micros(5),
-    };
-    let backend = strata_vmm::host::open(HostConfig {
-        devices: vec![32 * PAGE, 32 * PAGE],
-        granularity: PAGE,
-        strict: true,
-        link: Some(LinkModel {
-            host_to_device: link,
-            device_to_host: link,
-            device_to_device: link,
-        }),
-    })
-    .expect("host backend");
-    let device = PagePool::new(Arc::clone(&backend), 0, manual()).expect("pool");
-    let host = PagePool::new_host(Arc::clone(&backend), 0, manual()).expect("host pool");
-    let peer = PagePool::new(Arc::clone(&backend), 1, manual()).expect("peer pool");
-    let alloc =
-        CachingAllocator::new(Arc::clone(&device), CachingConfig::default()).expect("allocator");
-    Env {
-        backend,
-        device,
-        host,
-        peer,
-        alloc,
-    }
-}
-
-fn injector(b: &Arc<dyn Backend>) -> &HostBackend {
-    b.as_any().downcast_ref::<HostBackend>().unwrap()
-}
-
-fn fill(b: &Arc<dyn Backend>, ptr: u64, len: u64, seed: u64) {
-    let mut buf = vec![0u8; len as usize];
-    pattern::fill(&mut buf, seed, 0);
-    b.write(ptr, &buf).expect("write");
-}
-
-fn check(b: &Arc<dyn Backend>, ptr: u64, len: u64, seed: u64, when: &str) {
-    let mut buf = vec![0u8; len as usize];
-    b.read(ptr, &mut buf).expect("read");
-    assert_eq!(
-        pattern::first_mismatch(&buf, seed, 0),
-        None,
-        "{when}: pattern {seed} at {ptr:#x}+{len}"
-    );
-}
-
-/// Invariants, and the pools' counters agreeing with where the allocator's pages are: every
-/// mapped page is counted in use by exactly the pool it came from.
-fn consistent(e: &Env, when: &str) {
-    if let Err(err) = e.alloc.check_invariants() {
-        panic!("{when}: invariant violated: {err}\n{}", e.alloc.report());
-    }
-    let all = e.alloc.spill_stats(None).tiers;
-    let stats = e.alloc.stats();
-    assert_eq!(
-        all.local + all.host + all.peer,
-        stats.reserved_bytes,
-        "{when}"
-    );
-    assert_eq!(e.device.stats().in_use as u64 * PAGE, all.local, "{when}");
-    assert_eq!(e.host.stats().in_use as u64 * PAGE, all.host, "{when}");
-    assert_eq!(e.peer.stats().in_use as u64 * PAGE, all.peer, "{when}");
-    for t in &stats.tags {
-        let s = e.alloc.spill_stats(Some(t.tag)).tiers;
-        assert_eq!(
-            s.local + s.host + s.peer,
-            t.reserved_bytes,
-            "{when}: tag {}",
-            t.tag
-        );
-    }
-}
+use strata_allocator::{CachingAllocator, CachingConfig, PagePool, TagId};
+use strata_vmm::host::FaultOp;
+use strata_vmm::{Error, HostConfig};
 
 #[test]
 fn a_tag_moves_to_host_memory_and_back_at_the_same_addresses() {
@@ -262,12 +161,14 @@ fn bad_offloads_are_errors_that_change_nothing() {
     consistent(&e, "after refusals");
 }
 
-/// Allocations, frees, writes, offloads and onloads of two tags at random, tag 1 overflowing
+/// Allocations, frees, writes, offloads and onloads of three tags at random, tag 1 overflowing
 /// onto host memory and tag 2 onto the peer's pages when the device is full (tag 3 fills it),
 /// revocations of the peer's pages, a fault armed at a random step of some migrations (create,
 /// map, set_access, copy, unmap: a page whose unmap failed is quarantined and its VA never
-/// handed out again); after every step every live allocation reads back its pattern through
-/// the same pointer, the invariants hold and every page is counted by the pool it came from.
+/// handed out again), a limit set and lifted at random; after every step every live
+/// allocation reads back its pattern through the same pointer, the invariants hold, every page
+/// is counted by the pool it came from, and the device's own pages stay under the limit (or
+/// at what they were when it was set below them).
 #[test]
 fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
     let e = env();
@@ -283,12 +184,15 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
     let mut live: Vec<(u64, u64, u64, TagId)> = Vec::new();
     let mut faults = 0;
     let mut revoked = 0;
+    let mut limited = 0;
+    // Most device bytes allowed while a limit is set.
+    let mut ceiling: Option<u64> = None;
     e.alloc.set_overflow(1, Some(Arc::clone(&e.host))).unwrap();
     for step in 0..120u64 {
         let when = format!("step {step}");
         match rng.random_range(0..10) {
             0..=3 => {
-                let tag = rng.random_range(1..=2);
+                let tag = rng.random_range(1..=3);
                 let size = if rng.random_bool(0.75) {
                     rng.random_range(1..64 << 10)
                 } else {
@@ -299,7 +203,8 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
                         fill(&e.backend, p, size, step);
                         live.push((p, size, step, tag));
                     }
-                    Err(Error::OutOfMemory { .. } | Error::LimitExceeded { .. }) => {}
+                    Err(Error::LimitExceeded { .. }) => limited += 1,
+                    Err(Error::OutOfMemory { .. }) => {}
                     Err(err) => panic!("{when}: {err}"),
                 }
             }
@@ -338,6 +243,14 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
                 assert!(notices.iter().all(|r| r.tag == 2), "{when}");
                 revoked += notices.len();
             }
+            8 if rng.random_bool(0.5) => {
+                let limit = rng
+                    .random_bool(0.7)
+                    .then(|| rng.random_range(4..=32) * PAGE);
+                e.alloc.set_limit(limit).unwrap();
+                let held = e.alloc.spill_stats(None).tiers.local;
+                ceiling = limit.map(|l| l.max(held));
+            }
             8 if !live.is_empty() => {
                 let k = rng.random_range(0..live.len());
                 fill(&e.backend, live[k].0, live[k].1, step);
@@ -359,6 +272,7 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
                 match got {
                     Ok(_) => {}
                     Err(Error::InjectedFault(_)) if armed => faults += 1,
+                    Err(Error::LimitExceeded { .. }) => limited += 1,
                     Err(Error::OutOfMemory { .. }) => {}
                     Err(err) => panic!("{when}: {err}"),
                 }
@@ -369,8 +283,14 @@ fn random_walk_of_allocations_and_offloads_keeps_every_byte() {
             check(&e.backend, p, n, seed, &when);
         }
         consistent(&e, &when);
+        if let Some(most) = ceiling {
+            let held = e.alloc.spill_stats(None).tiers.local;
+            assert!(held <= most, "{when}: {held} device bytes, limit {most}");
+        }
     }
     assert!(faults >= 3, "faults hit migrations: {faults}");
+    assert!(limited > 0, "the limit refused something");
+    e.alloc.set_limit(None).unwrap();
     assert!(revoked > 0, "revocations moved segments");
     // Room on the device for what is left, then everything back.
     for &(p, _, _, tag) in &live {
@@ -503,4 +423,37 @@ fn a_page_whose_unmap_failed_keeps_its_va_out_of_later_allocations() {
     for (q, _) in held {
         e.alloc.deallocate(q, S0).unwrap();
     }
+}
+
+/// A retired tag id starts clean for its next name: no migrations of the previous name in its
+/// spill stats, and no overflow setting (a full device is out of memory for it again).
+#[test]
+fn a_retired_tag_forgets_its_migrations_and_its_overflow() {
+    let e = env();
+    e.alloc.set_overflow(1, Some(Arc::clone(&e.host))).unwrap();
+    let p = e.alloc.allocate_tagged(4 * MIB, S0, 1).unwrap();
+    e.alloc.offload(1, &e.host, S0).unwrap();
+    e.alloc.onload(1, S0).unwrap();
+    let used = e.alloc.spill_stats(Some(1)).counts;
+    assert!(used.to_host > 0 && used.to_device > 0, "{used:?}");
+    e.alloc.deallocate(p, S0).unwrap();
+    assert!(e.alloc.retire_tag(1));
+    assert_eq!(
+        e.alloc.spill_stats(Some(1)).counts,
+        strata_allocator::SpillCounts::default(),
+        "the next name of id 1 moved nothing yet"
+    );
+    assert_eq!(
+        e.alloc.spill_stats(None).counts,
+        used,
+        "the allocator's totals keep every migration"
+    );
+    let mut hog = Vec::new();
+    while let Ok(q) = e.alloc.allocate_tagged(8 * MIB, S0, 2) {
+        hog.push(q);
+    }
+    let refused = e.alloc.allocate_tagged(4 * MIB, S0, 1).unwrap_err();
+    assert!(refused.is_out_of_memory(), "{refused}");
+    assert_eq!(e.host.stats().in_use, 0, "nothing overflowed");
+    consistent(&e, "retired");
 }

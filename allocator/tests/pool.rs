@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_allocator::{MappedRun, PageLease, PagePool, PageSource, PoolConfig, Return};
-use strata_vmm::host::FaultOp;
+use strata_vmm::host::{FaultOp, OpGate};
 use strata_vmm::{
     Access, Backend, CreateFlags, Error, HostBackend, HostConfig, Location, PhysicalMemory,
     Reservation,
@@ -306,6 +306,56 @@ fn a_take_partly_from_free_pages_stays_under_the_limit() {
     assert_eq!(pool.stats().held_bytes(), 5 * PAGE);
     pool.give(held);
     pool.give(more);
+}
+
+/// A take that runs out of memory looks again when pages landed in the free list while it
+/// tried: here the worker's refill, held at the gate until the take has looked at the empty
+/// free list and gone to create its page, fills the device and lands before the take's own
+/// create fails. It used to report out of memory with 8 free pages in the pool (a C test's
+/// full device then had room after all).
+#[test]
+fn a_take_that_runs_out_looks_again_when_a_refill_landed_meanwhile() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let b = backend(16);
+    let config = PoolConfig {
+        low_watermark: 4,
+        high_watermark: 8,
+        limit: None,
+        idle_trim_after: None,
+        background: true,
+    };
+    let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
+    assert!(eventually(|| pool.stats().free == 8), "{:?}", pool.stats());
+    // The worker's creates wait for `refill`; the test thread's create, once `armed`, lets the
+    // refill go and waits for it to land (the device is then full).
+    let (armed, refill) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let watched = Arc::downgrade(&pool);
+    let gate: OpGate = {
+        let (armed, refill) = (Arc::clone(&armed), Arc::clone(&refill));
+        Arc::new(move |_| {
+            if std::thread::current().name() == Some("strata-pool-0") {
+                assert!(eventually(|| refill.load(Ordering::Acquire)), "refill held");
+            } else if armed.swap(false, Ordering::AcqRel) {
+                refill.store(true, Ordering::Release);
+                let landed = || watched.upgrade().is_some_and(|p| p.stats().free == 8);
+                assert!(eventually(landed), "the refill did not land");
+            }
+        })
+    };
+    host(&b).set_op_gate(FaultOp::Create, Some(gate));
+    let held = pool.take(8).unwrap(); // from the free list; the worker wakes to refill
+    armed.store(true, Ordering::Release);
+    let got = pool.take(1);
+    host(&b).set_op_gate(FaultOp::Create, None);
+    let s = pool.stats();
+    let page = got.unwrap_or_else(|e| panic!("out of memory with {} free pages: {e}", s.free));
+    assert_eq!((s.free, s.in_use, free_pages(&b)), (7, 9, 0));
+    pool.give(page);
+    pool.give(held);
 }
 
 // PageLease and MappedRun: all or nothing under injected faults, pages and pool counters back

@@ -212,10 +212,11 @@ pub extern "C" fn strata_empty_cache() {
     })
 }
 
-/// PyTorch's memory-fraction hook: caps what strata holds on `device` (pages mapped for
-/// allocations and cache, and the page pool's free pages) at `fraction` of the device's memory
-/// (0 ≤ fraction ≤ 1; 1 lifts the cap). Beyond the cap, `strata_malloc` returns NULL
-/// (`STRATA_LIMIT_EXCEEDED`).
+/// PyTorch's memory-fraction hook: caps what strata holds of `device`'s own memory (pages
+/// mapped for allocations and cache, and the page pool's free pages) at `fraction` of it
+/// (0 ≤ fraction ≤ 1; 1 lifts the cap). Host memory and peer pages behind strata's addresses
+/// (offload, overflow) do not count. Beyond the cap, `strata_malloc` returns NULL
+/// (`STRATA_LIMIT_EXCEEDED`), except for a tag set to overflow, which goes on there.
 #[no_mangle]
 pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) {
     boundary::hook("strata_set_memory_fraction", || {

@@ -43,7 +43,8 @@ pub struct strata_stats_t {
     pub live_allocations: u64,
     /// Freed blocks waiting for work on other streams before reuse.
     pub pending_blocks: u64,
-    /// Cap on reserved bytes (`strata_set_memory_fraction`); 0 when none (see `limit_set`).
+    /// Cap on the device's own memory held (`strata_set_memory_fraction`; host and peer
+    /// pages in `reserved_bytes` do not count); 0 when none (see `limit_set`).
     pub limit_bytes: u64,
     pub allocs: u64,
     pub frees: u64,

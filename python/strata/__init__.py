@@ -211,7 +211,8 @@ def onload(tags, stream=None):
 
 def set_overflow(tags, tier="host"):
     """Lets each tag's allocations overflow onto host memory when a device is out of memory
-    (tier "host"), or stops it (tier None). Off by default."""
+    or at its `set_memory_fraction` cap (tier "host"), or stops it (tier None). Off by
+    default."""
     code = 0 if tier is None else _TIERS.get(tier)
     if code is None or code == _TIERS["disk"]:
         raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"overflow tier {tier!r}: 'host' or None")
@@ -272,9 +273,11 @@ def empty_cache():
 
 
 def set_memory_fraction(fraction, device=0):
-    """Caps all strata holds on `device` (pages mapped for allocations, KV spaces and
-    parameters, and the pool's free pages) at `fraction` of the device's memory; 1 lifts the
-    cap. Past it, mapping more raises `LimitExceeded` (an `OutOfMemory`)."""
+    """Caps all strata holds of `device`'s own memory (pages mapped for allocations, KV
+    spaces and parameters, and the pool's free pages) at `fraction` of it; 1 lifts the cap.
+    Host memory and peer pages behind strata's addresses (offload, overflow) do not count.
+    Past it, mapping more raises `LimitExceeded` (an `OutOfMemory`), except for a tag set to
+    overflow, which goes on there."""
     l = _lib.lib()
     l.strata_clear_error()
     l.strata_set_memory_fraction(fraction, device)

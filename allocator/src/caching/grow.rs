@@ -1,22 +1,21 @@
-//! The slow paths of allocation: new runs of small blocks (in shared pages or segments), whole-page runs (cache hits by split,
-//! misses by mapping cached and pool pages behind a new VA range), and where pages come from
-//! and go to.
+//! The slow paths of allocation: new runs of small blocks (in shared pages or segments) and
+//! new runs of whole pages mapped behind a new VA range (pages from `supply.rs`).
 //!
 //! Growth and `empty_cache` make their driver calls with the lock dropped (see `inflight.rs`):
 //! under the lock they check the limit, pick the pages (cached ones leave the tables, after
 //! the streams that may touch them are synchronized) and take the VA; outside it they unmap,
 //! create, map, set access or release; under the lock again they publish or roll back.
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::MutexGuard;
 use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
-use super::unmap::unmap_pages;
+use super::supply::Supply;
 use super::{
-    internal, run_slot, AllocatorCounts, Block, BlockState, CachedRun, CachingAllocator, Carve,
-    Segment, State, TagId, CHUNKS_PER_PAGE,
+    internal, run_slot, AllocatorCounts, Block, BlockState, CachingAllocator, Carve, Segment,
+    State, TagId, CHUNKS_PER_PAGE,
 };
 use crate::mapped::{MappedPage, MappedRun, PageLease};
-use crate::pool::{Page, PagePool};
+use crate::pool::Page;
 
 /// Where [`CachingAllocator::grow_run_in`] takes the new range's VA.
 #[derive(Clone, Copy, Debug)]
@@ -48,88 +47,6 @@ impl DriverCalls {
     }
 }
 
-/// Pages on their way to a new mapping: `want` of them, all or none.
-#[derive(Default)]
-pub(super) struct Supply {
-    want: u64,
-    /// Cached pages out of the tables, still mapped at their old VA.
-    mapped: Vec<MappedPage>,
-    /// The old arena ranges of `mapped`, held until they are unmapped.
-    ranges: Vec<(u64, u64)>,
-    /// Pages already unmapped.
-    ready: Vec<Page>,
-    /// Pages to take from the pool.
-    fresh: usize,
-}
-
-impl Supply {
-    /// Pages held outside the tables (counted against the limit while in flight).
-    fn pages(&self) -> u64 {
-        (self.mapped.len() + self.ready.len() + self.fresh) as u64
-    }
-
-    /// Unmaps the cached pages and takes the fresh ones: `want` pages (extras go back to the
-    /// pool), or none (all back to the pool) and the first error. Makes driver calls; the
-    /// old ranges are the caller's to free.
-    /// `overflow`: a pool (host memory, a peer's) whose pages stand in when `pool` is out of
-    /// memory (a tag that allows overflow); they return to it wherever they are freed.
-    fn gather(
-        self,
-        pool: &PagePool,
-        overflow: Option<&PagePool>,
-        calls: &mut DriverCalls,
-        requested: u64,
-        stuck: &Mutex<Vec<DevicePtr>>,
-    ) -> Result<Vec<Page>> {
-        let mut pages = self.ready;
-        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls, stuck);
-        // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
-        // gets the device's own pages in their place.
-        let (mut pages, foreign): (Vec<Page>, Vec<Page>) =
-            pages.into_iter().partition(|p| p.is_home(pool));
-        let missing = self.fresh + foreign.len();
-        pool.give(foreign);
-        let fresh = unmapped.and_then(|()| match missing {
-            0 => Ok(Vec::new()),
-            n => match (pool.take(n), overflow) {
-                (Err(e), Some(spill)) if e.is_out_of_memory() => spill.take(n),
-                (got, _) => got,
-            },
-        });
-        match fresh {
-            Ok(fresh) => {
-                pages.extend(fresh);
-                if pages.len() as u64 > self.want {
-                    pool.give(pages.split_off(self.want as usize));
-                }
-                Ok(pages)
-            }
-            Err(e) => {
-                pool.give(pages);
-                Err(for_request(e, requested))
-            }
-        }
-    }
-}
-
-/// The pool's out-of-memory error (about the page it failed to create) restated for the
-/// caller's whole request.
-#[cold]
-fn for_request(e: Error, requested: u64) -> Error {
-    match e {
-        Error::OutOfMemory {
-            location,
-            available,
-            ..
-        } => Error::OutOfMemory {
-            location,
-            requested,
-            available,
-        },
-        e => e,
-    }
-}
-
 impl CachingAllocator {
     /// Small allocation when the bin of `stream` is empty: completed pending frees, blocks
     /// freed on other streams (ordered by an event), then a new segment.
@@ -143,9 +60,10 @@ impl CachingAllocator {
         stream: StreamHandle,
         tag: TagId,
     ) -> Result<DevicePtr> {
+        let ti = guard.ensure_tag(tag, self.classes.len());
+        self.wait_while_moving(guard, ti);
         let st = &mut **guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
-        if st.tags[ti].asleep {
+        if st.tags[ti].asleep() {
             return Err(Error::InvalidState(format!("tag {tag} is asleep")));
         }
         if !st.pending.is_empty() {
@@ -343,6 +261,7 @@ impl CachingAllocator {
                 (st.segments.len() - 1) as u32
             }
         };
+        self.count_mapped(st, ti, &mapped);
         st.segments[seg_id as usize] = Some(Segment {
             start,
             pages,
@@ -352,8 +271,6 @@ impl CachingAllocator {
             blocks: Vec::new(),
             mapped,
         });
-        st.totals.add_pages(pages);
-        st.tags[ti].totals.mapped_pages += pages;
         st.totals.counts.segments_created += 1;
         Ok(seg_id)
     }
@@ -439,6 +356,8 @@ impl CachingAllocator {
         requested: u64,
     ) -> Result<(u64, Vec<MappedPage>)> {
         let st = &mut **guard;
+        let overflow = st.tags[ti].overflow.clone();
+        let overflows = overflow.is_some();
         let taken = match choice {
             VaChoice::BestFit => st.va.alloc(pages),
             VaChoice::WithRoom(room) => st.va.alloc_with_room(pages, room),
@@ -450,7 +369,7 @@ impl CachingAllocator {
             }
         };
         let (start, mut supply) = match taken {
-            Some(start) => match self.reserve_supply(st, pages, requested) {
+            Some(start) => match self.reserve_supply(st, pages, requested, overflows) {
                 Ok(supply) => (start, supply),
                 Err(e) => {
                     self.free_va(st, start, pages)?;
@@ -478,9 +397,8 @@ impl CachingAllocator {
             Some(ti as u32),
             Some((start, pages)),
             retiring,
-            supply.pages(),
+            supply.device_pages(self.device),
         );
-        let overflow = st.tags[ti].overflow.clone();
         let mut calls = DriverCalls::default();
         let mapped = MutexGuard::unlocked(guard, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -538,145 +456,6 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Under the lock: checks that `n` more pages fit (under the limit, counting the pages of
-    /// in-flight work, and on the device) and takes the cached pages to recycle out of the
-    /// tables (unmapped cached pages come first, so reserved memory does not grow while
-    /// cached pages sit idle); the rest will come from the pool.
-    pub(super) fn reserve_supply(&self, st: &mut State, n: u64, requested: u64) -> Result<Supply> {
-        let empty: u64 = st
-            .empty_segments(true)
-            .iter()
-            .filter_map(|&i| st.segments[i as usize].as_ref())
-            .map(|s| s.pages)
-            .sum();
-        let reclaimable = st.cache.pages() + empty + self.cuttable_pages(st, None);
-        let fresh = n.saturating_sub(reclaimable);
-        if let Some(limit) = st.limit {
-            let held = st.totals.mapped_pages + st.inflight.pages();
-            let after = held
-                .checked_add(fresh)
-                .and_then(|p| p.checked_mul(self.page));
-            if after.is_none_or(|a| a > limit) {
-                st.totals.counts.ooms += 1;
-                return Err(Error::LimitExceeded {
-                    requested,
-                    used: held * self.page,
-                    limit,
-                });
-            }
-        }
-        if fresh
-            .checked_mul(self.page)
-            .is_none_or(|b| b > self.device_total)
-            && fresh > self.device_total / self.page + self.pool.stats().free as u64
-        {
-            // Hopeless: fail before the pool creates (and drops) a device's worth of pages.
-            return Err(self.oom(st, requested));
-        }
-        let mut supply = Supply {
-            want: n,
-            fresh: usize::try_from(fresh).map_err(|_| Error::Overflow("page count"))?,
-            ..Supply::default()
-        };
-        if n > fresh {
-            self.take_cached(st, n - fresh, &mut supply)?;
-        }
-        Ok(supply)
-    }
-
-    /// Takes at least `need` cached pages (smallest cached runs first, then empty small
-    /// segments; whole free pages are cut out of large segments first if those are short)
-    /// out of the tables into `supply`, after synchronizing the streams that may
-    /// touch them (under the lock: a failure leaves everything in place). They stay mapped,
-    /// their ranges held, until the supply is gathered.
-    fn take_cached(&self, st: &mut State, need: u64, supply: &mut Supply) -> Result<()> {
-        let empty: u64 = st
-            .empty_segments(true)
-            .iter()
-            .filter_map(|&i| st.segments[i as usize].as_ref())
-            .map(|s| s.pages)
-            .sum();
-        let short = need.saturating_sub(st.cache.pages() + empty);
-        if short > 0 {
-            self.cut_free_pages(st, Some(short), None);
-        }
-        let mut remaining = need;
-        let mut runs = Vec::new();
-        for start in st.cache.starts_smallest_first() {
-            if remaining == 0 {
-                break;
-            }
-            let Some(have) = st.cache.get(start).map(|r| r.pages) else {
-                continue;
-            };
-            let k = have.min(remaining);
-            if let Some(taken) = st.cache.take_tail(start, k) {
-                remaining -= k;
-                runs.push(taken);
-            }
-        }
-        let mut segs = Vec::new();
-        if remaining > 0 {
-            for id in st.empty_segments(true) {
-                if remaining == 0 {
-                    break;
-                }
-                if let Some(seg) = &st.segments[id as usize] {
-                    remaining = remaining.saturating_sub(seg.pages);
-                    segs.push(id);
-                }
-            }
-        }
-        let mut streams: Vec<StreamHandle> = runs.iter().map(|(_, r)| r.stream).collect();
-        for &id in &segs {
-            if let Some(seg) = &st.segments[id as usize] {
-                streams.extend(seg.blocks.iter().map(|&b| st.blocks[b as usize].stream));
-            }
-        }
-        if let Err(e) = self.sync_streams(st, streams) {
-            for (start, run) in runs {
-                st.cache.insert(start, run);
-            }
-            return Err(e);
-        }
-        for (start, run) in runs {
-            st.totals.sub_pages(run.pages);
-            st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
-            st.totals.counts.pages_recycled += run.pages;
-            supply.mapped.extend(run.payload);
-            supply.ranges.push((start, run.pages));
-        }
-        for id in segs {
-            let (range, mapped) = self.release_segment(st, id)?;
-            st.totals.counts.pages_recycled += mapped.len() as u64;
-            supply.mapped.extend(mapped);
-            supply.ranges.push(range);
-        }
-        Ok(())
-    }
-
-    /// `n` pages to map, gathered with the lock held throughout (wake; growth when the arena's
-    /// VA is short): cached pages unmapped, their old ranges freed, the rest from the pool.
-    pub(super) fn gather_locked(
-        &self,
-        st: &mut State,
-        n: u64,
-        requested: u64,
-    ) -> Result<Vec<Page>> {
-        let mut supply = self.reserve_supply(st, n, requested)?;
-        let ranges = std::mem::take(&mut supply.ranges);
-        let mut calls = DriverCalls::default();
-        let got = supply.gather(&self.pool, None, &mut calls, requested, &self.stuck_va);
-        calls.add_to(&mut st.totals.counts);
-        for (start, len) in ranges {
-            self.free_va(st, start, len)?;
-        }
-        if got.as_ref().is_err_and(Error::is_out_of_memory) {
-            st.totals.counts.ooms += 1;
-        }
-        got
-    }
-
     /// Maps `pages` page by page at arena page `start` and grants access over the whole run
     /// in one call ([`MappedRun`]). On failure everything is undone and the pages go back to
     /// the pool. Needs no lock: the caller holds the range.
@@ -693,145 +472,6 @@ impl CachingAllocator {
         calls.map += n;
         calls.set_access += u64::from(n > 0);
         Ok(run.into_mapped_pages())
-    }
-
-    /// Removes a segment with no live block: its blocks leave the bins and the table. Returns
-    /// its range, still taken in the arena, and its mapped pages (empty if asleep): the caller
-    /// unmaps them after synchronizing, then frees the range.
-    pub(super) fn release_segment(
-        &self,
-        st: &mut State,
-        id: u32,
-    ) -> Result<((u64, u64), Vec<MappedPage>)> {
-        let live = st.segment_live(id);
-        if live != 0 {
-            return Err(internal(format!(
-                "segment {id} released with {live} live blocks"
-            )));
-        }
-        let seg = st.segments[id as usize]
-            .take()
-            .ok_or_else(|| internal(format!("segment {id} released twice")))?;
-        st.free_segments.push(id);
-        let blocks = &st.blocks;
-        let bins = &mut st.tags[seg.tag as usize].bins;
-        let mut classes: Vec<u16> = seg.runs.iter().map(|r| r.class).collect();
-        classes.sort_unstable();
-        classes.dedup();
-        for class in classes {
-            bins[class as usize].retain(|b| blocks[b as usize].segment != id);
-        }
-        for &b in &seg.blocks {
-            let ptr = st.blocks[b as usize].ptr;
-            st.by_ptr.remove(&ptr);
-            let blk = &mut st.blocks[b as usize];
-            blk.state = BlockState::Dead;
-            blk.used_on = Vec::new();
-            st.free_ids.push(b);
-        }
-        for r in &seg.runs {
-            st.freed.record(
-                self.va_of(seg.start) + r.offset,
-                r.len,
-                self.classes.size(r.class as usize),
-            );
-        }
-        if !seg.mapped.is_empty() {
-            st.totals.sub_pages(seg.pages);
-            st.tags[seg.tag as usize].totals.mapped_pages -= seg.pages;
-        }
-        st.totals.counts.segments_released += 1;
-        Ok(((seg.start, seg.pages), seg.mapped))
-    }
-
-    /// Releases segment `id` with the lock held throughout (sleep, wake, asleep segments):
-    /// its pages are unmapped into `out` (its streams already synchronized), then its range
-    /// returns to the arena.
-    pub(super) fn release_segment_now(
-        &self,
-        st: &mut State,
-        id: u32,
-        out: &mut Vec<Page>,
-        first_err: &mut Option<Error>,
-    ) -> Result<()> {
-        let ((start, pages), mapped) = self.release_segment(st, id)?;
-        self.unmap_into(st, mapped, out, first_err);
-        self.free_va(st, start, pages)
-    }
-
-    /// Empties the cache (see [`CachingAllocator::empty_cache`]). Under the lock: completed
-    /// pending frees are recycled, whole free pages cut out of large segments into the cache,
-    /// the streams that may touch cached pages synchronized, and
-    /// every cached run and empty segment taken out of the tables (their blocks out of the
-    /// bins), their ranges held in flight. With the lock dropped: unmap and release. Under the
-    /// lock again: the ranges return to the arena. Pages an in-flight grower will publish are
-    /// in no table yet, so they are never touched.
-    pub(super) fn release_cached(&self, guard: &mut Guard<'_>) -> Result<u64> {
-        let st = &mut **guard;
-        self.poll_pending(st)?;
-        self.cut_free_pages(st, None, None);
-        let runs: Vec<(u64, CachedRun<Vec<MappedPage>>)> = st
-            .cache
-            .starts_smallest_first()
-            .into_iter()
-            .filter_map(|s| st.cache.remove(s).map(|r| (s, r)))
-            .collect();
-        let segs = st.empty_segments(true);
-        let mut streams: Vec<StreamHandle> = runs.iter().map(|(_, r)| r.stream).collect();
-        for &id in &segs {
-            if let Some(seg) = &st.segments[id as usize] {
-                streams.extend(seg.blocks.iter().map(|&b| st.blocks[b as usize].stream));
-            }
-        }
-        if let Err(e) = self.sync_streams(st, streams) {
-            for (s, r) in runs {
-                st.cache.insert(s, r);
-            }
-            return Err(e);
-        }
-        let mut mapped = Vec::new();
-        let mut ranges = Vec::new();
-        for (start, run) in runs {
-            st.totals.sub_pages(run.pages);
-            st.tags[run.tag as usize].totals.mapped_pages -= run.pages;
-            mapped.extend(run.payload);
-            ranges.push((start, run.pages));
-        }
-        for id in segs {
-            let (range, pages) = self.release_segment(st, id)?;
-            mapped.extend(pages);
-            ranges.push(range);
-        }
-        // Segments of sleeping tags emptied while asleep hold only VA.
-        let mut unmapped = Vec::new();
-        let mut first_err = None;
-        for id in st.empty_segments(false) {
-            self.release_segment_now(st, id, &mut unmapped, &mut first_err)?;
-        }
-        self.pool.release(unmapped);
-        let count = mapped.len() as u64;
-        let id = st.inflight.begin(None, None, ranges, count);
-        let mut calls = DriverCalls::default();
-        let released = MutexGuard::unlocked(guard, || {
-            let mut pages = Vec::with_capacity(mapped.len());
-            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls, &self.stuck_va);
-            self.pool.release(pages);
-            unmapped
-        });
-        let st = &mut **guard;
-        calls.add_to(&mut st.totals.counts);
-        self.settle(st, id, false)?;
-        released?;
-        first_err.map_or(Ok(count * self.page), Err)
-    }
-
-    pub(super) fn oom(&self, st: &mut State, requested: u64) -> Error {
-        st.totals.counts.ooms += 1;
-        Error::OutOfMemory {
-            location: Location::Device(self.device),
-            requested,
-            available: st.va.largest().saturating_mul(self.page),
-        }
     }
 
     #[inline]

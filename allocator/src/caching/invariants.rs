@@ -2,8 +2,10 @@
 
 use rustc_hash::FxHashMap;
 
+use super::supply::elsewhere;
 use super::{
-    run_slot, BlockState, CachingAllocator, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN, NO_SEGMENT,
+    run_slot, BlockState, CachingAllocator, Mode, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN,
+    NO_SEGMENT,
 };
 
 impl CachingAllocator {
@@ -16,12 +18,14 @@ impl CachingAllocator {
     ///   stream, 512-byte aligned) and its free extents (filed under its tag and stream, merged
     ///   with free neighbours), and is never wholly free; every extent lies in a segment;
     /// - every mapping lies in the arena at its page's address, one page each, and a sleeping
-    ///   tag has nothing mapped while an awake one has everything mapped;
+    ///   tag has nothing mapped while an awake one has everything mapped (but the segments a
+    ///   migration of a claimed tag holds the pages of, with the lock dropped);
     /// - the pointer table, the bins and the pending list agree with the block table;
     /// - each small block's run count slot is its run's, every run's count is the number of its
     ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
-    /// - allocated, live and mapped-page figures (total and per tag) agree with the tables,
-    ///   and pages held = reserved bytes / page size.
+    /// - allocated, live and mapped-page figures (total and per tag, and the pages not of the
+    ///   device's own memory) agree with the tables, and pages held = reserved bytes / page
+    ///   size.
     pub fn check_invariants(&self) -> Result<(), String> {
         let st = self.state.lock();
         self.check_state(&st)
@@ -86,6 +90,8 @@ impl CachingAllocator {
 
         // 2. Mappings.
         let mut mapped_total = 0u64;
+        let mut elsewhere_total = 0u64;
+        let mut migrating = 0usize;
         let mut mapped_by_tag: FxHashMap<u32, u64> = FxHashMap::default();
         let mut check_run = |start: u64,
                              pages: u64,
@@ -93,9 +99,20 @@ impl CachingAllocator {
                              tag: u32,
                              what: &str|
          -> Result<(), String> {
-            let asleep = st.tags[tag as usize].asleep;
+            let asleep = st.tags[tag as usize].asleep();
             if run.is_empty() && !asleep && pages > 0 {
-                return Err(format!("{what}: awake tag but nothing mapped"));
+                // Its pages may be out for a migration, with the lock dropped.
+                let out = st.migrating.iter().find(|m| m.start == start).filter(|m| {
+                    m.tag == tag && m.pages == pages && st.tags[tag as usize].mode == Mode::Moving
+                });
+                let Some(out) = out else {
+                    return Err(format!("{what}: awake tag but nothing mapped"));
+                };
+                migrating += 1;
+                mapped_total += out.pages;
+                elsewhere_total += out.elsewhere;
+                *mapped_by_tag.entry(tag).or_default() += out.pages;
+                return Ok(());
             }
             if !run.is_empty() && asleep {
                 return Err(format!("{what}: sleeping tag but pages mapped"));
@@ -120,6 +137,7 @@ impl CachingAllocator {
                 }
             }
             mapped_total += run.len() as u64;
+            elsewhere_total += elsewhere(run, self.device);
             *mapped_by_tag.entry(tag).or_default() += run.len() as u64;
             Ok(())
         };
@@ -142,7 +160,7 @@ impl CachingAllocator {
             )?;
         }
         for (s, r) in st.cache.iter() {
-            if st.tags[r.tag as usize].asleep {
+            if st.tags[r.tag as usize].asleep() {
                 return Err(format!("cached run at page {s} belongs to a sleeping tag"));
             }
             check_run(
@@ -153,10 +171,22 @@ impl CachingAllocator {
                 &format!("cached run at page {s}"),
             )?;
         }
+        if migrating != st.migrating.len() {
+            return Err(format!(
+                "{} runs out for migration, {migrating} segments wait for them",
+                st.migrating.len()
+            ));
+        }
         if mapped_total != st.totals.mapped_pages {
             return Err(format!(
                 "{mapped_total} pages mapped, stats say {}",
                 st.totals.mapped_pages
+            ));
+        }
+        if elsewhere_total != st.totals.elsewhere_pages {
+            return Err(format!(
+                "{elsewhere_total} pages mapped of elsewhere than the device, stats say {}",
+                st.totals.elsewhere_pages
             ));
         }
         for (i, t) in st.tags.iter().enumerate() {
@@ -390,7 +420,7 @@ impl CachingAllocator {
                     tag.tag, tt.allocated, tt.allocated_blocks, tt.live
                 ));
             }
-            if !tag.asleep && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
+            if !tag.asleep() && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
                 return Err(format!("awake tag {} keeps host copies", tag.tag));
             }
         }

@@ -27,17 +27,20 @@ impl CachingAllocator {
     ) -> Result<DevicePtr> {
         let pages = size / self.page + u64::from(size % self.page != 0);
         let mut guard = self.state.lock();
+        let ti = guard.ensure_tag(tag, self.classes.len());
+        self.wait_while_moving(&mut guard, ti);
         let st = &mut *guard;
-        let ti = st.ensure_tag(tag, self.classes.len());
-        if st.tags[ti].asleep {
+        if st.tags[ti].asleep() {
             return Err(Error::InvalidState(format!("tag {tag} is asleep")));
         }
         if let Some(limit) = st.limit {
-            if pages.checked_mul(self.page).is_none_or(|b| b > limit) {
+            // Past the limit only onto the tag's overflow pool.
+            let overflows = st.tags[ti].overflow.is_some();
+            if pages.checked_mul(self.page).is_none_or(|b| b > limit) && !overflows {
                 st.totals.counts.ooms += 1;
                 return Err(Error::LimitExceeded {
                     requested: size,
-                    used: st.totals.mapped_pages * self.page,
+                    used: st.device_pages() * self.page,
                     limit,
                 });
             }
@@ -89,8 +92,7 @@ impl CachingAllocator {
         let (start, mapped) =
             self.grow_run_in(&mut guard, ti, VaChoice::WithRoom(room), pages, size)?;
         let st = &mut *guard;
-        st.totals.add_pages(pages);
-        st.tags[ti].totals.mapped_pages += pages;
+        self.count_mapped(st, ti, &mapped);
         st.totals.counts.cache_misses += 1;
         st.totals.counts.mappings_created += 1;
         self.new_large_segment(st, ti, start, pages, mapped, len, size, stream)
@@ -116,8 +118,7 @@ impl CachingAllocator {
         };
         let (start, mapped) = self.grow_run_in(guard, ti, VaChoice::At(end), more, requested)?;
         let st = &mut **guard;
-        st.totals.add_pages(more);
-        st.tags[ti].totals.mapped_pages += more;
+        self.count_mapped(st, ti, &mapped);
         st.totals.counts.cache_misses += 1;
         st.totals.counts.mappings_created += 1;
         // The segment may have been cut or cached while the lock was dropped: join whatever of
@@ -345,7 +346,7 @@ impl CachingAllocator {
     fn may_cut(&self, st: &State, extent: u64, tag: Option<u32>) -> bool {
         st.extents
             .owner(extent)
-            .is_some_and(|(t, _)| tag.is_none_or(|want| want == t) && !st.tags[t as usize].asleep)
+            .is_some_and(|(t, _)| tag.is_none_or(|want| want == t) && !st.tags[t as usize].asleep())
     }
 
     /// Cuts whole free pages out of mapped segments (largest extents first) into the cache,

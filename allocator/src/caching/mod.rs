@@ -32,8 +32,10 @@
 //! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
 //! against the limit under it (an in-flight record, `inflight.rs`), make the driver calls with
 //! it dropped, and publish or roll back under it again, so one thread's growth does not stall
-//! the others' fast path. Stream synchronization before unmapping cached pages, sleep and
-//! wake still run under the lock.
+//! the others' fast path. Offload, onload, revocation and sleep claim their tags (`quiet.rs`:
+//! the tags' allocations and frees wait) and wait for the tags' streams and copy their pages
+//! with the lock dropped. Stream synchronization before unmapping cached pages, unmapping in
+//! sleep, and wake still run under the lock.
 //!
 //! Zero sizes: `allocate(0, _)` returns `Ok(0)` and changes nothing; `deallocate(0, _)` is a
 //! no-op.
@@ -41,20 +43,23 @@
 mod arena;
 mod bins;
 mod cache;
+mod freed;
 mod grow;
 mod inflight;
 mod invariants;
 mod large;
 mod large_path;
 mod offload;
+mod quiet;
 mod revoke;
 mod sleep;
 mod stats;
 mod streams;
+mod supply;
+mod tags;
 mod unmap;
 
-use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write as _;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
@@ -76,7 +81,10 @@ pub use cache::{CachedRun, RangeCache, Run};
 pub use large::{Extents, LargeSegment, LARGE_ALIGN};
 pub use offload::{Moved, SpillCounts, SpillStats, TierBytes};
 pub use revoke::Revoked;
-pub use stats::{human_size, AllocatorCounts, AllocatorStats, TagStats};
+pub use stats::{human_size, AllocatorCounts, AllocatorStats, LiveAllocation, TagStats};
+
+use freed::FreedLog;
+use tags::{Mode, TagState};
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
 pub type TagId = u32;
@@ -90,8 +98,6 @@ const LARGE: u16 = u16::MAX;
 const NO_SEGMENT: u32 = u32::MAX;
 /// Idle events kept for reuse.
 const IDLE_EVENTS: usize = 64;
-/// Live allocations listed per tag in a report.
-const REPORT_PER_TAG: usize = 32;
 
 /// Configuration of a [`CachingAllocator`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,7 +108,10 @@ pub struct CachingConfig {
     /// Requests below this many bytes are small (size classes in shared pages). Capped at
     /// [`MAX_SEGMENT_PAGES`] pages, so small page sizes lower it.
     pub small_threshold: u64,
-    /// Cap on reserved bytes (pages held mapped); beyond it, [`Error::LimitExceeded`].
+    /// Cap on the bytes of the device's own memory held mapped (live, small segments, cache):
+    /// PyTorch's memory fraction. Pages of host memory or of a peer behind the allocator's
+    /// addresses (overflow, offload, revocation to host) do not count. Beyond it,
+    /// [`Error::LimitExceeded`], or the tag's overflow pool ([`CachingAllocator::set_overflow`]).
     pub limit: Option<u64>,
     /// How many freed pointers (and released segments) are remembered to tell a double free
     /// from an unknown pointer.
@@ -122,21 +131,6 @@ impl Default for CachingConfig {
             report_leaks: true,
         }
     }
-}
-
-/// One live allocation, as [`CachingAllocator::live_allocations`] lists it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LiveAllocation {
-    pub ptr: DevicePtr,
-    /// Requested bytes.
-    pub size: u64,
-    /// Bytes of the block that holds it (size class, or the request rounded to 512 bytes).
-    pub block_size: u64,
-    pub tag: TagId,
-    /// The stream it was allocated on.
-    pub stream: StreamHandle,
-    /// Whether it is a large block (in a large segment).
-    pub large: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,67 +198,12 @@ struct Segment {
     mapped: Vec<MappedPage>,
 }
 
-struct TagState {
-    tag: TagId,
-    bins: Vec<ClassBin>,
-    asleep: bool,
-    sleep: sleep::SleepData,
-    totals: stats::TagTotals,
-    spill: offload::SpillCounts,
-    /// Where growth takes pages when the device is out of memory (`offload.rs`).
-    overflow: Option<Arc<PagePool>>,
-}
-
 struct PendingFree {
     block: u32,
     events: Vec<Event>,
-}
-
-/// Recently freed pointers and released segments (start → (length, stride)), bounded, so a
-/// double free is told from an unknown pointer. Entries are dropped when their VA is reused.
-#[derive(Default)]
-struct FreedLog {
-    entries: BTreeMap<u64, (u64, u64)>,
-    order: VecDeque<u64>,
-    capacity: usize,
-}
-
-impl FreedLog {
-    fn record(&mut self, start: u64, len: u64, stride: u64) {
-        if self.capacity == 0 {
-            return;
-        }
-        self.entries.insert(start, (len, stride.max(1)));
-        self.order.push_back(start);
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.entries.remove(&old);
-            }
-        }
-    }
-
-    fn contains(&self, ptr: u64) -> bool {
-        self.entries
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&s, &(len, stride))| ptr - s < len && (ptr - s) % stride == 0)
-    }
-
-    fn invalidate(&mut self, start: u64, len: u64) {
-        if self.entries.is_empty() {
-            return;
-        }
-        let end = start.saturating_add(len);
-        let mut doomed: Vec<u64> = self.entries.range(start..end).map(|(&s, _)| s).collect();
-        if let Some((&s, &(l, _))) = self.entries.range(..start).next_back() {
-            if s.saturating_add(l) > start {
-                doomed.push(s);
-            }
-        }
-        for s in doomed {
-            self.entries.remove(&s);
-        }
-    }
+    /// The streams `events` were recorded on (a claimed tag's are waited for with the lock
+    /// dropped, `quiet.rs`).
+    streams: Vec<StreamHandle>,
 }
 
 /// Everything behind the allocator's one lock.
@@ -296,6 +235,8 @@ struct State {
     inflight: inflight::InFlightTable,
     /// Migrations of all tags (`offload.rs`).
     spill: offload::SpillCounts,
+    /// Runs whose pages a migration holds with the lock dropped (`offload.rs`).
+    migrating: Vec<offload::InMigration>,
     /// Revocation notices not yet taken (`revoke.rs`).
     revoked: Vec<revoke::Revoked>,
     /// Arena pages taken for good: their unmap failed and they may still be mapped.
@@ -303,26 +244,6 @@ struct State {
 }
 
 impl State {
-    /// Index of a tag already seen (tag 0 always is).
-    #[inline]
-    fn tag_slot(&self, tag: TagId) -> Option<usize> {
-        if tag == UNTAGGED {
-            Some(0)
-        } else {
-            self.tag_ix.get(&tag).map(|&i| i as usize)
-        }
-    }
-
-    fn ensure_tag(&mut self, tag: TagId, classes: usize) -> usize {
-        if let Some(i) = self.tag_slot(tag) {
-            return i;
-        }
-        let i = self.tags.len();
-        self.tags.push(TagState::new(tag, classes));
-        self.tag_ix.insert(tag, i as u32);
-        i
-    }
-
     /// The fast path: pops a block of `class` freed on `stream`. Counts the allocation, not
     /// the cache hit.
     #[inline]
@@ -335,7 +256,7 @@ impl State {
     ) -> Option<DevicePtr> {
         let ti = self.tag_slot(tag)?;
         let t = &mut self.tags[ti];
-        if t.asleep {
+        if t.mode != Mode::Awake {
             return None;
         }
         let id = t.bins[class].pop(stream)?;
@@ -407,9 +328,18 @@ impl State {
             .collect()
     }
 
-    fn tag_is_idle(&self, ti: usize) -> bool {
-        let t = &self.tags[ti];
-        !t.asleep && t.totals.live == 0 && !self.inflight.growing(ti as u32)
+    /// Pages mapped of the device's own memory (what the limit counts).
+    fn device_pages(&self) -> u64 {
+        self.totals.mapped_pages - self.totals.elsewhere_pages
+    }
+
+    /// Pages of the mapped segments with no live or pending block.
+    fn empty_segment_pages(&self) -> u64 {
+        self.empty_segments(true)
+            .iter()
+            .filter_map(|&i| self.segments[i as usize].as_ref())
+            .map(|s| s.pages)
+            .sum()
     }
 
     fn iter_segments(&self) -> impl Iterator<Item = (u32, &Segment)> {
@@ -417,20 +347,6 @@ impl State {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
-    }
-}
-
-impl TagState {
-    fn new(tag: TagId, classes: usize) -> Self {
-        TagState {
-            tag,
-            bins: vec![ClassBin::default(); classes],
-            asleep: false,
-            sleep: sleep::SleepData::default(),
-            totals: stats::TagTotals::default(),
-            spill: offload::SpillCounts::default(),
-            overflow: None,
-        }
     }
 }
 
@@ -506,14 +422,12 @@ impl CachingAllocator {
             va: VaArena::new(arena_pages),
             pending: Vec::new(),
             idle_events: Vec::new(),
-            freed: FreedLog {
-                capacity: config.freed_history,
-                ..FreedLog::default()
-            },
+            freed: FreedLog::new(config.freed_history),
             totals: stats::Totals::default(),
             limit: config.limit,
             inflight: inflight::InFlightTable::default(),
             spill: offload::SpillCounts::default(),
+            migrating: Vec::new(),
             revoked: Vec::new(),
             stuck_pages: Vec::new(),
         };
@@ -603,8 +517,9 @@ impl CachingAllocator {
             return Err(Error::DoubleFree(ptr));
         }
         let t = &mut st.tags[b.tag as usize];
-        if b.class == LARGE || b.stream != stream || !b.used_on.is_empty() || t.asleep {
-            return self.free_slow(st, id, stream);
+        if b.class == LARGE || b.stream != stream || !b.used_on.is_empty() || t.mode != Mode::Awake
+        {
+            return self.free_slow(&mut guard, ptr, id, stream);
         }
         b.state = BlockState::Free;
         t.totals.on_free(b.requested, b.size);
@@ -655,189 +570,29 @@ impl CachingAllocator {
         self.release_cached(&mut st)
     }
 
-    /// Sets (or lifts) the cap on reserved bytes. Lowering it below what is reserved empties
+    /// Sets (or lifts) the cap on the device's own memory held ([`CachingConfig::limit`]);
+    /// growth, [`onload`](Self::onload) and revocations stay under it. Lowering it below what
+    /// is held empties
     /// the cache; live allocations stay, and further growth fails until under the cap. A
     /// growth already in flight (admitted under the old cap) still completes.
     pub fn set_limit(&self, limit: Option<u64>) -> Result<()> {
         let mut st = self.state.lock();
         st.limit = limit;
-        let reserved = st.totals.mapped_pages * self.page;
+        let reserved = st.device_pages() * self.page;
         if limit.is_some_and(|l| reserved > l) {
             self.release_cached(&mut st)?;
         }
         Ok(())
     }
 
-    /// Lets the caller reuse `tag`'s id for another name: succeeds (and restarts the tag's
-    /// counters) only while nothing of it is live, asleep or growing. Its cached pages stay
-    /// (blocks of one id never share a page with another id, whoever names it).
-    pub fn retire_tag(&self, tag: TagId) -> bool {
-        let mut st = self.state.lock();
-        let Some(ti) = st.tag_slot(tag) else {
-            return true;
-        };
-        if !st.tag_is_idle(ti) {
-            return false;
-        }
-        let totals = &mut st.tags[ti].totals;
-        totals.allocs = 0;
-        totals.frees = 0;
-        totals.peak_allocated = totals.allocated;
-        true
-    }
-
-    /// True when nothing of `tag` is live, asleep or growing (see [`Self::retire_tag`]).
-    pub fn tag_is_idle(&self, tag: TagId) -> bool {
-        let st = self.state.lock();
-        st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
-    }
-
-    /// The cap on reserved bytes.
+    /// The cap on the device's own memory held ([`CachingConfig::limit`]).
     pub fn limit(&self) -> Option<u64> {
         self.state.lock().limit
-    }
-
-    /// A snapshot of the accounting.
-    pub fn stats(&self) -> AllocatorStats {
-        let st = self.state.lock();
-        let page = self.page;
-        let mut tags: Vec<TagStats> = st
-            .tags
-            .iter()
-            .map(|t| TagStats {
-                tag: t.tag,
-                allocated_bytes: t.totals.allocated,
-                allocated_block_bytes: t.totals.allocated_blocks,
-                reserved_bytes: t.totals.mapped_pages * page,
-                peak_allocated_bytes: t.totals.peak_allocated,
-                live_allocations: t.totals.live,
-                allocs: t.totals.allocs,
-                frees: t.totals.frees,
-                asleep: t.asleep,
-                host_copy_bytes: t.sleep.copy_bytes(),
-            })
-            .collect();
-        tags.sort_by_key(|t| t.tag);
-        AllocatorStats {
-            device: self.device,
-            page_size: page,
-            arena_bytes: self.arena.size(),
-            free_va_bytes: st.va.free_units() * page,
-            allocated_bytes: st.totals.allocated,
-            allocated_block_bytes: st.totals.allocated_blocks,
-            reserved_bytes: st.totals.mapped_pages * page,
-            mapped_pages: st.totals.mapped_pages,
-            cached_large_bytes: st.cache.pages() * page,
-            large_segment_bytes: st.large.values().map(|s| s.pages).sum::<u64>() * page,
-            large_free_bytes: st.extents.bytes(),
-            cached_small_bytes: st
-                .iter_segments()
-                .filter(|&(id, s)| st.segment_live(id) == 0 && !s.mapped.is_empty())
-                .map(|(_, s)| s.pages * page)
-                .sum(),
-            peak_allocated_bytes: st.totals.peak_allocated,
-            peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
-            peak_reserved_bytes: st.totals.peak_mapped_pages * page,
-            live_allocations: st.totals.live,
-            pending_blocks: st.pending.len() as u64,
-            limit: st.limit,
-            counts: st.totals.counts,
-            tags,
-        }
-    }
-
-    /// Resets the peaks to the current figures.
-    pub fn reset_peak_stats(&self) {
-        let mut st = self.state.lock();
-        st.totals.peak_allocated = st.totals.allocated;
-        st.totals.peak_allocated_blocks = st.totals.allocated_blocks;
-        st.totals.peak_mapped_pages = st.totals.mapped_pages;
-        for t in &mut st.tags {
-            t.totals.peak_allocated = t.totals.allocated;
-        }
-    }
-
-    /// Every live allocation, by address.
-    pub fn live_allocations(&self) -> Vec<LiveAllocation> {
-        let st = self.state.lock();
-        Self::live_of(&st)
-    }
-
-    fn live_of(st: &State) -> Vec<LiveAllocation> {
-        let mut v: Vec<LiveAllocation> = st
-            .blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Live)
-            .map(|b| LiveAllocation {
-                ptr: b.ptr,
-                size: b.requested,
-                block_size: b.size,
-                tag: st.tags[b.tag as usize].tag,
-                stream: b.stream,
-                large: b.class == LARGE,
-            })
-            .collect();
-        v.sort_by_key(|a| a.ptr);
-        v
-    }
-
-    /// A human-readable report: totals, counts, and live allocations by tag.
-    pub fn report(&self) -> String {
-        let stats = self.stats();
-        let live = self.live_allocations();
-        let mut out = String::new();
-        stats::write_summary(&mut out, &stats);
-        for t in &stats.tags {
-            let _ = writeln!(
-                out,
-                "  tag {}: {} live, {} allocated ({} blocks), {} reserved, peak {}{}",
-                t.tag,
-                t.live_allocations,
-                human_size(t.allocated_bytes),
-                human_size(t.allocated_block_bytes),
-                human_size(t.reserved_bytes),
-                human_size(t.peak_allocated_bytes),
-                if t.asleep {
-                    format!(
-                        ", ASLEEP ({} in host copies)",
-                        human_size(t.host_copy_bytes)
-                    )
-                } else {
-                    String::new()
-                }
-            );
-            write_allocations(&mut out, live.iter().filter(|a| a.tag == t.tag));
-        }
-        out
     }
 }
 
 fn internal(reason: String) -> Error {
     Error::InvalidState(format!("caching allocator internal error: {reason}"))
-}
-
-fn write_allocations<'a>(out: &mut String, allocs: impl Iterator<Item = &'a LiveAllocation>) {
-    let mut shown = 0usize;
-    let mut hidden = 0usize;
-    for a in allocs {
-        if shown == REPORT_PER_TAG {
-            hidden += 1;
-            continue;
-        }
-        shown += 1;
-        let _ = writeln!(
-            out,
-            "    {:#014x}  {:>11}  (block {}, {}, stream {:#x})",
-            a.ptr,
-            human_size(a.size),
-            human_size(a.block_size),
-            if a.large { "large" } else { "small" },
-            a.stream.0
-        );
-    }
-    if hidden > 0 {
-        let _ = writeln!(out, "    ... and {hidden} more");
-    }
 }
 
 impl MemoryResource for CachingAllocator {
@@ -871,7 +626,7 @@ impl Drop for CachingAllocator {
                 live.len(),
                 human_size(bytes)
             );
-            write_allocations(&mut msg, live.iter());
+            stats::write_allocations(&mut msg, live.iter());
             eprint!("{msg}");
         }
         if exiting {
@@ -913,36 +668,5 @@ impl Drop for CachingAllocator {
             pages.push(page);
         }
         self.pool.give(pages);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn freed_log_tells_double_frees_and_forgets_reused_ranges() {
-        let mut log = FreedLog {
-            capacity: 3,
-            ..FreedLog::default()
-        };
-        log.record(0x1000, 1, 1); // a large pointer
-        log.record(0x10_0000, 0x1000, 0x100); // a released segment of 256-byte blocks
-        assert!(log.contains(0x1000));
-        assert!(!log.contains(0x1001));
-        assert!(log.contains(0x10_0000) && log.contains(0x10_0f00));
-        assert!(!log.contains(0x10_0080)); // not a block start
-        assert!(!log.contains(0x10_1000)); // past the segment
-        log.invalidate(0x10_0800, 0x100); // part of the segment is reused
-        assert!(!log.contains(0x10_0000));
-        assert!(log.contains(0x1000));
-        log.record(0x2000, 1, 1);
-        log.record(0x3000, 1, 1);
-        log.record(0x4000, 1, 1); // the oldest entries fall out
-        assert!(!log.contains(0x1000));
-        assert!(log.contains(0x4000));
-        let mut off = FreedLog::default();
-        off.record(0x1000, 1, 1);
-        assert!(!off.contains(0x1000));
     }
 }

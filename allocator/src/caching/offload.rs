@@ -2,6 +2,8 @@
 //! for [`CachingAllocator::offload`], the device's own pages for
 //! [`CachingAllocator::onload`]) at the same addresses, one segment at a time through
 //! [`MappedRun::migrate`]. Pointers stay valid throughout; only the speed of access changes.
+//! The tag is claimed for the move (`quiet.rs`): its streams are waited for and each segment
+//! is copied and remapped with the lock dropped, while other tags allocate and free.
 //!
 //! Pages remember their home pool ([`Page`](crate::Page)), so a host page freed while its tag
 //! is offloaded goes back to the host pool from any of the allocator's release paths, and
@@ -12,9 +14,11 @@ use std::time::Instant;
 
 use strata_vmm::{Access, Error, Location, Result, StreamHandle};
 
+use super::quiet::Quiet;
+use super::supply::{elsewhere, on_device};
 use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
 use crate::mapped::{MappedRun, Migrated};
-use crate::pool::{Page, PagePool, PageSource};
+use crate::pool::{Page, PagePool};
 
 /// Bytes of mapped pages by where their memory is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,6 +57,20 @@ impl SpillCounts {
     }
 }
 
+/// A run whose pages a migration holds with the lock dropped: its segment's `mapped` is empty
+/// until they are put back.
+pub(super) struct InMigration {
+    /// First arena page of its segment (small or large).
+    pub start: u64,
+    /// Tag index.
+    pub tag: u32,
+    pub pages: u64,
+    /// Of `pages`, those not of the device's own memory (as counted in the totals).
+    pub elsewhere: u64,
+    /// Where they were when the migration took them.
+    pub tiers: TierBytes,
+}
+
 /// Where a tag's (or the allocator's) pages are and what moved them there.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpillStats {
@@ -74,7 +92,10 @@ impl CachingAllocator {
     /// the device, at the link's speed. The tag's cached free memory is given back first, so
     /// the device memory it held is free for others. Work on the streams that used the tag's
     /// memory is waited for; the copies are queued on `stream` and it is synchronized before
-    /// each remap. New allocations of the tag still come from the device.
+    /// each remap. New allocations of the tag still come from the device. The waits and the
+    /// copies run with the allocator's lock dropped: other tags allocate and free meanwhile,
+    /// while the tag's own allocations and frees wait until the offload is done. The tag's
+    /// memory must not be used (by work queued after this call began) until it returns.
     ///
     /// A failure (out of host memory included) leaves the segment being moved on its old
     /// pages with its contents; segments moved before it stay moved, and calling again moves
@@ -87,7 +108,8 @@ impl CachingAllocator {
     /// Moves every page of `tag` that is not the device's own (offloaded to host memory)
     /// back onto the device's pages at the same addresses; the reverse of
     /// [`offload`](Self::offload), with the same ordering and failure behaviour. Out of device
-    /// memory leaves the rest where it is (still usable).
+    /// memory, or a segment that would take the device past the limit
+    /// ([`Error::LimitExceeded`]), leaves the rest where it is (still usable).
     pub fn onload(&self, tag: TagId, stream: StreamHandle) -> Result<Moved> {
         self.move_tag(tag, &self.pool, stream)
     }
@@ -95,9 +117,15 @@ impl CachingAllocator {
     /// Lets allocations of `tag` overflow onto pages of `to` (a host pool of this device,
     /// [`PagePool::new_host`], or a peer device's pool: borrowed memory that
     /// [`revoke`](Self::revoke) gives back) when the device is out of memory: instead of
-    /// [`Error::OutOfMemory`], growth takes the missing pages from `to` (slower memory at an
-    /// ordinary address; [`onload`](Self::onload) moves them to the device once it has room).
-    /// `None` turns it off (the default); pages already taken stay until freed or onloaded.
+    /// [`Error::OutOfMemory`], growth takes the pages the device has left (its free memory and
+    /// the pool's free pages) and the rest from `to` (slower memory at an ordinary address;
+    /// [`onload`](Self::onload) moves them to the device once it has room), so a request
+    /// larger than the device succeeds when the two together hold it. Past the limit
+    /// ([`CachingConfig::limit`](super::CachingConfig::limit)) growth fills the room left
+    /// under it and takes the rest from `to`, whose pages do not count against it. A device
+    /// that gives less than it seemed to have left (another user took it meanwhile) leaves
+    /// the whole growth to `to`. `None` turns it off (the default); pages already taken stay
+    /// until freed or onloaded.
     pub fn set_overflow(&self, tag: TagId, to: Option<Arc<PagePool>>) -> Result<()> {
         if let Some(to) = &to {
             self.check_tier_pool(to)?;
@@ -128,7 +156,8 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`.
+    /// Bytes by tier and migration counts of `tag`, or of the whole allocator for `None`. A
+    /// segment being moved counts where its pages were until it has moved.
     pub fn spill_stats(&self, tag: Option<TagId>) -> SpillStats {
         let st = self.state.lock();
         let ti = match tag {
@@ -138,15 +167,15 @@ impl CachingAllocator {
                 None => return SpillStats::default(),
             },
         };
-        let mut tiers = TierBytes::default();
-        for page in pages_of(&st, ti) {
-            let bytes = page.size();
-            match (page.source(), page.phys().location()) {
-                (PageSource::Borrowed { .. }, _) => tiers.peer += bytes,
-                (_, Location::Host) => tiers.host += bytes,
-                (_, Location::Device(d)) if d != self.device => tiers.peer += bytes,
-                _ => tiers.local += bytes,
-            }
+        let mut tiers = self.tier_bytes(pages_of(&st, ti));
+        for m in st
+            .migrating
+            .iter()
+            .filter(|m| ti.is_none_or(|t| t == m.tag))
+        {
+            tiers.local += m.tiers.local;
+            tiers.peer += m.tiers.peer;
+            tiers.host += m.tiers.host;
         }
         let counts = match ti {
             None => st.spill,
@@ -155,35 +184,38 @@ impl CachingAllocator {
         SpillStats { tiers, counts }
     }
 
+    /// Bytes of `pages` by where their memory is.
+    fn tier_bytes<'p>(&self, pages: impl Iterator<Item = &'p Page>) -> TierBytes {
+        let mut tiers = TierBytes::default();
+        for page in pages {
+            let bytes = page.size();
+            if on_device(page, self.device) {
+                tiers.local += bytes;
+            } else if page.phys().location() == Location::Host {
+                tiers.host += bytes;
+            } else {
+                tiers.peer += bytes;
+            }
+        }
+        tiers
+    }
+
     fn move_tag(&self, tag: TagId, to: &Arc<PagePool>, stream: StreamHandle) -> Result<Moved> {
-        let mut guard = self.state.lock();
-        let Some(ti) = guard.tag_slot(tag) else {
+        let mut quiet = Quiet::new(self);
+        let Some(ti) = quiet.tag_slot(tag) else {
             return Ok(Moved::default());
         };
-        while guard.inflight.growing(ti as u32) {
-            self.settled.wait(&mut guard);
-        }
-        let st = &mut *guard;
-        if st.tags[ti].asleep {
+        quiet.claim(ti);
+        if quiet.tags[ti].asleep() {
             return Err(Error::InvalidState(format!(
                 "tag {tag} is asleep: wake it before moving its pages"
             )));
         }
-        let t32 = ti as u32;
-        self.drain_pending(st, Some(t32))?;
-        let streams = streams_of_tag(st, t32);
-        self.sync_streams(st, streams)?;
-        let mut dropped = Vec::new();
-        let mut first_err = None;
-        self.drop_cached_of_tag(st, ti, &mut dropped, &mut first_err)?;
-        self.pool.give(dropped);
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-
+        self.quiesce(&mut quiet)?;
+        self.drop_cached_of_claimed(&mut quiet)?;
         let mut moved = Moved::default();
-        for (target, start) in targets_of(st, t32, to) {
-            if let Some(m) = self.migrate_target(st, target, start, ti, &[to], stream)? {
+        for (target, start) in targets_of(&quiet, ti as u32, to) {
+            if let Some(m) = self.migrate_target(&mut quiet, target, start, ti, &[to], stream)? {
                 moved.runs += 1;
                 moved.bytes += m.bytes;
             }
@@ -191,44 +223,109 @@ impl CachingAllocator {
         Ok(moved)
     }
 
-    /// Moves the pages of `target` (at arena page `start`, tag index `ti`) at the same
-    /// address onto the first of `pools` that has room, and counts the move and the time it
-    /// stalled in the spill stats. `None`: the target has no mapped pages.
+    /// Moves the pages of `target` (at arena page `start`, of tag index `ti`, claimed and
+    /// quiesced in `quiet`) at the same address onto the first of `pools` that has room (the
+    /// device's own pool only as far as the limit lets it), and counts the move and the time
+    /// it stalled in the spill stats. The pages leave the tables for the copy and the remap,
+    /// which run with the lock dropped (an [`InMigration`] record tells the invariant checker
+    /// and the spill stats where they are; the device pages they may take count against the
+    /// limit in flight). `None`: the target has no mapped pages.
     pub(super) fn migrate_target(
         &self,
-        st: &mut State,
+        quiet: &mut Quiet<'_>,
         target: Target,
         start: u64,
         ti: usize,
         pools: &[&Arc<PagePool>],
         stream: StreamHandle,
     ) -> Result<Option<Migrated>> {
-        let Some(mapped) = mapped_of(st, target) else {
+        let Some(mapped) = mapped_of(quiet, target) else {
             return Ok(None);
         };
         let pages = std::mem::take(mapped);
+        let record = InMigration {
+            start,
+            tag: ti as u32,
+            pages: pages.len() as u64,
+            elsewhere: elsewhere(&pages, self.device),
+            tiers: self.tier_bytes(pages.iter().map(|m| &m.page)),
+        };
         let mut run = MappedRun::from_mapped_pages(&self.pool, self.va_of(start), pages).map_err(
             |(back, e)| {
-                put_back(st, target, back);
+                put_back(quiet, target, back);
                 internal(e.to_string())
             },
         )?;
+        let mut refused = None;
+        let allowed: Vec<&Arc<PagePool>> = pools
+            .iter()
+            .copied()
+            .filter(
+                |pool| match self.limit_refuses(quiet, pool, record.elsewhere, run.size()) {
+                    Some(e) => {
+                        refused.get_or_insert(e);
+                        false
+                    }
+                    None => true,
+                },
+            )
+            .collect();
+        let onto_device = allowed.iter().any(|p| Arc::ptr_eq(p, &self.pool));
+        let held = quiet.inflight.begin(
+            None,
+            None,
+            Vec::new(),
+            if onto_device { record.elsewhere } else { 0 },
+        );
+        let was_elsewhere = record.elsewhere;
+        quiet.migrating.push(record);
         let grants = [(Location::Device(self.device), Access::ReadWrite)];
         let began = Instant::now();
-        let mut migrated = Err(internal("no pool to migrate onto".into()));
-        for pool in pools {
-            migrated = run.migrate(pool, stream, &[], &grants);
-            if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
-                break;
-            }
-        }
+        let migrated = quiet.unlocked(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut migrated =
+                    Err(refused.unwrap_or_else(|| internal("no pool to migrate onto".into())));
+                for pool in allowed {
+                    migrated = run.migrate(pool, stream, &[], &grants);
+                    if !migrated.as_ref().is_err_and(|e| e.is_out_of_memory()) {
+                        break;
+                    }
+                }
+                migrated
+            }))
+        });
         let stalled = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        put_back(st, target, run.into_mapped_pages());
-        let m = migrated?;
+        // Settled even on a panic, so that nothing waits for this migration for ever.
+        quiet.inflight.end(held);
+        quiet.migrating.retain(|m| m.start != start);
+        let pages = run.into_mapped_pages();
+        quiet.totals.elsewhere_pages =
+            quiet.totals.elsewhere_pages - was_elsewhere + elsewhere(&pages, self.device);
+        put_back(quiet, target, pages);
+        let m = migrated.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         let onto_device = m.to == Location::Device(self.device);
-        st.spill.add(m.bytes, onto_device, stalled);
-        st.tags[ti].spill.add(m.bytes, onto_device, stalled);
+        quiet.spill.add(m.bytes, onto_device, stalled);
+        quiet.tags[ti].spill.add(m.bytes, onto_device, stalled);
         Ok(Some(m))
+    }
+
+    /// The limit's refusal of `incoming` pages of elsewhere (`bytes` of a run) moving onto
+    /// `pool`, when it is the device's own pool and they do not fit under the limit.
+    fn limit_refuses(
+        &self,
+        st: &State,
+        pool: &PagePool,
+        incoming: u64,
+        bytes: u64,
+    ) -> Option<Error> {
+        let limit = st.limit?;
+        let held = st.device_pages() + st.inflight.pages();
+        let fits = held.saturating_add(incoming) <= limit / self.page;
+        (!fits && std::ptr::eq(pool, &*self.pool)).then(|| Error::LimitExceeded {
+            requested: bytes,
+            used: held * self.page,
+            limit,
+        })
     }
 
     /// Gives up the cached free memory of tag index `ti`: whole free pages of its large
@@ -245,8 +342,7 @@ impl CachingAllocator {
         self.cut_free_pages(st, None, Some(t32));
         for start in st.cache.starts_of_tag(t32) {
             if let Some(run) = st.cache.remove(start) {
-                st.totals.sub_pages(run.pages);
-                st.tags[ti].totals.mapped_pages -= run.pages;
+                self.uncount_mapped(st, ti, &run.payload);
                 self.unmap_into(st, run.payload, pages, first_err);
                 self.free_va(st, start, run.pages)?;
             }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use strata_vmm::{DevicePtr, Location, Result, StreamHandle};
 
-use super::offload::{pages_of, streams_of_tag, Target};
+use super::offload::{pages_of, Target};
+use super::quiet::Quiet;
 use super::{CachingAllocator, State, TagId};
 use crate::pool::PagePool;
 
@@ -28,7 +29,8 @@ pub struct Revoked {
 impl CachingAllocator {
     /// Gives every page of `lender` back: tags stop overflowing onto it, their cached free
     /// memory goes, and each segment with a page of `lender` moves to this device's pages,
-    /// or to `fallback`'s (host memory) when the device is out of memory, at the same
+    /// or to `fallback`'s (host memory) when the device is out of memory or at the limit
+    /// ([`CachingConfig::limit`](super::CachingConfig::limit)), at the same
     /// addresses, copies ordered on `stream` after the streams that used the tag's memory.
     /// Data and addresses never change. Returns how many segments moved; what moved where is
     /// queued for [`take_revoked`](Self::take_revoked).
@@ -42,12 +44,10 @@ impl CachingAllocator {
         fallback: &Arc<PagePool>,
         stream: StreamHandle,
     ) -> Result<usize> {
-        let mut guard = self.state.lock();
-        while guard.inflight.iter().next().is_some() {
-            self.settled.wait(&mut guard);
-        }
-        let st = &mut *guard;
-        for t in &mut st.tags {
+        let mut quiet = Quiet::new(self);
+        // Growth in flight may be taking the lender's pages; a move may hold some.
+        quiet.wait_for_all();
+        for t in &mut quiet.tags {
             if t.overflow
                 .as_deref()
                 .is_some_and(|p| std::ptr::eq(p, lender))
@@ -55,29 +55,24 @@ impl CachingAllocator {
                 t.overflow = None;
             }
         }
-        let affected: Vec<usize> = (0..st.tags.len())
-            .filter(|&ti| pages_of(st, Some(ti as u32)).any(|p| p.is_home(lender)))
+        let affected: Vec<usize> = (0..quiet.tags.len())
+            .filter(|&ti| pages_of(&quiet, Some(ti as u32)).any(|p| p.is_home(lender)))
             .collect();
-        for &ti in &affected {
-            self.drain_pending(st, Some(ti as u32))?;
-            let streams = streams_of_tag(st, ti as u32);
-            self.sync_streams(st, streams)?;
-            let mut dropped = Vec::new();
-            let mut first_err = None;
-            self.drop_cached_of_tag(st, ti, &mut dropped, &mut first_err)?;
-            self.pool.give(dropped);
-            if let Some(e) = first_err {
-                return Err(e);
-            }
+        for ti in affected {
+            quiet.claim_now(ti);
         }
+        self.quiesce(&mut quiet)?;
+        self.drop_cached_of_claimed(&mut quiet)?;
         let mut moved = 0;
-        for (target, start, ti) in lent_targets(st, lender) {
+        for (target, start, ti) in lent_targets(&quiet, lender) {
             let pools = [&self.pool, fallback];
-            let Some(m) = self.migrate_target(st, target, start, ti, &pools, stream)? else {
+            let Some(m) = self.migrate_target(&mut quiet, target, start, ti, &pools, stream)?
+            else {
                 continue;
             };
-            st.revoked.push(Revoked {
-                tag: st.tags[ti].tag,
+            let tag = quiet.tags[ti].tag;
+            quiet.revoked.push(Revoked {
+                tag,
                 va: m.va,
                 bytes: m.bytes,
                 from: m.from,

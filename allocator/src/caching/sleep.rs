@@ -15,7 +15,8 @@ use rustc_hash::FxHashMap;
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use super::grow::DriverCalls;
-use super::{BlockState, CachingAllocator, MappedPage, State, TagId};
+use super::quiet::Quiet;
+use super::{BlockState, CachingAllocator, MappedPage, Mode, State, TagId};
 use crate::pool::Page;
 
 /// Bytes moved per step of the disk pipelines (and the host memory each of its buffers holds).
@@ -125,8 +126,10 @@ impl CachingAllocator {
     /// allocating under the tag is [`Error::InvalidState`]; freeing its pointers works.
     ///
     /// A failed copy leaves the tag awake and unchanged. A growth of the tag in flight (its
-    /// driver calls running on another thread) is waited for first, so its pages are
-    /// published before they are put to sleep with the rest.
+    /// driver calls running on another thread) or a move of its pages is waited for first,
+    /// so its pages are published before they are put to sleep with the rest. The waits for
+    /// its streams and the copies run with the allocator's lock dropped; the tag's own
+    /// allocations and frees wait for the sleep meanwhile.
     pub fn sleep(&self, tag: TagId, keep_host_copy: bool) -> Result<()> {
         let keep = if keep_host_copy {
             Keep::Host
@@ -145,42 +148,25 @@ impl CachingAllocator {
     }
 
     fn sleep_keeping(&self, tag: TagId, keep: Keep<'_>) -> Result<()> {
-        let mut guard = self.state.lock();
-        let ti = guard.ensure_tag(tag, self.classes.len());
-        while guard.inflight.growing(ti as u32) {
-            self.settled.wait(&mut guard);
-        }
-        let st = &mut *guard;
-        if st.tags[ti].asleep {
+        let mut quiet = Quiet::new(self);
+        let ti = quiet.ensure_tag(tag, self.classes.len());
+        quiet.claim(ti);
+        if quiet.tags[ti].asleep() {
             return Err(Error::InvalidState(format!("tag {tag} is already asleep")));
         }
+        self.quiesce(&mut quiet)?;
         let t32 = ti as u32;
-        self.drain_pending(st, Some(t32))?;
-        let streams = super::offload::streams_of_tag(st, t32);
-        self.sync_streams(st, streams)?;
-
-        let live: Vec<(u32, DevicePtr, u64)> = st
+        let live: Vec<(u32, DevicePtr, u64)> = quiet
             .blocks
             .iter()
             .enumerate()
             .filter(|(_, b)| b.tag == t32 && b.state == BlockState::Live)
             .map(|(id, b)| (id as u32, b.ptr, b.requested))
             .collect();
-        let mut copies = FxHashMap::default();
-        let mut disk = None;
-        match keep {
-            Keep::Nothing => {}
-            Keep::Host => {
-                for &(id, ptr, requested) in &live {
-                    // Host memory may run out: an error, with the tag still awake and intact.
-                    let mut buf = strata_vmm::try_host_vec(requested)?;
-                    self.backend.read(ptr, &mut buf)?;
-                    copies.insert(id, buf);
-                }
-            }
-            Keep::Disk(dir) => disk = Some(self.copy_to_disk(&live, dir)?),
-        }
+        // The tag is claimed: nothing else touches its blocks while they are copied.
+        let kept = quiet.unlocked(|| self.copy_live(&live, keep))?;
 
+        let st: &mut State = &mut quiet;
         let mut pages: Vec<Page> = Vec::new();
         let mut first_err = None;
         self.drop_cached_of_tag(st, ti, &mut pages, &mut first_err)?;
@@ -200,9 +186,7 @@ impl CachingAllocator {
                 }
                 (_, Some(seg)) => {
                     let m = std::mem::take(&mut seg.mapped);
-                    let n = seg.pages;
-                    st.totals.sub_pages(n);
-                    st.tags[ti].totals.mapped_pages -= n;
+                    self.uncount_mapped(st, ti, &m);
                     m
                 }
                 (_, None) => Vec::new(),
@@ -220,19 +204,13 @@ impl CachingAllocator {
                 continue;
             };
             let mapped = std::mem::take(&mut seg.mapped);
-            let n = mapped.len() as u64;
-            st.totals.sub_pages(n);
-            st.tags[ti].totals.mapped_pages -= n;
+            self.uncount_mapped(st, ti, &mapped);
             self.unmap_into(st, mapped, &mut pages, &mut first_err);
         }
         self.pool.release(pages);
         let t = &mut st.tags[ti];
-        t.asleep = true;
-        t.sleep = SleepData {
-            keep: !matches!(keep, Keep::Nothing),
-            copies,
-            disk,
-        };
+        t.mode = Mode::Asleep;
+        t.sleep = kept;
         st.totals.counts.sleeps += 1;
         first_err.map_or(Ok(()), Err)
     }
@@ -244,7 +222,7 @@ impl CachingAllocator {
     pub fn wake(&self, tag: TagId) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        let Some(ti) = st.tag_slot(tag).filter(|&i| st.tags[i].asleep) else {
+        let Some(ti) = st.tag_slot(tag).filter(|&i| st.tags[i].asleep()) else {
             return Err(Error::InvalidState(format!("tag {tag} is not asleep")));
         };
         let t32 = ti as u32;
@@ -306,6 +284,7 @@ impl CachingAllocator {
             return Err(e);
         }
         for (target, m) in staged {
+            self.count_mapped(st, ti, &m);
             match target {
                 Target::Segment(id) => {
                     if let Some(seg) = st.segments[id as usize].as_mut() {
@@ -319,10 +298,8 @@ impl CachingAllocator {
                 }
             }
         }
-        st.totals.add_pages(total);
         let t = &mut st.tags[ti];
-        t.totals.mapped_pages += total;
-        t.asleep = false;
+        t.mode = Mode::Awake;
         t.sleep = SleepData::default();
         st.totals.counts.wakes += 1;
         Ok(())
@@ -331,7 +308,7 @@ impl CachingAllocator {
     /// True while `tag` sleeps.
     pub fn is_asleep(&self, tag: TagId) -> bool {
         let st = self.state.lock();
-        st.tag_slot(tag).is_some_and(|i| st.tags[i].asleep)
+        st.tag_slot(tag).is_some_and(|i| st.tags[i].asleep())
     }
 
     /// Writes the host copies back (or zeros over every target) on the default stream.
@@ -357,6 +334,27 @@ impl CachingAllocator {
             )?;
         }
         self.backend.stream_synchronize(StreamHandle::DEFAULT)
+    }
+
+    /// What a tag keeps asleep: copies of its `live` allocations (id, pointer, bytes) where
+    /// `keep` says, in host memory (which may run out: an error) or in a file.
+    fn copy_live(&self, live: &[(u32, DevicePtr, u64)], keep: Keep<'_>) -> Result<SleepData> {
+        let mut kept = SleepData {
+            keep: !matches!(keep, Keep::Nothing),
+            ..SleepData::default()
+        };
+        match keep {
+            Keep::Nothing => {}
+            Keep::Host => {
+                for &(id, ptr, requested) in live {
+                    let mut buf = strata_vmm::try_host_vec(requested)?;
+                    self.backend.read(ptr, &mut buf)?;
+                    kept.copies.insert(id, buf);
+                }
+            }
+            Keep::Disk(dir) => kept.disk = Some(self.copy_to_disk(live, dir)?),
+        }
+        Ok(kept)
     }
 
     /// Copies the `live` allocations (id, pointer, bytes) into a new unlinked file in `dir`:

@@ -1,8 +1,11 @@
-//! Counters and the snapshot types of the caching allocator, and human-readable sizes.
+//! Counters of the caching allocator, its snapshot ([`CachingAllocator::stats`]), live
+//! allocations and the printable report, and human-readable sizes.
 
 use std::fmt::Write as _;
 
-use super::TagId;
+use strata_vmm::{DevicePtr, StreamHandle};
+
+use super::{BlockState, CachingAllocator, State, TagId, LARGE};
 
 /// Event counts since the allocator was created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -111,6 +114,8 @@ pub(super) struct Totals {
     pub allocated_blocks: u64,
     pub live: u64,
     pub mapped_pages: u64,
+    /// Of `mapped_pages`, pages of host memory or of a peer: not counted against the limit.
+    pub elsewhere_pages: u64,
     pub peak_allocated: u64,
     pub peak_allocated_blocks: u64,
     pub peak_mapped_pages: u64,
@@ -182,6 +187,167 @@ impl TagTotals {
         self.allocated_blocks -= block;
         self.live -= 1;
         self.frees += 1;
+    }
+}
+
+/// Live allocations listed per tag in a report.
+const REPORT_PER_TAG: usize = 32;
+
+/// One live allocation, as [`CachingAllocator::live_allocations`] lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveAllocation {
+    pub ptr: DevicePtr,
+    /// Requested bytes.
+    pub size: u64,
+    /// Bytes of the block that holds it (size class, or the request rounded to 512 bytes).
+    pub block_size: u64,
+    pub tag: TagId,
+    /// The stream it was allocated on.
+    pub stream: StreamHandle,
+    /// Whether it is a large block (in a large segment).
+    pub large: bool,
+}
+
+impl CachingAllocator {
+    /// A snapshot of the accounting.
+    pub fn stats(&self) -> AllocatorStats {
+        let st = self.state.lock();
+        let page = self.page;
+        let mut tags: Vec<TagStats> = st
+            .tags
+            .iter()
+            .map(|t| TagStats {
+                tag: t.tag,
+                allocated_bytes: t.totals.allocated,
+                allocated_block_bytes: t.totals.allocated_blocks,
+                reserved_bytes: t.totals.mapped_pages * page,
+                peak_allocated_bytes: t.totals.peak_allocated,
+                live_allocations: t.totals.live,
+                allocs: t.totals.allocs,
+                frees: t.totals.frees,
+                asleep: t.asleep(),
+                host_copy_bytes: t.sleep.copy_bytes(),
+            })
+            .collect();
+        tags.sort_by_key(|t| t.tag);
+        AllocatorStats {
+            device: self.device,
+            page_size: page,
+            arena_bytes: self.arena.size(),
+            free_va_bytes: st.va.free_units() * page,
+            allocated_bytes: st.totals.allocated,
+            allocated_block_bytes: st.totals.allocated_blocks,
+            reserved_bytes: st.totals.mapped_pages * page,
+            mapped_pages: st.totals.mapped_pages,
+            cached_large_bytes: st.cache.pages() * page,
+            large_segment_bytes: st.large.values().map(|s| s.pages).sum::<u64>() * page,
+            large_free_bytes: st.extents.bytes(),
+            cached_small_bytes: st
+                .iter_segments()
+                .filter(|&(id, s)| st.segment_live(id) == 0 && !s.mapped.is_empty())
+                .map(|(_, s)| s.pages * page)
+                .sum(),
+            peak_allocated_bytes: st.totals.peak_allocated,
+            peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
+            peak_reserved_bytes: st.totals.peak_mapped_pages * page,
+            live_allocations: st.totals.live,
+            pending_blocks: st.pending.len() as u64,
+            limit: st.limit,
+            counts: st.totals.counts,
+            tags,
+        }
+    }
+
+    /// Resets the peaks to the current figures.
+    pub fn reset_peak_stats(&self) {
+        let mut st = self.state.lock();
+        st.totals.peak_allocated = st.totals.allocated;
+        st.totals.peak_allocated_blocks = st.totals.allocated_blocks;
+        st.totals.peak_mapped_pages = st.totals.mapped_pages;
+        for t in &mut st.tags {
+            t.totals.peak_allocated = t.totals.allocated;
+        }
+    }
+
+    /// Every live allocation, by address.
+    pub fn live_allocations(&self) -> Vec<LiveAllocation> {
+        let st = self.state.lock();
+        Self::live_of(&st)
+    }
+
+    pub(super) fn live_of(st: &State) -> Vec<LiveAllocation> {
+        let mut v: Vec<LiveAllocation> = st
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Live)
+            .map(|b| LiveAllocation {
+                ptr: b.ptr,
+                size: b.requested,
+                block_size: b.size,
+                tag: st.tags[b.tag as usize].tag,
+                stream: b.stream,
+                large: b.class == LARGE,
+            })
+            .collect();
+        v.sort_by_key(|a| a.ptr);
+        v
+    }
+
+    /// A human-readable report: totals, counts, and live allocations by tag.
+    pub fn report(&self) -> String {
+        let stats = self.stats();
+        let live = self.live_allocations();
+        let mut out = String::new();
+        write_summary(&mut out, &stats);
+        for t in &stats.tags {
+            let _ = writeln!(
+                out,
+                "  tag {}: {} live, {} allocated ({} blocks), {} reserved, peak {}{}",
+                t.tag,
+                t.live_allocations,
+                human_size(t.allocated_bytes),
+                human_size(t.allocated_block_bytes),
+                human_size(t.reserved_bytes),
+                human_size(t.peak_allocated_bytes),
+                if t.asleep {
+                    format!(
+                        ", ASLEEP ({} in host copies)",
+                        human_size(t.host_copy_bytes)
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            write_allocations(&mut out, live.iter().filter(|a| a.tag == t.tag));
+        }
+        out
+    }
+}
+
+pub(super) fn write_allocations<'a>(
+    out: &mut String,
+    allocs: impl Iterator<Item = &'a LiveAllocation>,
+) {
+    let mut shown = 0usize;
+    let mut hidden = 0usize;
+    for a in allocs {
+        if shown == REPORT_PER_TAG {
+            hidden += 1;
+            continue;
+        }
+        shown += 1;
+        let _ = writeln!(
+            out,
+            "    {:#014x}  {:>11}  (block {}, {}, stream {:#x})",
+            a.ptr,
+            human_size(a.size),
+            human_size(a.block_size),
+            if a.large { "large" } else { "small" },
+            a.stream.0
+        );
+    }
+    if hidden > 0 {
+        let _ = writeln!(out, "    ... and {hidden} more");
     }
 }
 

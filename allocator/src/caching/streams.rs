@@ -1,18 +1,40 @@
 //! Stream ordering: frees held pending on events, cross-stream reuse through
 //! `stream_wait_event`, and stream synchronization before unmapping.
 
-use strata_vmm::{Error, Event, Result, StreamHandle};
+use strata_vmm::{DevicePtr, Error, Event, Result, StreamHandle};
 
-use super::{BlockState, CachingAllocator, PendingFree, State, IDLE_EVENTS, LARGE};
+use super::grow::Guard;
+use super::{BlockState, CachingAllocator, Mode, PendingFree, State, IDLE_EVENTS, LARGE};
 
 impl CachingAllocator {
     /// Frees that are not a plain bin push: large blocks, blocks used on other streams, and
-    /// blocks of a sleeping tag.
+    /// blocks of a sleeping tag or of a tag being moved (which wait for the move to end).
     #[cold]
     #[inline(never)]
-    pub(super) fn free_slow(&self, st: &mut State, id: u32, stream: StreamHandle) -> Result<()> {
+    pub(super) fn free_slow(
+        &self,
+        guard: &mut Guard<'_>,
+        ptr: DevicePtr,
+        id: u32,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let ti = guard.blocks[id as usize].tag as usize;
+        if guard.tags[ti].mode == Mode::Moving {
+            self.wait_while_moving(guard, ti);
+            // Another free of `ptr` may have come first meanwhile.
+            match guard.by_ptr.get(&ptr) {
+                None => return Err(guard.unknown_pointer(ptr)),
+                Some(&again)
+                    if again != id || guard.blocks[id as usize].state != BlockState::Live =>
+                {
+                    return Err(Error::DoubleFree(ptr))
+                }
+                Some(_) => {}
+            }
+        }
+        let st = &mut **guard;
         let b = &st.blocks[id as usize];
-        let asleep = st.tags[b.tag as usize].asleep;
+        let asleep = st.tags[b.tag as usize].asleep();
         // Where the block is reusable once free: a small block on the freeing stream's list, a
         // large one in its segment, whose stream is the one it was allocated on.
         let home = if b.class == LARGE { b.stream } else { stream };
@@ -29,9 +51,13 @@ impl CachingAllocator {
         wait.sort_unstable();
         wait.dedup();
         let mut events = Vec::with_capacity(wait.len());
+        let mut streams = Vec::with_capacity(wait.len());
         for &s in &wait {
             match self.event_on(st, s) {
-                Ok(Some(ev)) => events.push(ev),
+                Ok(Some(ev)) => {
+                    events.push(ev);
+                    streams.push(s);
+                }
                 Ok(None) => {}
                 Err(e) => {
                     st.idle_events.append(&mut events);
@@ -47,7 +73,11 @@ impl CachingAllocator {
         b.stream = home;
         b.used_on.clear();
         b.state = BlockState::Pending;
-        st.pending.push(PendingFree { block: id, events });
+        st.pending.push(PendingFree {
+            block: id,
+            events,
+            streams,
+        });
         st.totals.counts.pending_frees += 1;
         Ok(())
     }
@@ -55,7 +85,7 @@ impl CachingAllocator {
     /// A freed (accounted) block with nothing to wait for becomes reusable on `home`.
     fn free_now(&self, st: &mut State, id: u32, home: StreamHandle) -> Result<()> {
         let ti = st.blocks[id as usize].tag as usize;
-        if st.tags[ti].asleep {
+        if st.tags[ti].asleep() {
             st.tags[ti].sleep.forget(id);
         }
         let b = &mut st.blocks[id as usize];
@@ -185,8 +215,14 @@ impl CachingAllocator {
     ) -> Result<()> {
         streams.sort_unstable();
         streams.dedup();
-        for s in streams {
-            st.totals.counts.stream_syncs += 1;
+        st.totals.counts.stream_syncs += streams.len() as u64;
+        self.sync_unlocked(&streams)
+    }
+
+    /// Blocks until every stream in `streams` is idle; needs no lock. A stream that no longer
+    /// exists has nothing left to wait for.
+    pub(super) fn sync_unlocked(&self, streams: &[StreamHandle]) -> Result<()> {
+        for &s in streams {
             match self.backend.stream_synchronize(s) {
                 Ok(()) | Err(Error::InvalidHandle { kind: "stream", .. }) => {}
                 Err(e) => return Err(e),

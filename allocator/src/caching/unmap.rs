@@ -1,11 +1,12 @@
-//! Unmapping pages the caching allocator gives up, and returning their VA to the arena: a page
-//! whose unmap failed may still be mapped, so it is quarantined and its VA stays taken for good.
+//! Giving pages up: segments released, the cache emptied, pages unmapped and their VA returned
+//! to the arena. A page whose unmap failed may still be mapped, so it is quarantined and its VA
+//! stays taken for good.
 
-use parking_lot::Mutex;
-use strata_vmm::{DevicePtr, Error, Result};
+use parking_lot::{Mutex, MutexGuard};
+use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
-use super::grow::DriverCalls;
-use super::{internal, CachingAllocator, State};
+use super::grow::{DriverCalls, Guard};
+use super::{internal, BlockState, CachedRun, CachingAllocator, State};
 use crate::mapped::MappedPage;
 use crate::pool::{Page, PagePool};
 
@@ -21,15 +22,13 @@ pub(super) fn unmap_pages(
     stuck: &Mutex<Vec<DevicePtr>>,
 ) -> Result<()> {
     let mut first_err = None;
-    for MappedPage { mapping, page } in mapped {
+    for mp in mapped {
         calls.unmap += 1;
-        match mapping.try_unmap() {
-            Ok(_) => out.push(page),
-            Err((still_mapped, e)) => {
-                stuck.lock().push(still_mapped.va());
-                std::mem::forget(still_mapped);
+        match mp.unmap_or_quarantine(pool) {
+            Ok(page) => out.push(page),
+            Err((va, e)) => {
+                stuck.lock().push(va);
                 first_err.get_or_insert(e);
-                pool.quarantine(page);
             }
         }
     }
@@ -74,5 +73,131 @@ impl CachingAllocator {
             kept?;
         }
         Ok(())
+    }
+
+    /// Removes a segment with no live block: its blocks leave the bins and the table. Returns
+    /// its range, still taken in the arena, and its mapped pages (empty if asleep): the caller
+    /// unmaps them after synchronizing, then frees the range.
+    pub(super) fn release_segment(
+        &self,
+        st: &mut State,
+        id: u32,
+    ) -> Result<((u64, u64), Vec<MappedPage>)> {
+        let live = st.segment_live(id);
+        if live != 0 {
+            return Err(internal(format!(
+                "segment {id} released with {live} live blocks"
+            )));
+        }
+        let seg = st.segments[id as usize]
+            .take()
+            .ok_or_else(|| internal(format!("segment {id} released twice")))?;
+        st.free_segments.push(id);
+        let blocks = &st.blocks;
+        let bins = &mut st.tags[seg.tag as usize].bins;
+        let mut classes: Vec<u16> = seg.runs.iter().map(|r| r.class).collect();
+        classes.sort_unstable();
+        classes.dedup();
+        for class in classes {
+            bins[class as usize].retain(|b| blocks[b as usize].segment != id);
+        }
+        for &b in &seg.blocks {
+            let ptr = st.blocks[b as usize].ptr;
+            st.by_ptr.remove(&ptr);
+            let blk = &mut st.blocks[b as usize];
+            blk.state = BlockState::Dead;
+            blk.used_on = Vec::new();
+            st.free_ids.push(b);
+        }
+        for r in &seg.runs {
+            st.freed.record(
+                self.va_of(seg.start) + r.offset,
+                r.len,
+                self.classes.size(r.class as usize),
+            );
+        }
+        self.uncount_mapped(st, seg.tag as usize, &seg.mapped);
+        st.totals.counts.segments_released += 1;
+        Ok(((seg.start, seg.pages), seg.mapped))
+    }
+
+    /// Releases segment `id` with the lock held throughout (sleep, wake, asleep segments):
+    /// its pages are unmapped into `out` (its streams already synchronized), then its range
+    /// returns to the arena.
+    pub(super) fn release_segment_now(
+        &self,
+        st: &mut State,
+        id: u32,
+        out: &mut Vec<Page>,
+        first_err: &mut Option<Error>,
+    ) -> Result<()> {
+        let ((start, pages), mapped) = self.release_segment(st, id)?;
+        self.unmap_into(st, mapped, out, first_err);
+        self.free_va(st, start, pages)
+    }
+
+    /// Empties the cache (see [`CachingAllocator::empty_cache`]). Under the lock: completed
+    /// pending frees are recycled, whole free pages cut out of large segments into the cache,
+    /// the streams that may touch cached pages synchronized, and
+    /// every cached run and empty segment taken out of the tables (their blocks out of the
+    /// bins), their ranges held in flight. With the lock dropped: unmap and release. Under the
+    /// lock again: the ranges return to the arena. Pages an in-flight grower will publish are
+    /// in no table yet, so they are never touched.
+    pub(super) fn release_cached(&self, guard: &mut Guard<'_>) -> Result<u64> {
+        let st = &mut **guard;
+        self.poll_pending(st)?;
+        self.cut_free_pages(st, None, None);
+        let runs: Vec<(u64, CachedRun<Vec<MappedPage>>)> = st
+            .cache
+            .starts_smallest_first()
+            .into_iter()
+            .filter_map(|s| st.cache.remove(s).map(|r| (s, r)))
+            .collect();
+        let segs = st.empty_segments(true);
+        let mut streams: Vec<StreamHandle> = runs.iter().map(|(_, r)| r.stream).collect();
+        for &id in &segs {
+            if let Some(seg) = &st.segments[id as usize] {
+                streams.extend(seg.blocks.iter().map(|&b| st.blocks[b as usize].stream));
+            }
+        }
+        if let Err(e) = self.sync_streams(st, streams) {
+            for (s, r) in runs {
+                st.cache.insert(s, r);
+            }
+            return Err(e);
+        }
+        let mut mapped = Vec::new();
+        let mut ranges = Vec::new();
+        for (start, run) in runs {
+            self.uncount_mapped(st, run.tag as usize, &run.payload);
+            mapped.extend(run.payload);
+            ranges.push((start, run.pages));
+        }
+        for id in segs {
+            let (range, pages) = self.release_segment(st, id)?;
+            mapped.extend(pages);
+            ranges.push(range);
+        }
+        // Segments of sleeping tags emptied while asleep hold only VA.
+        let mut unmapped = Vec::new();
+        let mut first_err = None;
+        for id in st.empty_segments(false) {
+            self.release_segment_now(st, id, &mut unmapped, &mut first_err)?;
+        }
+        self.pool.release(unmapped);
+        let count = mapped.len() as u64;
+        let id = st.inflight.begin(None, None, ranges, count);
+        let mut calls = DriverCalls::default();
+        let released = MutexGuard::unlocked(guard, || {
+            let mut pages = Vec::with_capacity(mapped.len());
+            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls, &self.stuck_va);
+            self.pool.release(pages);
+            unmapped
+        });
+        let st = &mut **guard;
+        calls.add_to(&mut st.totals.counts);
+        self.settle(st, id, false)?;
+        released?;
+        first_err.map_or(Ok(count * self.page), Err)
     }
 }

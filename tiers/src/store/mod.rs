@@ -594,23 +594,20 @@ impl TierStore {
 }
 
 /// Unmaps `pages` and returns those whose unmap succeeded (still counted in use by `pool`).
-/// A page whose unmap failed may still be mapped, so it never goes back as free: it is
-/// released (its memory returns once the driver lets go of the mapping) and the first error is
-/// recorded for the next fallible call.
+/// A page whose unmap failed may still be mapped, so it is quarantined, as the allocator does
+/// ([`MappedPage::unmap_or_quarantine`]: never reused, never released, its mapping and so the
+/// store's address range kept), and the first error is recorded for the next fallible call.
 fn unmap_pages(pool: &PagePool, pages: Vec<MappedPage>) -> Vec<Page> {
     let mut unmapped = Vec::with_capacity(pages.len());
-    let mut failed = Vec::new();
     let mut first_err = None;
     for hp in pages {
-        match hp.mapping.unmap() {
-            Ok(_) => unmapped.push(hp.page),
-            Err(e) => {
+        match hp.unmap_or_quarantine(pool) {
+            Ok(page) => unmapped.push(page),
+            Err((_, e)) => {
                 first_err.get_or_insert(e);
-                failed.push(hp.page);
             }
         }
     }
-    pool.release(failed);
     if let Some(e) = first_err {
         strata_vmm::record_deferred(e);
     }

@@ -101,7 +101,7 @@ impl TierStore {
                 cb(n);
             }
         }
-        // 5. Return the pages (those whose unmap failed are released, never handed on).
+        // 5. Return the pages (those whose unmap failed are quarantined, never handed on).
         out.pages = super::unmap_pages(&self.pool, taken);
         Ok(out)
     }

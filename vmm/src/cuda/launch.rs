@@ -32,7 +32,8 @@ use strata_kernels::blockcopy::{CUDA_SOURCE, KERNEL_NAME, THREADS_PER_BLOCK};
 
 use super::nvrtc::{self, Image};
 use super::result::{self, CUfunction, CUmodule, CUstream};
-use super::{device_location, raw_event, Scratch};
+use super::streams::raw_event;
+use super::{device_location, Scratch};
 use crate::error::{Error, Result};
 use crate::types::{Access, DevicePtr};
 

@@ -19,10 +19,16 @@
 //! `CUstream` pointer value (0 = the legacy default stream); [`EventHandle`] is the pointer value
 //! of the event created in device 0's context (more per-device events are made on demand, since
 //! an event can only be recorded on a stream of its own context).
+//!
+//! Layout: this file holds the backend's state, construction, teardown and the [`Backend`] impl,
+//! whose calls delegate by concern to `vmm.rs` (reservations, physical handles, mappings,
+//! access), `share.rs` (fd export and import), `streams.rs` (streams, events) and `copies.rs`
+//! (copies, fills, pinned host memory).
 
 mod blas;
 #[cfg(test)]
 mod child;
+mod copies;
 #[cfg(test)]
 mod emulated;
 mod launch;
@@ -30,6 +36,11 @@ pub mod nvrtc;
 #[cfg(test)]
 mod real_libs;
 pub mod result;
+mod share;
+mod streams;
+#[cfg(test)]
+mod tests;
+mod vmm;
 mod work;
 
 use std::collections::{BTreeMap, HashMap};
@@ -37,7 +48,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -45,9 +56,9 @@ use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
 };
-use crate::vatable::{Accessor, Translation, VaTable};
+use crate::vatable::VaTable;
 use crate::work::DeviceWork;
-use result::{CUcontext, CUevent, CUmemAccessDesc, CUresult, CUstream};
+use result::CUcontext;
 
 /// A retained primary context.
 #[derive(Clone, Copy, Debug)]
@@ -81,28 +92,7 @@ struct HandleInfo {
     refs: u32,
 }
 
-/// A stream; `alive` (under `gate`) guards against use after destroy from another thread.
-#[derive(Debug)]
-struct StreamObj {
-    device: u32,
-    raw: u64,
-    gate: RwLock<bool>,
-}
-
-/// Per-device driver events behind one [`EventHandle`].
-#[derive(Debug)]
-struct EventState {
-    /// The event in each device's context, created on first record there (0: none yet).
-    per_device: Vec<u64>,
-    /// The device whose event was recorded last (`None`: never recorded, i.e. complete).
-    last: Option<u32>,
-}
-
-#[derive(Debug)]
-struct EventObj {
-    gate: RwLock<bool>,
-    state: Mutex<EventState>,
-}
+use streams::{EventObj, StreamObj};
 
 /// Bookkeeping protected by one lock (held across VMM driver calls so that check, call and
 /// record are atomic with respect to other threads).
@@ -245,31 +235,6 @@ impl CudaBackend {
         }
     }
 
-    /// Granularity used for VA-only rules (reservations): the largest of the devices'.
-    fn va_granularity(&self) -> u64 {
-        self.devices
-            .iter()
-            .map(|d| d.granularity)
-            .max()
-            .unwrap_or(1)
-    }
-
-    /// Granularity for `unmap`/`set_access`: the smallest of the known ones. Whole mappings are
-    /// aligned to their own location's granularity already (checked at `map`); a sub-range that
-    /// is aligned to this but not to its memory's granularity is refused by the driver.
-    fn range_granularity(&self) -> u64 {
-        let device_min = self
-            .devices
-            .iter()
-            .map(|d| d.granularity)
-            .min()
-            .unwrap_or(1);
-        match self.host_granularity.get() {
-            Some(Ok(host)) => device_min.min(*host),
-            _ => device_min,
-        }
-    }
-
     fn host_granularity(&self) -> Result<u64> {
         let got = self.host_granularity.get_or_init(|| {
             if self.driver_version < HOST_NUMA_DRIVER {
@@ -294,264 +259,6 @@ impl CudaBackend {
             }
         });
         got.clone().map_err(Error::Unsupported)
-    }
-
-    fn out_of_memory(&self, location: Location, requested: u64) -> Error {
-        let available = match location {
-            Location::Device(d) => self.mem_info(d).map(|m| m.free).unwrap_or(0),
-            Location::Host => host_available_bytes(),
-        };
-        Error::OutOfMemory {
-            location,
-            requested,
-            available,
-        }
-    }
-
-    fn access_desc(&self, location: Location, access: Access) -> Result<CUmemAccessDesc> {
-        let location = match location {
-            Location::Device(d) => {
-                self.device(d)?;
-                device_location(d)
-            }
-            Location::Host => host_location(),
-        };
-        Ok(CUmemAccessDesc {
-            location,
-            flags: result::access::flags(access),
-        })
-    }
-
-    /// Finds the stream; the returned object's gate must be read-locked by the caller.
-    fn stream_obj(&self, stream: StreamHandle) -> Result<Option<Arc<StreamObj>>> {
-        if stream == StreamHandle::DEFAULT {
-            return Ok(None);
-        }
-        let state = self.state.lock();
-        state
-            .streams
-            .get(&stream.0)
-            .cloned()
-            .map(Some)
-            .ok_or(Error::InvalidHandle {
-                kind: "stream",
-                id: stream.0,
-            })
-    }
-
-    /// Runs `f` on the raw event of `event`'s last record, with that record's device current
-    /// and the event's gate held (so no other thread destroys it meanwhile); `unrecorded` when it
-    /// was never recorded (complete, as CUDA reports it).
-    fn with_last_record<T>(
-        &self,
-        event: EventHandle,
-        unrecorded: T,
-        f: impl FnOnce(u64) -> Result<T>,
-    ) -> Result<T> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let (device, raw) = {
-            let st = obj.state.lock();
-            match st.last {
-                None => return Ok(unrecorded),
-                Some(d) => (d, st.per_device[d as usize]),
-            }
-        };
-        self.enter(device)?;
-        f(raw)
-    }
-
-    fn event_obj(&self, event: EventHandle) -> Result<Arc<EventObj>> {
-        let state = self.state.lock();
-        state
-            .events
-            .get(&event.0)
-            .cloned()
-            .ok_or(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            })
-    }
-
-    /// Runs `f` with the stream's device context current and its raw handle, holding the
-    /// stream's gate so that no other thread destroys it meanwhile. The default stream runs on
-    /// `default_device`.
-    fn with_stream<R>(
-        &self,
-        stream: StreamHandle,
-        default_device: u32,
-        f: impl FnOnce(u32, CUstream) -> Result<R>,
-    ) -> Result<R> {
-        let obj = self.stream_obj(stream)?;
-        match obj {
-            None => {
-                self.enter(default_device)?;
-                f(default_device, std::ptr::null_mut())
-            }
-            Some(obj) => {
-                let alive = obj.gate.read();
-                if !*alive {
-                    return Err(Error::InvalidHandle {
-                        kind: "stream",
-                        id: stream.0,
-                    });
-                }
-                self.enter(obj.device)?;
-                f(obj.device, raw_stream(obj.raw))
-            }
-        }
-    }
-
-    /// Validates every copy for `accessor` and returns the coalesced `(dst, src, len)` list.
-    fn plan_copies(
-        table: &VaTable,
-        accessor: Accessor,
-        copies: &[CopyDesc],
-    ) -> Result<Vec<(u64, u64, u64)>> {
-        let mut plan: Vec<(u64, u64, u64)> = Vec::with_capacity(copies.len());
-        for c in copies {
-            if c.len == 0 {
-                continue;
-            }
-            table.translate(c.dst, c.len, accessor, Access::ReadWrite)?;
-            table.translate(c.src, c.len, accessor, Access::Read)?;
-            if let Some(last) = plan.last_mut() {
-                let dst_next = last.0.checked_add(last.2);
-                let src_next = last.1.checked_add(last.2);
-                if dst_next == Some(c.dst) && src_next == Some(c.src) {
-                    if let Some(len) = last.2.checked_add(c.len) {
-                        last.2 = len;
-                        continue;
-                    }
-                }
-            }
-            plan.push((c.dst, c.src, c.len));
-        }
-        Ok(plan)
-    }
-
-    /// The device a created stream belongs to.
-    fn stream_device(state: &State, stream: StreamHandle) -> Result<u32> {
-        state
-            .streams
-            .get(&stream.0)
-            .map(|s| s.device)
-            .ok_or(Error::InvalidHandle {
-                kind: "stream",
-                id: stream.0,
-            })
-    }
-
-    /// The device that runs work on `stream` and what `check` returns for it: a created
-    /// stream's own device; for the default stream, the first device for which `check` passes
-    /// (else the error device 0 gets).
-    fn device_for_work<T>(
-        &self,
-        state: &State,
-        stream: StreamHandle,
-        check: impl Fn(Accessor) -> Result<T>,
-    ) -> Result<(u32, T)> {
-        let accessor = |d: u32| Accessor::Location(Location::Device(d));
-        if stream != StreamHandle::DEFAULT {
-            let d = Self::stream_device(state, stream)?;
-            return check(accessor(d)).map(|t| (d, t));
-        }
-        for d in 0..self.devices.len() as u32 {
-            if let Ok(t) = check(accessor(d)) {
-                return Ok((d, t));
-            }
-        }
-        check(accessor(0)).map(|t| (0, t))
-    }
-
-    /// Submits a validated plan on `raw` (context current).
-    ///
-    /// # Safety
-    ///
-    /// 1. Every range of `plan` satisfies [`result::memcpy::copy_async`]'s conditions.
-    /// 2. `raw` is null or a live stream whose context is current.
-    unsafe fn submit(&self, plan: &[(u64, u64, u64)], raw: CUstream) -> Result<()> {
-        use std::sync::atomic::Ordering;
-        if plan.len() > 1 && !raw.is_null() && self.batch_enabled.load(Ordering::Relaxed) {
-            if let Some(f) = self.batch {
-                let mut dsts: Vec<u64> = plan.iter().map(|p| p.0).collect();
-                let mut srcs: Vec<u64> = plan.iter().map(|p| p.1).collect();
-                let mut lens: Vec<usize> = plan
-                    .iter()
-                    .map(|p| result::to_usize(p.2, "copy length"))
-                    .collect::<Result<_>>()?;
-                // SAFETY: the caller guarantees every range and that `raw` is a live non-null
-                // stream with its context current; `f` is the driver's own symbol.
-                let got =
-                    unsafe { result::memcpy::batch_async(f, &mut dsts, &mut srcs, &mut lens, raw) };
-                match got {
-                    Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_NOT_SUPPORTED) => {
-                        // The driver exports the symbol but refuses batches here: stop trying.
-                        self.batch_enabled.store(false, Ordering::Relaxed);
-                    }
-                    other => return other,
-                }
-            }
-        }
-        for &(dst, src, len) in plan {
-            // SAFETY: as above, per copy.
-            unsafe { result::memcpy::copy_async(dst, src, len, raw)? };
-        }
-        Ok(())
-    }
-
-    /// Finds the size of an imported handle: the largest `k * granularity` that maps at offset
-    /// 0, by binary search on a scratch reservation (the driver has no size query for handles).
-    fn probe_handle_size(&self, handle: u64, location: Location, granularity: u64) -> Result<u64> {
-        let bound = match location {
-            Location::Device(d) => self.device(d)?.total,
-            Location::Host => host_total_bytes(),
-        };
-        let max_units = (bound / granularity).max(1);
-        let span = max_units
-            .checked_mul(granularity)
-            .ok_or(Error::Overflow("probe span"))?;
-        self.enter(self.device_for(location)?)?;
-        let va = result::va::reserve(span, granularity)?;
-        let scratch = Scratch { va, size: span };
-        let fits = |units: u64| -> Result<bool> {
-            let size = units * granularity;
-            // SAFETY: `scratch` is our own fresh reservation of `span >= size` bytes with nothing
-            // mapped; `handle` is live (just imported, not yet published).
-            match unsafe { result::map::map(scratch.va, size, 0, handle) } {
-                Ok(()) => {
-                    // SAFETY: the mapping was just made, covers exactly this range, and nothing
-                    // has access to it.
-                    unsafe { result::map::unmap(scratch.va, size)? };
-                    Ok(true)
-                }
-                Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_INVALID_VALUE) => Ok(false),
-                Err(e) => Err(e),
-            }
-        };
-        if !fits(1)? {
-            return Err(Error::Unsupported(
-                "imported handle: cannot map even one granule to find its size".into(),
-            ));
-        }
-        // Invariant: `lo` units map, `hi` units do not (`max_units + 1` is beyond the bound).
-        let (mut lo, mut hi) = (1u64, max_units + 1);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid)? {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        drop(scratch);
-        Ok(lo * granularity)
     }
 }
 
@@ -584,14 +291,6 @@ impl Drop for Scratch {
     }
 }
 
-fn raw_stream(raw: u64) -> CUstream {
-    raw as usize as CUstream
-}
-
-fn raw_event(raw: u64) -> CUevent {
-    raw as usize as CUevent
-}
-
 fn device_location(device: u32) -> result::CUmemLocation {
     result::phys::location(
         sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -607,36 +306,11 @@ fn host_location() -> result::CUmemLocation {
     result::phys::location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, 0)
 }
 
-fn location_from(loc: &result::CUmemLocation) -> Result<Location> {
-    match loc.type_ {
-        sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE => u32::try_from(loc.id)
-            .map(Location::Device)
-            .map_err(|_| Error::InvalidArgument(format!("device id {}", loc.id))),
-        sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
-        | sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA
-        | sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Ok(Location::Host),
-        other => Err(Error::Unsupported(format!(
-            "imported handle at location type {other:?}"
-        ))),
-    }
-}
-
 fn host_total_bytes() -> u64 {
     // SAFETY: `sysconf` only reads system configuration values.
     let (pages, page) = unsafe {
         (
             libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
-}
-
-fn host_available_bytes() -> u64 {
-    // SAFETY: `sysconf` only reads system configuration values.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_AVPHYS_PAGES),
             libc::sysconf(libc::_SC_PAGESIZE),
         )
     };
@@ -708,103 +382,19 @@ impl Backend for CudaBackend {
     }
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
-        let alignment = VaTable::check_reserve(size, alignment, self.va_granularity())?;
-        self.enter(0)?;
-        let mut state = self.state.lock();
-        let ptr = match result::va::reserve(size, alignment) {
-            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
-                return Err(Error::OutOfAddressSpace { requested: size })
-            }
-            other => other?,
-        };
-        if let Err(e) = state.table.add_reservation(ptr, size) {
-            // SAFETY: the reservation was just made, nothing is mapped in it and nobody else
-            // has seen its address.
-            let _ = unsafe { result::va::free(ptr, size) };
-            return Err(e);
-        }
-        Ok(ptr)
+        self.reserve_va(size, alignment)
     }
 
     fn free_va(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let mut state = self.state.lock();
-        state.table.check_free(ptr, size)?;
-        self.enter(0)?;
-        // SAFETY: the table confirms `(ptr, size)` is exactly one live reservation of ours with
-        // nothing mapped inside; the caller's contract (precondition 2, 4) covers in-flight work.
-        unsafe { result::va::free(ptr, size)? };
-        state.table.remove_reservation(ptr, size)
+        self.free_reservation(ptr, size)
     }
 
     fn create(&self, location: Location, size: u64, flags: CreateFlags) -> Result<PhysHandle> {
-        let granularity = self.granularity(location)?;
-        if size == 0 {
-            return Err(Error::InvalidArgument("size must not be zero".into()));
-        }
-        if size % granularity != 0 {
-            return Err(Error::Misaligned {
-                what: "size",
-                value: size,
-                granularity,
-            });
-        }
-        let device = self.device_for(location)?;
-        let bound = match location {
-            Location::Device(d) => self.device(d)?.total,
-            Location::Host => host_total_bytes(),
-        };
-        if size > bound {
-            return Err(self.out_of_memory(location, size));
-        }
-        let cu_location = match location {
-            Location::Device(d) => device_location(d),
-            Location::Host => host_location(),
-        };
-        let exportable = flags.contains(CreateFlags::EXPORTABLE);
-        let prop = result::phys::prop(cu_location, exportable);
-        self.enter(device)?;
-        let handle = match result::phys::create(size, &prop) {
-            Ok(h) => h,
-            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
-                return Err(self.out_of_memory(location, size));
-            }
-            Err(e)
-                if location == Location::Host
-                    && result::is_code(&e, CUresult::CUDA_ERROR_NOT_SUPPORTED) =>
-            {
-                return Err(Error::Unsupported(format!("host VMM memory: {e}")));
-            }
-            Err(e) => return Err(e),
-        };
-        let mut state = self.state.lock();
-        let entry = state.handles.entry(handle).or_insert(HandleInfo {
-            location,
-            size,
-            exportable,
-            refs: 0,
-        });
-        entry.refs += 1;
-        Ok(PhysHandle(handle))
+        self.create_handle(location, size, flags)
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        let mut state = self.state.lock();
-        let Some(info) = state.handles.get_mut(&handle.0) else {
-            return Err(Error::InvalidHandle {
-                kind: "physical",
-                id: handle.0,
-            });
-        };
-        let device = self.device_for(info.location)?;
-        self.enter(device)?;
-        // SAFETY: the handle is live (we hold a reference to it, counted in `refs`) and this
-        // releases exactly one of those references; mappings of it stay valid (precondition 6).
-        unsafe { result::phys::release(handle.0)? };
-        info.refs -= 1;
-        if info.refs == 0 {
-            state.handles.remove(&handle.0);
-        }
-        Ok(())
+        self.release_handle(handle)
     }
 
     fn handle_size(&self, handle: PhysHandle) -> Result<u64> {
@@ -820,291 +410,64 @@ impl Backend for CudaBackend {
     }
 
     fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
-        let mut state = self.state.lock();
-        let Some(info) = state.handles.get(&handle.0).copied() else {
-            return Err(Error::InvalidHandle {
-                kind: "physical",
-                id: handle.0,
-            });
-        };
-        let granularity = self.granularity(info.location)?;
-        state
-            .table
-            .check_map(va, size, offset, info.size, granularity)?;
-        self.enter(self.device_for(info.location)?)?;
-        // SAFETY: the table confirms the target lies inside one of our reservations and is
-        // unmapped, that `offset + size` fits the handle, and the handle is live (we hold it and
-        // the state lock, so no release runs concurrently).
-        unsafe { result::map::map(va, size, offset, handle.0)? };
-        state
-            .table
-            .insert_mapping(va, size, handle, offset, info.size, granularity)
+        self.map_handle(va, size, handle, offset)
     }
 
     fn unmap(&self, va: DevicePtr, size: u64) -> Result<()> {
-        let mut state = self.state.lock();
-        let granularity = self.range_granularity();
-        state.table.check_unmap(va, size, granularity)?;
-        self.enter(0)?;
-        // SAFETY: the table confirms the range covers whole mappings of ours exactly;
-        // precondition 4 makes the caller responsible for in-flight work on the range.
-        unsafe { result::map::unmap(va, size)? };
-        state.table.remove_mappings(va, size, granularity)?;
-        Ok(())
+        self.unmap_range(va, size)
     }
 
     fn set_access(&self, va: DevicePtr, size: u64, grants: &[(Location, Access)]) -> Result<()> {
-        let mut state = self.state.lock();
-        let granularity = self.range_granularity();
-        state
-            .table
-            .check_set_access(va, size, grants, granularity)?;
-        state.table.check_host_grants(va, size, grants, |h| {
-            state.handles.get(&h.0).map(|info| info.location)
-        })?;
-        let descs = grants
-            .iter()
-            .map(|&(l, a)| self.access_desc(l, a))
-            .collect::<Result<Vec<_>>>()?;
-        self.enter(0)?;
-        // SAFETY: the table confirms the whole range is mapped by us; revoking access under
-        // in-flight work is the caller's responsibility (precondition 5 / 8).
-        unsafe { result::access::set(va, size, &descs)? };
-        state.table.set_access(va, size, grants, granularity)?;
-        Ok(())
+        self.set_range_access(va, size, grants)
     }
 
     fn export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
-        let state = self.state.lock();
-        let Some(info) = state.handles.get(&handle.0) else {
-            return Err(Error::InvalidHandle {
-                kind: "physical",
-                id: handle.0,
-            });
-        };
-        if !info.exportable {
-            return Err(Error::InvalidArgument(format!(
-                "handle {:#x} was not created with CreateFlags::EXPORTABLE",
-                handle.0
-            )));
-        }
-        self.enter(self.device_for(info.location)?)?;
-        // SAFETY: the handle is live: we hold a reference and the state lock (no release
-        // meanwhile).
-        unsafe { result::phys::export_fd(handle.0) }
+        self.export_handle(handle)
     }
 
     fn import_fd(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle> {
-        self.enter(0)?;
-        let handle = result::phys::import_fd(fd)?;
-        // Releases the new reference if anything below fails.
-        struct Guard(u64, bool);
-        impl Drop for Guard {
-            fn drop(&mut self) {
-                if self.1 {
-                    // SAFETY: the handle was just imported and never published.
-                    let _ = unsafe { result::phys::release(self.0) };
-                }
-            }
-        }
-        let mut guard = Guard(handle, true);
-        // SAFETY: the handle was just imported and is live.
-        let props = unsafe { result::phys::properties(handle)? };
-        let location = location_from(&props.location)?;
-        let location = match location {
-            Location::Device(d) if self.device(d).is_err() => {
-                return Err(Error::NoDevice(d.into()))
-            }
-            other => other,
-        };
-        let exportable = props.requestedHandleTypes
-            == sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        let granularity = self.granularity(location)?;
-        let mut state = self.state.lock();
-        let size = match state.handles.get(&handle) {
-            Some(known) => known.size,
-            None => self.probe_handle_size(handle, location, granularity)?,
-        };
-        let entry = state.handles.entry(handle).or_insert(HandleInfo {
-            location,
-            size,
-            exportable,
-            refs: 0,
-        });
-        entry.refs += 1;
-        guard.1 = false;
-        Ok(PhysHandle(handle))
+        self.import_handle(fd)
     }
 
     fn stream_create(&self, device: u32) -> Result<StreamHandle> {
-        self.enter(device)?;
-        let raw = result::stream::create()? as usize as u64;
-        let obj = Arc::new(StreamObj {
-            device,
-            raw,
-            gate: RwLock::new(true),
-        });
-        self.state.lock().streams.insert(raw, obj);
-        Ok(StreamHandle(raw))
+        self.create_stream(device)
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
-        let obj = {
-            let mut state = self.state.lock();
-            state
-                .streams
-                .remove(&stream.0)
-                .ok_or(Error::InvalidHandle {
-                    kind: "stream",
-                    id: stream.0,
-                })?
-        };
-        // Waits for calls on this stream in other threads to finish.
-        let mut alive = obj.gate.write();
-        *alive = false;
-        self.enter(obj.device)?;
-        // SAFETY: the stream was live (in our table until just now), is removed from the table
-        // and marked dead under its gate, so nobody uses it again; destroyed exactly once.
-        unsafe { result::stream::destroy(raw_stream(obj.raw)) }
+        self.destroy_stream(stream)
     }
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
-        if stream == StreamHandle::DEFAULT {
-            // The legacy stream is per context: synchronize each device's.
-            for d in 0..self.devices.len() as u32 {
-                self.enter(d)?;
-                // SAFETY: the null stream is always valid with a context current.
-                unsafe { result::stream::synchronize(std::ptr::null_mut())? };
-            }
-            return Ok(());
-        }
-        self.with_stream(stream, 0, |_, raw| {
-            // SAFETY: `with_stream` holds the stream's gate (alive) with its context current.
-            unsafe { result::stream::synchronize(raw) }
-        })
+        self.synchronize_stream(stream)
     }
 
     fn event_create(&self) -> Result<EventHandle> {
-        self.enter(0)?;
-        let raw = result::event::create()? as usize as u64;
-        let mut per_device = vec![0u64; self.devices.len()];
-        per_device[0] = raw;
-        let obj = Arc::new(EventObj {
-            gate: RwLock::new(true),
-            state: Mutex::new(EventState {
-                per_device,
-                last: None,
-            }),
-        });
-        self.state.lock().events.insert(raw, obj);
-        Ok(EventHandle(raw))
+        self.create_event()
     }
 
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
-        let obj = {
-            let mut state = self.state.lock();
-            state.events.remove(&event.0).ok_or(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            })?
-        };
-        let mut alive = obj.gate.write();
-        *alive = false;
-        let per_device = std::mem::take(&mut obj.state.lock().per_device);
-        let mut first_err = None;
-        for (d, raw) in per_device.into_iter().enumerate() {
-            if raw == 0 {
-                continue;
-            }
-            let destroyed = self.enter(d as u32).and_then(|_| {
-                // SAFETY: each per-device event is live, owned by this handle only, removed
-                // from the table and marked dead under the gate: destroyed exactly once.
-                unsafe { result::event::destroy(raw_event(raw)) }
-            });
-            if let Err(e) = destroyed {
-                first_err.get_or_insert(e);
-            }
-        }
-        first_err.map_or(Ok(()), Err)
+        self.destroy_event(event)
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        self.with_stream(stream, 0, |device, raw_s| {
-            let mut st = obj.state.lock();
-            let slot = &mut st.per_device[device as usize];
-            if *slot == 0 {
-                // The context of `device` is current (`with_stream`).
-                *slot = result::event::create()? as usize as u64;
-            }
-            let raw_e = *slot;
-            // SAFETY: the event is live (gate held, created in this stream's context) and the
-            // stream is null or live (gate held by `with_stream`), with its context current.
-            unsafe { result::event::record(raw_event(raw_e), raw_s)? };
-            st.last = Some(device);
-            Ok(())
-        })
+        self.record_event(event, stream)
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        self.with_last_record(event, true, |raw| {
-            // SAFETY: the event is live (its gate is held for this call).
-            unsafe { result::event::query(raw_event(raw)) }
-        })
+        self.query_event(event)
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
-        self.with_last_record(event, (), |raw| {
-            // SAFETY: the event is live (its gate is held for this call).
-            unsafe { result::event::synchronize(raw_event(raw)) }
-        })
+        self.synchronize_event(event)
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let raw_e = {
-            let st = obj.state.lock();
-            // Waiting for an event never recorded is a no-op (as in CUDA).
-            st.last.map(|d| st.per_device[d as usize])
-        };
-        self.with_stream(stream, 0, |_, raw_s| match raw_e {
-            None => Ok(()),
-            // SAFETY: both handles are live (gates held); the driver allows an event of another
-            // context here.
-            Some(raw_e) => unsafe { result::stream::wait_event(raw_s, raw_event(raw_e)) },
-        })
+        self.wait_event(stream, event)
     }
 
     unsafe fn copy_async(&self, stream: StreamHandle, copies: &[CopyDesc]) -> Result<()> {
-        let (default_device, plan) = {
-            let state = self.state.lock();
-            self.device_for_work(&state, stream, |a| {
-                Self::plan_copies(&state.table, a, copies)
-            })?
-        };
-        if plan.is_empty() {
-            return Ok(());
-        }
-        self.with_stream(stream, default_device, |_, raw| {
-            // SAFETY: every device range was validated (mapped, with the access this stream's
-            // device needs); host ranges are the caller's obligation (this fn's `# Safety`);
-            // `with_stream` holds the stream alive with its context current.
-            unsafe { self.submit(&plan, raw) }
-        })
+        // SAFETY: the caller upholds this method's `# Safety` list, which is the callee's.
+        unsafe { self.queue_copies(stream, copies) }
     }
 
     fn memset_async(
@@ -1114,84 +477,16 @@ impl Backend for CudaBackend {
         value: u8,
         len: u64,
     ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let device = {
-            let state = self.state.lock();
-            let device = if stream == StreamHandle::DEFAULT {
-                let mut found = None;
-                for d in 0..self.devices.len() as u32 {
-                    let acc = Accessor::Location(Location::Device(d));
-                    if state
-                        .table
-                        .translate(dst, len, acc, Access::ReadWrite)
-                        .is_ok()
-                    {
-                        found = Some(d);
-                        break;
-                    }
-                }
-                found.unwrap_or(0)
-            } else {
-                Self::stream_device(&state, stream)?
-            };
-            let acc = Accessor::Location(Location::Device(device));
-            match state.table.translate(dst, len, acc, Access::ReadWrite)? {
-                Translation::Device(_) => {}
-                Translation::Host => {
-                    return Err(Error::IllegalAccess {
-                        va: dst,
-                        size: len,
-                        reason: "memset target is not device VA",
-                    })
-                }
-            }
-            device
-        };
-        self.with_stream(stream, device, |_, raw| {
-            // SAFETY: the range was validated as mapped device VA with write access for the
-            // stream's device; the stream is held alive with its context current.
-            unsafe { result::memcpy::memset_d8_async(dst, value, len, raw) }
-        })
+        self.queue_memset(stream, dst, value, len)
     }
 
     fn host_alloc(&self, size: u64) -> Result<DevicePtr> {
-        if size == 0 {
-            return Err(Error::InvalidArgument(
-                "host_alloc size must not be zero".into(),
-            ));
-        }
-        if size > crate::MAX_HOST_CHUNK {
-            return Err(Error::InvalidArgument(format!(
-                "host_alloc of {size} bytes above the {} byte chunk limit",
-                crate::MAX_HOST_CHUNK
-            )));
-        }
-        self.enter(0)?;
-        let ptr = match result::host::alloc(size) {
-            Ok(ptr) => ptr,
-            // Pinned host memory exhausted: out of memory on the host, like the host backend.
-            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
-                return Err(crate::hostbuf::host_out_of_memory(size));
-            }
-            Err(e) => return Err(e),
-        };
-        self.state.lock().pinned.insert(ptr, size);
-        Ok(ptr)
+        self.alloc_pinned(size)
     }
 
     unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let mut state = self.state.lock();
-        if state.pinned.get(&ptr) != Some(&size) {
-            return Err(Error::UnknownPointer(ptr));
-        }
-        self.enter(0)?;
-        // SAFETY: the table proves `ptr` is a live `host_alloc` of this size; the caller
-        // guarantees nothing uses it any more.
-        unsafe { result::host::free(ptr)? };
-        state.pinned.remove(&ptr);
-        Ok(())
+        // SAFETY: the caller upholds this method's `# Safety` list, which is the callee's.
+        unsafe { self.free_pinned(ptr, size) }
     }
 
     fn device_work(self: Arc<Self>) -> Option<Arc<dyn DeviceWork>> {
@@ -1213,184 +508,4 @@ impl Backend for CudaBackend {
 /// Opens the CUDA backend as a trait object.
 pub fn open() -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(CudaBackend::new()?))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn driver_here() -> bool {
-        result::driver_present()
-    }
-
-    #[test]
-    fn new_without_driver_is_no_driver_not_a_panic() {
-        let got = std::panic::catch_unwind(CudaBackend::new);
-        let got = got.expect("CudaBackend::new must not panic");
-        if driver_here() {
-            // A machine with a driver: either it works or it reports a typed error.
-            if let Err(e) = got {
-                eprintln!("CudaBackend::new on a driver machine: {e}");
-            }
-            return;
-        }
-        match got {
-            Err(Error::NoDriver(msg)) => assert!(!msg.is_empty()),
-            Err(other) => panic!("expected NoDriver, got {other}"),
-            Ok(_) => panic!("expected NoDriver on a machine without libcuda"),
-        }
-    }
-
-    #[test]
-    fn open_is_no_driver_without_cuda() {
-        let got = std::panic::catch_unwind(open).expect("open must not panic");
-        if !driver_here() {
-            assert!(matches!(got, Err(Error::NoDriver(_))));
-        }
-    }
-
-    #[test]
-    fn auto_selection_does_not_panic() {
-        let got = std::panic::catch_unwind(|| crate::open(crate::Choice::Auto));
-        assert!(got.is_ok(), "open(Auto) panicked");
-    }
-
-    #[test]
-    fn result_layer_reports_no_driver_instead_of_panicking() {
-        if driver_here() {
-            return;
-        }
-        assert!(matches!(result::init(), Err(Error::NoDriver(_))));
-        // Calling a verb without `init` goes through cudarc's lazy loader, which panics without
-        // a library: the result layer must turn that into an error.
-        assert!(matches!(result::device::count(), Err(Error::NoDriver(_))));
-        assert!(matches!(
-            result::va::reserve(1 << 21, 0),
-            Err(Error::NoDriver(_))
-        ));
-        assert!(matches!(result::driver_version(), Err(Error::NoDriver(_))));
-        assert!(result::memcpy::batch_fn().is_none());
-        assert!(!result::symbol_present(c"cuMemcpyBatchAsync"));
-    }
-
-    #[test]
-    fn missing_nvrtc_is_unsupported_not_a_panic() {
-        use super::nvrtc::{self, Image};
-        let present = std::panic::catch_unwind(nvrtc::check_present).expect("no panic");
-        let compiled = std::panic::catch_unwind(|| {
-            nvrtc::compile(
-                strata_kernels::blockcopy::CUDA_SOURCE,
-                c"t.cu",
-                80,
-                Image::Ptx,
-            )
-        })
-        .expect("compile must not panic");
-        match present {
-            Ok(()) => {
-                // NVRTC here: the kernel source compiles on its own (no headers needed).
-                let ptx = compiled.expect("CUDA_SOURCE compiles with NVRTC");
-                assert_eq!(ptx.last(), Some(&0), "PTX is NUL-terminated");
-            }
-            Err(e) => {
-                assert!(matches!(e, Error::Unsupported(_)), "{e}");
-                assert!(matches!(compiled, Err(Error::Unsupported(_))));
-                assert!(matches!(
-                    nvrtc::supported_archs(),
-                    Err(Error::Unsupported(_))
-                ));
-            }
-        }
-    }
-
-    #[test]
-    fn access_flags_match_the_driver_values() {
-        use sys::CUmemAccess_flags as F;
-        assert_eq!(
-            result::access::flags(Access::None),
-            F::CU_MEM_ACCESS_FLAGS_PROT_NONE
-        );
-        assert_eq!(
-            result::access::flags(Access::Read),
-            F::CU_MEM_ACCESS_FLAGS_PROT_READ
-        );
-        assert_eq!(
-            result::access::flags(Access::ReadWrite),
-            F::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        );
-    }
-
-    #[test]
-    fn copy_plans_coalesce_adjacent_descriptors_and_check_access() {
-        let g = 1u64 << 21;
-        let mut table = VaTable::new();
-        let base = 0x7000_0000_0000u64;
-        table.add_reservation(base, 4 * g).unwrap();
-        table
-            .insert_mapping(base, 2 * g, PhysHandle(1), 0, 2 * g, g)
-            .unwrap();
-        let d0 = Accessor::Location(Location::Device(0));
-        let host = 0x1000u64;
-        let copies = [
-            CopyDesc {
-                dst: base,
-                src: host,
-                len: 100,
-            },
-            CopyDesc {
-                dst: base + 100,
-                src: host + 100,
-                len: 50,
-            },
-            CopyDesc {
-                dst: base + 4096,
-                src: host + 150,
-                len: 10,
-            },
-            CopyDesc {
-                dst: base + 9999,
-                src: host,
-                len: 0,
-            },
-        ];
-        // No access yet: illegal.
-        assert!(matches!(
-            CudaBackend::plan_copies(&table, d0, &copies),
-            Err(Error::IllegalAccess { .. })
-        ));
-        table
-            .set_access(base, 2 * g, &[(Location::Device(0), Access::ReadWrite)], g)
-            .unwrap();
-        let plan = CudaBackend::plan_copies(&table, d0, &copies).unwrap();
-        assert_eq!(plan, vec![(base, host, 150), (base + 4096, host + 150, 10)]);
-        // Another device has no grant.
-        let d1 = Accessor::Location(Location::Device(1));
-        assert!(CudaBackend::plan_copies(&table, d1, &copies).is_err());
-        // Unmapped part of the reservation.
-        let bad = [CopyDesc {
-            dst: base + 2 * g,
-            src: host,
-            len: 1,
-        }];
-        assert!(matches!(
-            CudaBackend::plan_copies(&table, d0, &bad),
-            Err(Error::IllegalAccess { .. })
-        ));
-        // Read-only source is fine, read-only destination is not.
-        table
-            .set_access(base, g, &[(Location::Device(0), Access::Read)], g)
-            .unwrap();
-        let from = [CopyDesc {
-            dst: host,
-            src: base,
-            len: 8,
-        }];
-        assert!(CudaBackend::plan_copies(&table, d0, &from).is_ok());
-        let to = [CopyDesc {
-            dst: base,
-            src: host,
-            len: 8,
-        }];
-        assert!(CudaBackend::plan_copies(&table, d0, &to).is_err());
-    }
 }

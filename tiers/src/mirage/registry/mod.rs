@@ -315,7 +315,7 @@ impl ParamRegistry {
     /// holds a layer not reported done ([`layer_done`](Self::layer_done)): kernels may still
     /// read it. The caller has synchronized the compute that reads its resident layers. Returns
     /// the pages given back; the model's id is never valid again, even on an unmap error (the
-    /// page concerned is released instead, never given back as free).
+    /// page concerned is quarantined: never given back as free, never released).
     pub fn unregister(&mut self, engine: &TransferEngine, model: ModelId) -> Result<usize> {
         let mp = self.get(model)?;
         if let Some((i, layer)) = mp.slots.iter().enumerate().find_map(|(i, s)| {
