@@ -455,7 +455,9 @@ typedef struct strata_kv_stats_t {
     uint64_t evictions;          /* requests spilled to make room, ever */
     uint64_t lost_blocks;        /* ever */
     uint64_t pages_revoked;      /* ever */
-    uint64_t spare[8];           /* zero */
+    uint64_t staged_objects;     /* store objects strata_kv_stage moved up, ever */
+    uint64_t staged_evicted;     /* of those, dropped before a restore read them */
+    uint64_t spare[6];           /* zero */
 } strata_kv_stats_t;
 
 /* Called once per block lost to a revocation of a STRATA_KV_LOSSY space, on the thread of the
@@ -580,11 +582,12 @@ int strata_kv_make_resident(strata_kv_t kv, const strata_kv_request_t *batch, si
 
 /* TierKV's first hop ahead of need: the batch's spilled blocks that sit on disk move up to host
  * memory, so that a later strata_kv_make_resident copies them from there (one hop, not two).
- * Room in host memory comes only from requests that run later than every request of the batch
- * (the order strata_kv_queue and strata_kv_hint gave) and from clean copies of resident blocks;
- * what finds no room stays on disk (advice: not an error). The file reads run without the
- * space's lock. *objects (if not NULL) receives the number of store objects moved up (a block
- * is one per layer and K/V). A space without a disk tier moves nothing. */
+ * Only into host room nothing else needs: free host memory beyond what spilling every other
+ * resident request would take. Staging never moves another request's blocks down (that would
+ * trade this disk read for one of theirs); what finds no room stays on disk (advice: not an
+ * error). The file reads run without the space's lock and never ahead of a restore's disk
+ * reads. *objects (if not NULL) receives the number of store objects moved up (a block is one
+ * per layer and K/V). A space without a disk tier moves nothing. */
 int strata_kv_stage(strata_kv_t kv, const strata_kv_request_t *batch, size_t count,
                     uint64_t *objects);
 

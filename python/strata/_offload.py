@@ -38,15 +38,28 @@ The swapper reports each layer's compute time (from its start to the next layer'
 each transfer's bytes and time per hop (host → device swap-ins, disk → host stages); tiers fits
 each link's latency and bandwidth and answers whether a layer's transfer, started now, is hidden
 by the compute of the layers in between (Eq. 1) and how many layers ahead it must start. With a
-disk tier and `lookahead=True` (the default), the nearest CPU layer with blocks on disk starts
-its disk → host hop (`strata_kv_stage`, a third thread) as soon as it is within the lookahead
-its two-hop transfer needs (`K_SSD > K_DRAM`, §3.3), taking host room only from layers that run
-later; its swap-in then crosses one hop. Pie's own swap-in needs a free device slot, so with host
-memory alone it already starts as early as the budget allows, and Eq. 1 only predicts: the
-figures count the swap-ins it predicted hidden (`swap_ins_early`), those that were
-(`prefetch_hits`), both (`swap_ins_early_hidden`), the stages started, predicted in time, and
-whose layer then came back from host memory alone (`stages_hidden`), and the swap-ins that took
-two hops.
+disk tier and `lookahead=True` (the default), the nearest CPU layer with blocks on disk whose
+two-hop transfer, started now, Eq. 1 says is hidden (`K_SSD > K_DRAM`, §3.3) starts its disk →
+host hop (`strata_kv_stage`, a third thread); its swap-in then crosses one hop. A layer not in
+time from here (or before the links and layer times are measured) is left to its swap-in, as
+Algorithm 1 leaves a block that does not fit the window.
+
+When it is on, exactly: the store stages only into host room nothing else needs (free slots
+beyond what spilling the resident layers would take) and never moves another layer down for it,
+and its reads wait behind every swap-in's disk reads. So the lookahead reads nothing a swap-in
+would not have read and writes nothing; with a host tier that stays full (a steady decode whose
+off-device KV is larger than `host_bytes`) it stages nothing. Taking room from the layers that
+run later (TierKV's eviction order) would hide more disk hops but, layers running in a cycle,
+turns them into a rotation through disk: every off-device layer read back each token instead of
+only those that do not fit, measured 30-70 % more disk reads and slower decoding on the
+development VM (BENCHMARKS.md).
+
+Pie's own swap-in needs a free device slot, so with host memory alone it already starts as early
+as the budget allows, and Eq. 1 only predicts: the figures count the swap-ins it predicted hidden
+(`swap_ins_early`), those that were (`prefetch_hits`), both (`swap_ins_early_hidden`), the stages
+started, the objects they moved (`stage_objects`), the stages whose layer then came back from
+host memory alone (`stages_hidden`), and the swap-ins that took two hops; the space's stats add
+`staged_objects` and `staged_evicted` (dropped before a swap-in read them).
 
 On CUDA a swap-out first waits for an event recorded when the next layer started (the
 attention that read the layer is done); swap-ins are ordered on the default stream. Beam

@@ -153,7 +153,6 @@ class Swapper:
             swap_ins_early_hidden=0,
             two_hop_swap_ins=0,
             stages=0,
-            stages_early=0,
             stages_hidden=0,
             stage_objects=0,
         )
@@ -204,8 +203,11 @@ class Swapper:
     def _stage(self, layer, disk):
         start = time.perf_counter()
         moved = self.space.stage(self.layer_requests(layer))
-        if moved:
-            self.pie.observe_transfer(DISK_TO_HOST, disk, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        # The store stages only into free room: a stage that left blocks on disk moved an
+        # unknown share of `disk`, so only a complete one measures the link.
+        if moved and not self._tiers(layer)[1]:
+            self.pie.observe_transfer(DISK_TO_HOST, disk, took)
         with self.cond:
             self.counts["stage_objects"] += moved
 
@@ -230,10 +232,12 @@ class Swapper:
 
     def _stage_ahead(self, k):
         """TierKV's lookahead for the disk hop (the condition's lock held; Algorithm 1): the
-        nearest layer on the CPU with blocks on disk starts moving them up to host memory once
-        it is no further than the lookahead Eq. 1 asks of its two-hop transfer. A transfer no
-        lookahead hides is left to the swap-in (two hops on demand), as Algorithm 1 leaves a
-        block that does not fit the window; before the links are measured it starts at once."""
+        nearest layer on the CPU with blocks on disk whose two-hop transfer, started now, Eq. 1
+        says is hidden by the compute of the layers in between starts moving them up to host
+        memory. A layer not in time from here (or before the links and layer times are
+        measured) is left to its swap-in, as Algorithm 1 leaves a block that does not fit the
+        window. The store stages only into host room nothing else needs (`strata_kv_stage`), so
+        a stage never pushes another layer to disk."""
         if not self.lookahead or "stage" in self.inflight:
             return
         for d in range(1, self.n):
@@ -245,10 +249,9 @@ class Swapper:
                 continue
             o = self.pie.overlap(k, layer, host, disk)
             self.steps["disk"] = o.steps
-            if o.t_transfer >= 0 and o.window >= 0 and (o.steps < 0 or d > o.steps):
-                return  # not hidden at any distance, or still early: host room to layers needed sooner
+            if o.fits != 1:
+                continue
             self.counts["stages"] += 1
-            self.counts["stages_early"] += o.fits == 1
             self._submit("stage", layer, self.pool_stage.submit(self._stage, layer, disk))
             return
 

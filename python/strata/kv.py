@@ -94,9 +94,10 @@ class Stats(ctypes.Structure):
             "pool_created_pages pool_adopted_pages host_used_bytes host_capacity_bytes "
             "disk_used_bytes disk_capacity_bytes bytes_to_device bytes_from_device "
             "disk_read_bytes disk_write_bytes spills clean_spills clean_revocations restores "
-            "prefetch_hits prefetch_misses stalls evictions lost_blocks pages_revoked"
+            "prefetch_hits prefetch_misses stalls evictions lost_blocks pages_revoked "
+            "staged_objects staged_evicted"
         ).split()
-    ] + [("spare", _u64 * 8)]
+    ] + [("spare", _u64 * 6)]
 
 
 class TokenCopy(ctypes.Structure):
@@ -454,8 +455,9 @@ class KvSpace:
 
     def stage(self, requests):
         """Moves the disk-resident spilled blocks of `requests` up to host memory ahead of a
-        `make_resident` (TierKV's first hop), taking room only from requests that run later (the
-        `queue` order); returns the store objects moved (0 when nothing is on disk or no room)."""
+        `make_resident` (TierKV's first hop), only into host room nothing else needs (free, beyond
+        what spilling the other resident requests would take: it never pushes a request to disk);
+        returns the store objects moved (0 when nothing is on disk or no room)."""
         arr, n = _handles(list(requests))
         moved = _u64()
         _lib.check(_c().strata_kv_stage(self._space(), arr, n, ctypes.byref(moved)))

@@ -51,6 +51,35 @@ class KvSpaceTest(unittest.TestCase):
             self.assertEqual(st["blocks_resident"], 2)
             s.check()
 
+    def test_stage_moves_disk_blocks_up_only_into_free_host_room(self):
+        # The host tier holds one request's block (2 layers x K/V x one 2 MiB page).
+        with space(host_bytes=8 << 20, disk_bytes=64 << 20, disk_dir=self.dir.name) as s:
+            a, b = s.admit(), s.admit()
+            for seed, r in enumerate((a, b)):
+                r.append(4096)
+                r.write(0, "k", 0, pattern(seed, 4096 * BPT))
+            s.queue([a, b])
+            a.spill("host")
+            b.spill("host")  # b runs after a: to disk, not a
+            self.assertEqual((a.residency(), b.residency()), (["host"], ["disk"]))
+            before = s.stats()
+            # No free room: staging b would push a to disk, so nothing moves.
+            self.assertEqual(s.stage([b]), 0)
+            self.assertEqual((a.residency(), b.residency()), (["host"], ["disk"]))
+            after = s.stats()
+            self.assertEqual(after["disk_read_bytes"], before["disk_read_bytes"])
+            self.assertEqual(after["disk_write_bytes"], before["disk_write_bytes"])
+            a.release()
+            moved = s.stage([b])
+            self.assertGreater(moved, 0)
+            self.assertEqual(b.residency(), ["host"])
+            s.make_resident([b])  # one hop: nothing more read from disk
+            st = s.stats()
+            self.assertEqual(st["disk_read_bytes"] - after["disk_read_bytes"], 4 * (2 << 20))
+            self.assertEqual((st["staged_objects"], st["staged_evicted"]), (moved, 0))
+            self.assertEqual(b.read(0, "k", 0, 4096), pattern(1, 4096 * BPT))
+            s.check()
+
     def test_truncate_returns_pages_and_keeps_the_rest(self):
         with space(host_bytes=64 << 20, disk_bytes=64 << 20, disk_dir=self.dir.name) as s:
             r = s.admit()

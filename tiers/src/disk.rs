@@ -1,11 +1,12 @@
 //! The disk tier: one file in a configured directory, fixed-size block slots, space capped, an
-//! I/O thread pool, and `O_DIRECT` where the filesystem allows it (falling back when it does not).
+//! I/O thread pool whose demand requests go before background ones ([`Lane`]), and `O_DIRECT`
+//! where the filesystem allows it (falling back when it does not).
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -38,58 +39,154 @@ impl IoTicket {
     }
 }
 
-/// A fixed pool of I/O threads.
+/// Which queue of an [`IoPool`] a request joins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// Needed now (a restore waits for it): runs before every background request not yet
+    /// started.
+    Demand,
+    /// Ahead of need (staging): starts only while no demand request is queued and no
+    /// [`DemandGuard`] lives.
+    Background,
+}
+
+type Jobs = (VecDeque<Job>, VecDeque<Job>);
+
+#[derive(Default)]
+struct Queues {
+    jobs: Jobs,
+    /// Live [`DemandGuard`]s.
+    demand_ops: usize,
+    closed: bool,
+}
+
+impl Queues {
+    fn next(&mut self) -> Option<Job> {
+        if let Some(job) = self.jobs.0.pop_front() {
+            return Some(job);
+        }
+        if self.demand_ops == 0 {
+            return self.jobs.1.pop_front();
+        }
+        None
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    queues: Mutex<Queues>,
+    changed: Condvar,
+}
+
+/// A fixed pool of I/O threads with two lanes: demand requests first, background requests only
+/// while no demand is pending ([`Lane`]). A request already running is never interrupted.
 pub struct IoPool {
-    tx: Mutex<Option<Sender<Job>>>,
+    shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// While it lives, background requests of its [`IoPool`] do not start (see
+/// [`IoPool::demand`]).
+pub struct DemandGuard<'p> {
+    shared: &'p Shared,
+}
+
+impl Drop for DemandGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.queues.lock().demand_ops -= 1;
+        self.shared.changed.notify_all();
+    }
 }
 
 impl IoPool {
     pub fn new(threads: usize) -> Result<Self> {
-        let (tx, rx) = channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let shared = Arc::new(Shared::default());
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
-            let rx = Arc::clone(&rx);
+            let worker = Arc::clone(&shared);
             let h = std::thread::Builder::new()
                 .name(format!("strata-io-{i}"))
                 .spawn(move || loop {
-                    let job = rx.lock().recv();
+                    let mut q = worker.queues.lock();
+                    let job = loop {
+                        if let Some(job) = q.next() {
+                            break Some(job);
+                        }
+                        if q.closed && q.jobs.0.is_empty() && q.jobs.1.is_empty() {
+                            break None;
+                        }
+                        worker.changed.wait(&mut q);
+                    };
+                    drop(q);
                     match job {
-                        Ok(job) => job(),
-                        Err(_) => return,
+                        Some(job) => job(),
+                        None => return,
                     }
                 })
                 .map_err(|source| Error::Os {
                     call: "spawn io thread",
                     source,
-                })?;
-            handles.push(h);
+                });
+            match h {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    let pool = IoPool {
+                        shared,
+                        threads: Mutex::new(handles),
+                    };
+                    drop(pool);
+                    return Err(e);
+                }
+            }
         }
         Ok(IoPool {
-            tx: Mutex::new(Some(tx)),
+            shared,
             threads: Mutex::new(handles),
         })
     }
 
-    /// Runs `f` on a pool thread; its outcome completes the returned ticket.
-    pub fn submit(&self, f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<IoTicket> {
+    /// Runs `f` on a pool thread in `lane`; its outcome completes the returned ticket.
+    pub fn submit(
+        &self,
+        lane: Lane,
+        f: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<IoTicket> {
         let ticket = IoTicket::default();
         let t = ticket.clone();
         let job: Job = Box::new(move || t.complete(f()));
-        self.tx
-            .lock()
-            .as_ref()
-            .ok_or_else(|| Error::InvalidState("io pool shut down".into()))?
-            .send(job)
-            .map_err(|_| Error::InvalidState("io pool threads are gone".into()))?;
+        let mut q = self.shared.queues.lock();
+        if q.closed {
+            return Err(Error::InvalidState("io pool shut down".into()));
+        }
+        match lane {
+            Lane::Demand => q.jobs.0.push_back(job),
+            Lane::Background => q.jobs.1.push_back(job),
+        }
+        drop(q);
+        self.shared.changed.notify_one();
         Ok(ticket)
+    }
+
+    /// Holds back background requests not yet started until the guard drops: for an operation
+    /// whose demand requests come in rounds (a background read must not slip in between).
+    pub fn demand(&self) -> DemandGuard<'_> {
+        self.shared.queues.lock().demand_ops += 1;
+        DemandGuard {
+            shared: &self.shared,
+        }
+    }
+
+    /// Requests waiting to start: (demand, background).
+    pub fn queued(&self) -> (usize, usize) {
+        let q = self.shared.queues.lock();
+        (q.jobs.0.len(), q.jobs.1.len())
     }
 }
 
 impl Drop for IoPool {
     fn drop(&mut self) {
-        drop(self.tx.lock().take());
+        self.shared.queues.lock().closed = true;
+        self.shared.changed.notify_all();
         for h in self.threads.lock().drain(..) {
             let _ = h.join();
         }
@@ -297,5 +394,75 @@ impl DiskFile {
 impl Drop for DiskFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+
+    /// A pool whose one thread is busy until the returned sender sends (or drops).
+    fn busy_pool() -> (IoPool, mpsc::Sender<()>, IoTicket) {
+        let pool = IoPool::new(1).unwrap();
+        let (go, wait) = mpsc::channel::<()>();
+        let (started, running) = mpsc::channel::<()>();
+        let busy = pool
+            .submit(Lane::Demand, move || {
+                started.send(()).unwrap();
+                let _ = wait.recv();
+                Ok(())
+            })
+            .unwrap();
+        running.recv().unwrap();
+        (pool, go, busy)
+    }
+
+    fn logging(
+        log: &Arc<Mutex<Vec<&'static str>>>,
+        name: &'static str,
+    ) -> impl FnOnce() -> Result<()> {
+        let log = Arc::clone(log);
+        move || {
+            log.lock().push(name);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_demand_request_overtakes_queued_background_ones() {
+        let (pool, go, busy) = busy_pool();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut tickets = Vec::new();
+        for name in ["b1", "b2", "b3"] {
+            tickets.push(pool.submit(Lane::Background, logging(&log, name)).unwrap());
+        }
+        tickets.push(pool.submit(Lane::Demand, logging(&log, "d")).unwrap());
+        assert_eq!(pool.queued(), (1, 3));
+        go.send(()).unwrap();
+        busy.wait().unwrap();
+        for t in tickets {
+            t.wait().unwrap();
+        }
+        assert_eq!(*log.lock(), ["d", "b1", "b2", "b3"]);
+    }
+
+    #[test]
+    fn background_requests_wait_while_a_demand_guard_lives() {
+        let pool = IoPool::new(2).unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let guard = pool.demand();
+        let background = pool.submit(Lane::Background, logging(&log, "b")).unwrap();
+        // Both threads are idle, yet the background request waits; demand ones run.
+        pool.submit(Lane::Demand, logging(&log, "d"))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(*log.lock(), ["d"]);
+        assert_eq!(pool.queued(), (0, 1));
+        drop(guard);
+        background.wait().unwrap();
+        assert_eq!(*log.lock(), ["d", "b"]);
     }
 }

@@ -1,148 +1,22 @@
 //! KvBlockManager on a KvSpace: spill and restore at fixed addresses through host memory and
 //! disk, lookahead eviction and prefetch, revocation (lost blocks reported once), clean copies
 //! of full blocks (free re-spills, lossless revocations, dropped first under host pressure),
-//! bad input, and several engine threads with a revoker.
+//! bad input, and several engine threads with a revoker. Staging ahead of need: `kv_stage`;
+//! random walks: `kv_walk`.
 
 mod common;
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::kv::*;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use strata_allocator::{Kind, PagePool, PoolConfig};
-use strata_tiers::policy::Links;
-use strata_tiers::{
-    DiskConfig, KvBlockManager, KvBlocksConfig, PolicyKind, RequestId, StoreConfig, Tier, TierSpec,
-    TierStore,
-};
+use strata_allocator::Kind;
+use strata_tiers::{RequestId, Tier};
 use strata_vmm::Error;
-
-const PAGE: u64 = 2 << 20;
-const LAYERS: u32 = 2;
-/// Bytes per token per tensor: 512 tokens per block.
-const BPT: u64 = 4096;
-const TPB: u32 = (PAGE / BPT) as u32;
-/// The store's copy unit: 4 per tensor page.
-const CHUNK: u64 = 512 << 10;
-
-/// A manager whose pool holds at most `pool_pages` pages (4 per block), with host and disk
-/// tiers of `host_chunks` and `disk_chunks` store blocks.
-fn manager(
-    pool_pages: u64,
-    host_chunks: u64,
-    disk_chunks: u64,
-    dir: &std::path::Path,
-) -> KvBlockManager {
-    let b = backend(None);
-    let pool = PagePool::new(
-        Arc::clone(&b),
-        0,
-        PoolConfig {
-            background: false,
-            limit: Some(pool_pages * PAGE),
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
-    manager_on(pool, host_chunks, disk_chunks, dir)
-}
-
-/// A manager over `pool`, with host and disk tiers of `host_chunks` and `disk_chunks` store
-/// blocks.
-fn manager_on(
-    pool: Arc<PagePool>,
-    host_chunks: u64,
-    disk_chunks: u64,
-    dir: &std::path::Path,
-) -> KvBlockManager {
-    let mut c = StoreConfig::new(CHUNK, 0, host_chunks * CHUNK);
-    // As strata_kv_create: the host tier sends the blocks of the request running last to disk.
-    c.host_policy = PolicyKind::Lookahead;
-    c.disk = Some(DiskConfig {
-        dir: dir.to_path_buf(),
-        spec: TierSpec {
-            capacity: disk_chunks * CHUNK,
-            bandwidth: 7e9,
-            latency: Duration::from_micros(80),
-        },
-        io_threads: 2,
-        direct: true,
-    });
-    c.staging_blocks = 8;
-    let store = Arc::new(TierStore::new(pool, c).unwrap());
-    KvBlockManager::new(
-        store,
-        KvBlocksConfig {
-            layers: LAYERS,
-            max_requests: 16,
-            max_tokens: 4 * TPB,
-            bytes_per_token: BPT,
-            t_iter: Duration::from_millis(20),
-            delta_sched: Duration::ZERO,
-            links: Links {
-                host_to_hbm: (Duration::from_micros(5), 50e9),
-                disk_to_host: (Duration::from_micros(80), 7e9),
-            },
-            zero_page: true,
-        },
-    )
-    .unwrap()
-}
-
-fn tensors() -> impl Iterator<Item = (usize, u32, Kind)> {
-    (0..LAYERS)
-        .flat_map(|l| [(l, Kind::K), (l, Kind::V)])
-        .enumerate()
-        .map(|(t, (l, k))| (t, l, k))
-}
-
-fn pattern(seed: u64, t: usize, from: u32, n: u32) -> Vec<u8> {
-    let mut v = vec![0u8; (u64::from(n) * BPT) as usize];
-    strata_kernels::pattern::fill(&mut v, seed * 64 + t as u64, u64::from(from) * BPT);
-    v
-}
-
-/// Writes the pattern of `seed` into tokens `from..from + n` of every tensor of `r`.
-fn fill(m: &KvBlockManager, r: RequestId, seed: u64, from: u32, n: u32) -> Result<(), Error> {
-    for (t, l, k) in tensors() {
-        m.write_kv(r, l, k, from, &pattern(seed, t, from, n))?;
-    }
-    Ok(())
-}
-
-/// Appends `n` tokens to `r` and writes them.
-fn grow(m: &KvBlockManager, r: RequestId, seed: u64, n: u32) -> Result<(), Error> {
-    let have = m.tokens(r)?;
-    m.append(r, n)?;
-    fill(m, r, seed, have, n)
-}
-
-/// Reads every token of `r` in every tensor and checks it; returns the slowest tier read and
-/// the blocks checked.
-fn verify(m: &KvBlockManager, r: RequestId, seed: u64) -> Result<(Tier, usize), Error> {
-    let total = m.tokens(r)?;
-    let mut slowest = Tier::Hbm;
-    for (t, l, k) in tensors() {
-        let mut buf = vec![0u8; (u64::from(total) * BPT) as usize];
-        slowest = slowest.max(m.read_kv(r, l, k, 0, &mut buf)?);
-        assert_eq!(
-            strata_kernels::pattern::first_mismatch(&buf, seed * 64 + t as u64, 0),
-            None,
-            "request {r:?} tensor {t}"
-        );
-    }
-    Ok((slowest, total.div_ceil(TPB) as usize))
-}
-
-fn ptrs(m: &KvBlockManager, r: RequestId) -> Vec<u64> {
-    tensors()
-        .map(|(_, l, k)| m.kv_ptr(r, l, k).unwrap())
-        .collect()
-}
 
 #[test]
 fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
@@ -176,10 +50,11 @@ fn blocks_spill_when_paused_and_come_back_ahead_of_use_at_the_same_addresses() {
     assert_eq!(m.blocks(a).unwrap(), vec![Some(Tier::Hbm); 2]);
     assert_eq!(m.stats().hinted_prefetches, 2);
     // Block 0 is full: its objects stay as its clean copy, kept in host memory on the way up
-    // from disk (the disk slots are freed); block 1's are released.
+    // from disk, and on disk too (the same bytes: the host copy can go without a write);
+    // block 1's are released.
     assert_eq!(m.store().stats().objects, 4 * 4);
     assert_eq!(m.clean_blocks(a).unwrap(), vec![0]);
-    assert_eq!(m.store().stats().disk_used, 0);
+    assert_eq!(m.store().stats().disk_used, 4 * 4);
     assert_eq!(m.store().stats().host_used, 4 * 4);
     assert_eq!(
         ptrs(&m, a),
@@ -374,64 +249,6 @@ fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     m.check_invariants().unwrap();
 }
 
-/// TierKV's order for the host tier: a full host tier sends the blocks of the request that runs
-/// last to disk (never one that runs sooner), and `stage` brings the disk blocks of the next
-/// request up to host memory ahead of its restore, taking room only from requests that run
-/// later.
-#[test]
-fn host_room_follows_the_queue_and_stage_brings_the_next_request_up_from_disk() {
-    let dir = tempfile::tempdir().unwrap();
-    // The host tier holds one full block (2 layers × K/V × 4 chunks).
-    let m = manager(16, 16, 256, dir.path());
-    let r: Vec<RequestId> = (0..3).map(|_| m.admit().unwrap()).collect();
-    for (i, &q) in r.iter().enumerate() {
-        grow(&m, q, 60 + i as u64, TPB).unwrap();
-    }
-    m.queue(&[r[0], r[1], r[2]]);
-    m.pause(r[0], Tier::Host).unwrap();
-    // r[2] and r[1] run after r[0]: they go to disk rather than push r[0] there.
-    m.pause(r[2], Tier::Host).unwrap();
-    m.pause(r[1], Tier::Host).unwrap();
-    let tiers = |m: &KvBlockManager| -> Vec<Vec<Option<Tier>>> {
-        r.iter().map(|&q| m.blocks(q).unwrap()).collect()
-    };
-    assert_eq!(
-        tiers(&m),
-        vec![
-            vec![Some(Tier::Host)],
-            vec![Some(Tier::Disk)],
-            vec![Some(Tier::Disk)]
-        ]
-    );
-    // r[0] ran; now r[1] runs next and r[0] last: staging r[1] moves r[0]'s blocks to disk to
-    // make room.
-    m.queue(&[r[1], r[2], r[0]]);
-    let read_before = m.store().stats().disk_read_bytes;
-    assert_eq!(m.stage(&[r[1]]).unwrap(), 16);
-    assert_eq!(
-        tiers(&m),
-        vec![
-            vec![Some(Tier::Disk)],
-            vec![Some(Tier::Host)],
-            vec![Some(Tier::Disk)]
-        ]
-    );
-    assert_eq!(m.store().stats().disk_read_bytes - read_before, 16 * CHUNK);
-    assert_eq!(m.store().stats().staged, 16);
-    // r[2] runs after r[1]: staging it would displace r[1]'s blocks, so nothing moves.
-    assert_eq!(m.stage(&[r[2]]).unwrap(), 0);
-    assert_eq!(m.blocks(r[2]).unwrap(), vec![Some(Tier::Disk)]);
-    // r[1] comes back from host memory: one hop, nothing read from disk.
-    let read_before = m.store().stats().disk_read_bytes;
-    m.make_resident(&[r[1]]).unwrap().synchronize().unwrap();
-    assert_eq!(m.store().stats().disk_read_bytes, read_before);
-    for (i, &q) in r.iter().enumerate() {
-        m.make_resident(&[q]).unwrap().synchronize().unwrap();
-        assert_eq!(verify(&m, q, 60 + i as u64).unwrap(), (Tier::Hbm, 1));
-    }
-    m.check_invariants().unwrap();
-}
-
 #[test]
 fn revoked_blocks_are_lost_reported_once_and_rebuilt_at_the_same_addresses() {
     let dir = tempfile::tempdir().unwrap();
@@ -577,10 +394,6 @@ fn a_lossy_revocation_asks_the_driver_once_not_once_per_lost_block() {
 }
 
 /// Bytes copied device → host so far (spills).
-fn bytes_down(m: &KvBlockManager) -> u64 {
-    m.store().stats().transfers.bytes_d2h
-}
-
 #[test]
 fn a_full_restored_block_spills_again_without_a_copy_and_keeps_its_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -842,289 +655,6 @@ fn engine_threads_and_a_revoker() {
     m.check_invariants().unwrap();
     assert_eq!(m.store().stats().objects, 0);
     assert_eq!(stats.blocks, 0);
-}
-
-/// A request of the walk's model: its pattern seed and the blocks it must recompute.
-struct Model {
-    id: RequestId,
-    seed: u64,
-    /// Lost and not yet reported by `take_lost`.
-    unreported: Vec<usize>,
-    /// Reported: recomputed after the next successful `make_resident`.
-    to_rebuild: Vec<usize>,
-    /// Full blocks restored and resident since: the manager's clean blocks are among them (the
-    /// store may drop some copies for room).
-    clean: BTreeSet<usize>,
-}
-
-/// Blocks of `r` that are spilled (not resident, not lost).
-fn spilled(m: &KvBlockManager, r: RequestId) -> BTreeSet<usize> {
-    let blocks = m.blocks(r).unwrap();
-    (0..blocks.len())
-        .filter(|&p| blocks[p].is_some_and(|t| t != Tier::Hbm))
-        .collect()
-}
-
-/// The model's clean blocks gain `was_spilled` blocks of `q` now resident and full.
-fn restored(m: &KvBlockManager, q: &mut Model, was_spilled: &BTreeSet<usize>) {
-    let tokens = m.tokens(q.id).unwrap();
-    let blocks = m.blocks(q.id).unwrap();
-    q.clean.extend(
-        was_spilled
-            .iter()
-            .filter(|&&p| blocks[p] == Some(Tier::Hbm) && (p as u32 + 1) * TPB <= tokens),
-    );
-}
-
-/// Rewrites the pattern of block `p` of `r` (the engine's recomputation).
-fn rebuild(m: &KvBlockManager, r: RequestId, seed: u64, p: usize) -> Result<(), Error> {
-    let tokens = m.tokens(r)?;
-    let first = p as u32 * TPB;
-    fill(m, r, seed, first, (tokens - first).min(TPB))
-}
-
-/// One random walk: every operation, its expected outcome from the model, the invariant checker
-/// after every step, every request's bytes checked whenever none of its blocks is lost. Returns
-/// the clean hits (spills without a copy, revocations without loss).
-fn walk(seed: u64, steps: u32) -> u64 {
-    let dir = tempfile::tempdir().unwrap();
-    let m = manager(24, 32, 400, dir.path());
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let mut live: Vec<Model> = Vec::new();
-    let mut held = Vec::new();
-    let (mut step, mut lost_total, mut checked) = (0u64, 0usize, 0usize);
-    for i in 0..steps {
-        let op = rng.random_range(0..11);
-        let pick = |rng: &mut SmallRng, n: usize| rng.random_range(0..n.max(1));
-        match op {
-            0 if live.len() < 16 => {
-                let id = m.admit().unwrap();
-                live.push(Model {
-                    id,
-                    seed: seed * 10_000 + u64::from(i),
-                    unreported: Vec::new(),
-                    to_rebuild: Vec::new(),
-                    clean: BTreeSet::new(),
-                });
-            }
-            1 | 2 if !live.is_empty() => {
-                let k = pick(&mut rng, live.len());
-                let q = &live[k];
-                let have = m.tokens(q.id).unwrap();
-                let n = rng.random_range(1..200u32).min(4 * TPB - have);
-                if n == 0 {
-                    continue;
-                }
-                let first = (have / TPB) as usize;
-                let blocked = !q.unreported.is_empty()
-                    || m.blocks(q.id).unwrap()[first.min(m.blocks(q.id).unwrap().len())..]
-                        .iter()
-                        .any(|t| *t != Some(Tier::Hbm));
-                match m.append(q.id, n) {
-                    Ok(()) => {
-                        assert!(!blocked, "append onto a block that is not resident");
-                        fill(&m, q.id, q.seed, have, n).unwrap();
-                    }
-                    Err(Error::InvalidState(_)) => assert!(blocked),
-                    Err(e) => {
-                        assert!(e.is_out_of_memory(), "{e}");
-                        assert_eq!(m.tokens(q.id).unwrap(), have);
-                    }
-                }
-            }
-            3 | 4 if !live.is_empty() => {
-                let batch: Vec<usize> = (0..rng.random_range(1..=3))
-                    .map(|_| pick(&mut rng, live.len()))
-                    .collect();
-                let ids: Vec<RequestId> = batch.iter().map(|&k| live[k].id).collect();
-                // Resident, spilled (host or disk: victims spilled for room may push spilled
-                // chunks from host to disk) or lost.
-                let state = |r: RequestId| -> Vec<Option<bool>> {
-                    let blocks = m.blocks(r).unwrap();
-                    blocks.iter().map(|t| t.map(|t| t == Tier::Hbm)).collect()
-                };
-                let before: Vec<_> = ids.iter().map(|&r| state(r)).collect();
-                let was_spilled: Vec<_> = ids.iter().map(|&r| spilled(&m, r)).collect();
-                let lost_first = batch.iter().any(|&k| !live[k].unreported.is_empty());
-                match m.make_resident(&ids) {
-                    Ok(ev) => {
-                        assert!(!lost_first);
-                        ev.synchronize().unwrap();
-                        for (j, &k) in batch.iter().enumerate() {
-                            let q = &mut live[k];
-                            // Every full block restored keeps a clean copy, at first.
-                            let before = q.clean.clone();
-                            restored(&m, q, &was_spilled[j]);
-                            let fresh: BTreeSet<usize> =
-                                q.clean.difference(&before).copied().collect();
-                            let clean: BTreeSet<usize> =
-                                m.clean_blocks(q.id).unwrap().into_iter().collect();
-                            assert!(fresh.is_subset(&clean), "{fresh:?} not in {clean:?}");
-                            assert!(m
-                                .blocks(q.id)
-                                .unwrap()
-                                .iter()
-                                .all(|t| *t == Some(Tier::Hbm)));
-                            for p in std::mem::take(&mut q.to_rebuild) {
-                                rebuild(&m, q.id, q.seed, p).unwrap();
-                            }
-                            // Back at the same addresses, with the same bytes.
-                            if m.tokens(q.id).unwrap() > 0 {
-                                let (tier, n) = verify(&m, q.id, q.seed).unwrap();
-                                assert_eq!(tier, Tier::Hbm);
-                                checked += n;
-                            }
-                        }
-                    }
-                    Err(Error::InvalidState(_)) => assert!(lost_first),
-                    Err(e) => {
-                        assert!(e.is_out_of_memory(), "{e}");
-                        let after: Vec<_> = ids.iter().map(|&r| state(r)).collect();
-                        assert_eq!(before, after, "a failed make_resident moved blocks");
-                    }
-                }
-            }
-            5 if !live.is_empty() => {
-                let q = &live[pick(&mut rng, live.len())];
-                let to = if rng.random_bool(0.5) {
-                    Tier::Host
-                } else {
-                    Tier::Disk
-                };
-                // When every resident block is clean, the spill copies nothing.
-                let blocks = m.blocks(q.id).unwrap();
-                let resident: Vec<usize> = (0..blocks.len())
-                    .filter(|&p| blocks[p] == Some(Tier::Hbm))
-                    .collect();
-                let all_clean = resident == m.clean_blocks(q.id).unwrap();
-                let down = bytes_down(&m);
-                match m.pause(q.id, to) {
-                    Ok(()) => {
-                        assert!(!m.blocks(q.id).unwrap().contains(&Some(Tier::Hbm)));
-                        if all_clean {
-                            assert_eq!(bytes_down(&m), down, "a clean spill copied");
-                        }
-                    }
-                    Err(e) => assert!(e.is_out_of_memory(), "{e}"),
-                }
-            }
-            6 => {
-                let schedule: Vec<Vec<RequestId>> = (0..2)
-                    .map(|_| {
-                        live.iter()
-                            .filter(|_| rng.random_bool(0.3))
-                            .map(|q| q.id)
-                            .collect()
-                    })
-                    .collect();
-                let was_spilled: Vec<_> = live.iter().map(|q| spilled(&m, q.id)).collect();
-                if let Some(ev) = m.hint(&schedule).unwrap() {
-                    ev.synchronize().unwrap();
-                }
-                for (q, was) in live.iter_mut().zip(&was_spilled) {
-                    restored(&m, q, was);
-                }
-            }
-            7 => {
-                step += 1;
-                m.advance(step);
-                if rng.random_bool(0.3) {
-                    m.spill_idle(2, Tier::Host).unwrap();
-                }
-            }
-            8 => {
-                if held.len() < 12 && rng.random_bool(0.6) {
-                    let clean: Vec<Vec<usize>> =
-                        live.iter().map(|q| m.clean_blocks(q.id).unwrap()).collect();
-                    let kept = m.stats().clean_revocations;
-                    match m.revoke(4) {
-                        Ok(rev) => {
-                            assert_eq!(rev.pages.len(), 4);
-                            held.extend(rev.pages);
-                            for (r, ps) in rev.lost {
-                                lost_total += ps.len();
-                                let k = live.iter().position(|q| q.id == r).unwrap();
-                                assert!(
-                                    ps.iter().all(|p| !clean[k].contains(p)),
-                                    "a clean block was lost"
-                                );
-                                live[k].unreported.extend(ps);
-                            }
-                            // Clean blocks revoked became spilled, each counted.
-                            let mut went_down = 0;
-                            for (q, c) in live.iter().zip(&clean) {
-                                let blocks = m.blocks(q.id).unwrap();
-                                for &p in c {
-                                    assert_ne!(blocks[p], None, "clean block {p} lost");
-                                    went_down += u64::from(blocks[p] != Some(Tier::Hbm));
-                                }
-                            }
-                            assert_eq!(m.stats().clean_revocations - kept, went_down);
-                        }
-                        Err(e) => assert!(e.is_out_of_memory(), "{e}"),
-                    }
-                } else {
-                    m.store().pool().give(std::mem::take(&mut held));
-                }
-            }
-            9 if !live.is_empty() => {
-                let k = pick(&mut rng, live.len());
-                let q = &mut live[k];
-                let mut expected = std::mem::take(&mut q.unreported);
-                expected.sort_unstable();
-                assert_eq!(m.take_lost(q.id).unwrap(), expected);
-                q.to_rebuild.extend(expected);
-            }
-            10 if !live.is_empty() => {
-                let k = pick(&mut rng, live.len());
-                if rng.random_bool(0.3) {
-                    let q = live.swap_remove(k);
-                    m.release(q.id).unwrap();
-                    assert!(matches!(m.tokens(q.id), Err(Error::StaleId { .. })));
-                } else if m.tokens(live[k].id).unwrap() > 0 {
-                    let q = &live[k];
-                    let lost = !q.unreported.is_empty() || !q.to_rebuild.is_empty();
-                    match verify(&m, q.id, q.seed) {
-                        Ok((_, n)) => {
-                            assert!(!lost);
-                            checked += n;
-                        }
-                        Err(e) => assert!(lost && matches!(e, Error::InvalidState(_)), "{e}"),
-                    }
-                }
-            }
-            _ => {}
-        }
-        m.check_invariants()
-            .unwrap_or_else(|e| panic!("walk {seed}, step {i} (op {op}): {e}"));
-        // The manager's clean blocks are resident full blocks the model restored.
-        for q in &mut live {
-            let clean: BTreeSet<usize> = m.clean_blocks(q.id).unwrap().into_iter().collect();
-            assert!(
-                clean.is_subset(&q.clean),
-                "walk {seed}, step {i}: clean {clean:?}, model {:?}",
-                q.clean
-            );
-            let blocks = m.blocks(q.id).unwrap();
-            q.clean.retain(|&p| blocks.get(p) == Some(&Some(Tier::Hbm)));
-        }
-    }
-    for q in live {
-        m.release(q.id).unwrap();
-    }
-    m.store().pool().give(held);
-    m.check_invariants().unwrap();
-    assert_eq!(m.store().stats().objects, 0);
-    assert_eq!(m.stats().lost_blocks as usize, lost_total);
-    assert!(checked > 0, "walk {seed} checked nothing");
-    let s = m.stats();
-    s.clean_spills + s.clean_revocations
-}
-
-#[test]
-fn random_walks_against_a_model() {
-    let clean_hits: u64 = (1..=2).map(|seed| walk(seed, 250)).sum();
-    assert!(clean_hits > 0, "the walks never used a clean copy");
 }
 
 #[test]

@@ -431,20 +431,65 @@ fn a_kept_restore_from_disk_keeps_the_copy_in_free_host_memory() {
     assert_eq!(tiers.iter().filter(|&&t| t == Tier::Host).count(), 2);
     assert_eq!(tiers.iter().filter(|&&t| t == Tier::Disk).count(), 2);
     assert_eq!(s.stats().host_used, 4);
-    assert_eq!(s.stats().disk_used, 2);
-    // A restore that releases (take) never moves anything up.
-    let rest: Vec<_> = on_disk
+    // The two moved up keep their disk copies too (the bytes never changed): sending them
+    // back down writes nothing.
+    assert_eq!(s.stats().disk_used, 4);
+    let moved: Vec<_> = on_disk
         .iter()
-        .filter(|&&k| s.residency(ids[k]).unwrap().fastest() == Some(Tier::Disk))
-        .map(|&k| (ids[k], at(k as u64)))
+        .map(|&k| ids[k])
+        .filter(|&id| s.residency(id).unwrap().host.is_some())
         .collect();
+    for &id in &moved {
+        assert!(s.residency(id).unwrap().disk.is_some());
+    }
+    let written = s.stats().disk_write_bytes;
+    s.spill(&moved, Tier::Disk).unwrap();
+    assert_eq!(s.stats().disk_write_bytes, written);
+    assert_eq!(s.stats().host_used, 2);
+    for &k in &on_disk {
+        check(&s, ids[k], 200 + k as u64);
+    }
+    // A restore that releases (take) never moves anything up.
+    let rest: Vec<_> = on_disk.iter().map(|&k| (ids[k], at(k as u64))).collect();
     s.release(ids[in_host[2]]).unwrap();
     s.take_to_device(&rest, &scope)
         .unwrap()
         .synchronize()
         .unwrap();
     assert_eq!(s.stats().disk_used, 0);
-    assert_eq!(s.stats().host_used, 3);
+    assert_eq!(s.stats().host_used, 1);
+    s.check_invariants().unwrap();
+}
+
+/// A full disk tier takes the slot of a disk copy whose bytes host memory also holds (a kept
+/// restore leaves both) before it refuses a write.
+#[test]
+fn a_full_disk_takes_the_slot_of_a_copy_that_host_memory_also_holds() {
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(&b, dir.path(), 1, 4, 4);
+    let out = outside(&s);
+    let scope = [&*out.reservation];
+    let ids: Vec<_> = (0..5)
+        .map(|k| s.put(&block(300 + k), Durability::Backed, k).unwrap())
+        .collect();
+    s.spill(&ids[..4], Tier::Disk).unwrap();
+    assert_eq!((s.stats().disk_used, s.stats().disk_slots), (4, 4));
+    // A kept restore reads ids[0] into host memory; its disk copy stays. Its owner then relies
+    // on the store again: it is no redundant copy that could simply be dropped.
+    s.copy_to_device(&[(ids[0], out.reservation.ptr())], &scope)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    assert!(s.set_redundant(&[ids[0]], false).unwrap());
+    let r = s.residency(ids[0]).unwrap();
+    assert!(r.host.is_some() && r.disk.is_some());
+    s.spill(&ids[4..], Tier::Disk).unwrap();
+    assert_eq!(s.residency(ids[4]).unwrap().fastest(), Some(Tier::Disk));
+    assert_eq!(s.residency(ids[0]).unwrap().disk, None);
+    for (k, &id) in ids.iter().enumerate() {
+        check(&s, id, 300 + k as u64);
+    }
     s.check_invariants().unwrap();
 }
 
@@ -634,6 +679,52 @@ fn a_held_two_hop_read_does_not_stop_other_objects_moving() {
         "other objects waited for a held two-hop read"
     );
     assert_eq!(check(&s, on_disk, 1), Tier::Hbm);
+    s.check_invariants().unwrap();
+}
+
+/// Demand first: while a restore's two-hop reads are under way, no staging read starts, even on
+/// an idle I/O thread; the staging reads run once the restore's are done.
+#[test]
+fn staging_reads_wait_while_a_restore_reads_disk() {
+    use std::time::{Duration, Instant};
+    let b = backend(None);
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(store(&b, dir.path(), 1, 8, 16));
+    let ids: Vec<_> = (0..5)
+        .map(|k| s.put(&block(10 + k), Durability::Backed, k).unwrap())
+        .collect();
+    s.spill(&ids, Tier::Disk).unwrap();
+    let io = s.io_pool().unwrap();
+    let hold = s.disk_file().unwrap().hold_reads();
+    let demand = {
+        let s = Arc::clone(&s);
+        let id = ids[0];
+        std::thread::spawn(move || s.prefetch(&[id]).and_then(|ev| ev.synchronize()))
+    };
+    assert!(
+        hold.wait_for_readers(1, Duration::from_secs(10)),
+        "the restore's read never started"
+    );
+    let stage = {
+        let s = Arc::clone(&s);
+        let staged = ids[1..].to_vec();
+        std::thread::spawn(move || s.stage_to_host(&staged, 0))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while io.queued() != (0, 4) {
+        assert!(Instant::now() < deadline, "queued: {:?}", io.queued());
+        std::thread::yield_now();
+    }
+    // The second I/O thread is idle, yet no staging read reaches the disk.
+    assert!(!hold.wait_for_readers(2, Duration::from_millis(200)));
+    assert_eq!(io.queued(), (0, 4));
+    drop(hold);
+    demand.join().unwrap().unwrap();
+    assert_eq!(stage.join().unwrap().unwrap(), 4);
+    assert_eq!(s.stats().staged, 4);
+    for (k, &id) in ids.iter().enumerate() {
+        check(&s, id, 10 + k as u64);
+    }
     s.check_invariants().unwrap();
 }
 

@@ -42,7 +42,9 @@ pub struct strata_kv_stats_t {
     pub evictions: u64,
     pub lost_blocks: u64,
     pub pages_revoked: u64,
-    pub spare: [u64; 8],
+    pub staged_objects: u64,
+    pub staged_evicted: u64,
+    pub spare: [u64; 6],
 }
 
 /// The space's figures.
@@ -94,7 +96,9 @@ pub unsafe extern "C" fn strata_kv_stats(kv: u64, out: *mut strata_kv_stats_t) -
             evictions: k.evictions,
             lost_blocks: k.lost_blocks,
             pages_revoked: k.pages_revoked,
-            spare: [0; 8],
+            staged_objects: st.staged,
+            staged_evicted: st.staged_evicted,
+            spare: [0; 6],
         };
         // SAFETY: non-NULL and writable by this function's contract.
         unsafe { out.write(stats) };

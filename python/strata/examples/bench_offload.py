@@ -63,8 +63,9 @@ def figures(s):
     mb = 1e6
     return (
         f"{off['stalls']} ({off['stall_seconds']:.2f} s) | {off['swap_ins']} ({off['two_hop_swap_ins']} two-hop) | "
-        f"{off['swap_ins_early']} ({off['swap_ins_early_hidden']}) | {off['stages']} ({off['stages_early']}, "
-        f"{off['stages_hidden']}) | {s['disk_read_bytes'] / mb:.0f} / {s['disk_write_bytes'] / mb:.0f} | "
+        f"{off['swap_ins_early']} ({off['swap_ins_early_hidden']}) | {off['stages']} ({s['staged_objects']}, "
+        f"{s['staged_evicted']}, {off['stages_hidden']}) | "
+        f"{s['disk_read_bytes'] / mb:.0f} / {s['disk_write_bytes'] / mb:.0f} | "
         f"{(s['bytes_to_device'] + s['bytes_from_device']) / mb:.0f}"
     )
 
@@ -102,7 +103,8 @@ def main(argv=None):
     base = median([r[0] for r in results["no offload"]])
     print("| configuration | budget | host tier | s, each round | median s | tok/s | vs no offload | "
           "median round: stalls (s waited) | swap-ins (two-hop) | predicted hidden by Eq. 1 (and hidden) | "
-          "stages (predicted in time, then one-hop) | disk MB read / written | MB over the link |")
+          "stages (objects moved up, of those evicted unread, layers then one-hop) | disk MB read / written | "
+          "MB over the link |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, budget, host, _, _ in chosen:
         times = [r[0] for r in results[name]]

@@ -19,13 +19,14 @@
 //!   ([`KvBlockManager::advance`] moves it) are never chosen.
 //! - **Clean copies**: a block is *full* when every token slot of its page is written; appends
 //!   only go past it, so its bytes never change. A full block keeps its store objects when it
-//!   is restored (its *clean copy*, redundant in the store). A copy restored from disk moves
-//!   into a free host slot on the way up, as TierKV keeps the DRAM copy, and stays on disk
-//!   when none is free. Other blocks release theirs. Spilling a block with a clean copy copies nothing: after the copies
-//!   into it, its pages are evicted and the copy becomes its spilled copy; a revocation takes
-//!   such blocks first and loses nothing (they become spilled, not lost). Writing a block
-//!   through [`KvBlockManager::write_kv`] drops its clean copy (an engine's kernels never
-//!   rewrite a full block), and so do `release` and drop.
+//!   is restored (its *clean copy*, redundant in the store). A copy restored from disk also
+//!   lands in a free host slot on the way up, as TierKV keeps the DRAM copy, and keeps its
+//!   disk copy (so that host copy can go again without a write). Other blocks release theirs.
+//!   Spilling a block with a clean copy copies nothing: after the copies into it, its pages
+//!   are evicted and the copy becomes its spilled copy; a revocation takes such blocks first
+//!   and loses nothing (they become spilled, not lost). Writing a block through
+//!   [`KvBlockManager::write_kv`] drops its clean copy (an engine's kernels never rewrite a
+//!   full block), and so do `release` and drop.
 //! - **Clean copies under pressure**: they are redundant, so the store drops them first when the
 //!   host tier (or the disk tier) is full, before it moves a sole copy to disk or fails a spill.
 //!   A dropped clean copy is no loss while the block is resident: the block is just no longer

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use strata_allocator::KvSpace;
 use strata_vmm::{record_deferred, Event, Result};
 
-use crate::object::{ObjectId, Tier};
+use crate::object::Tier;
 use crate::policy::{plan_prefetch, EvictionPolicy};
 
-use super::{get, lost_first, runs, Inner, KvBlockManager, RequestId};
+use super::{get, lost_first, resident_blocks, runs, Inner, KvBlockManager, RequestId};
 
 impl KvBlockManager {
     /// Moves to `step` (the policies' clock; it never goes back). Requests used in the current
@@ -94,25 +94,44 @@ impl KvBlockManager {
 
     /// TierKV's first hop ahead of need (§3.3): the spilled blocks of `batch` that sit on disk
     /// move up to host memory, so that a later [`KvBlockManager::make_resident`] copies them
-    /// from there. Room comes only from requests that run later than every request of `batch`
-    /// (the order [`KvBlockManager::queue`] and [`KvBlockManager::hint`] gave the store's host
-    /// policy) and from clean copies; what finds none stays on disk (a hint, not an error).
-    /// Returns the store objects moved up. The file reads run without this manager's lock, so
-    /// requests outside `batch` can be spilled and made resident meanwhile.
+    /// from there. Only into host room nothing else needs: free slots beyond what spilling
+    /// every other resident request would take ([`crate::TierStore::stage_to_host`]: staging
+    /// never moves another request's blocks down, which would only trade this disk read for
+    /// one of theirs); what finds none stays on disk (a hint, not an error). Returns the store
+    /// objects moved up. The file reads run without this manager's lock, so requests outside
+    /// `batch` can be spilled and made resident meanwhile, and behind every read of a restore.
     pub fn stage(&self, batch: &[RequestId]) -> Result<usize> {
-        let ids: Vec<ObjectId> = {
+        let (ids, reserve) = {
             let inner = self.inner.lock();
             let mut ids = Vec::new();
             for &r in batch {
                 ids.extend(get(&inner.reqs, r)?.spilled.values().flatten().copied());
             }
-            ids
+            (ids, self.spill_room(&inner, batch)?)
         };
         if ids.is_empty() {
             return Ok(0);
         }
-        let owners: Vec<u64> = batch.iter().map(|r| r.0).collect();
-        self.store.stage_to_host(&ids, &owners)
+        self.store.stage_to_host(&ids, reserve)
+    }
+
+    /// Store objects a spill of every resident request outside `batch` would create: the used
+    /// chunks of their resident blocks without a clean copy, in every tensor.
+    fn spill_room(&self, inner: &Inner, batch: &[RequestId]) -> Result<usize> {
+        let tensors = 2 * u64::from(self.config.layers);
+        let mut n = 0;
+        for (&r, q) in &inner.reqs {
+            if batch.contains(&RequestId(r)) {
+                continue;
+            }
+            let tokens = inner.space.tokens(q.slot)?;
+            for p in resident_blocks(&inner.space, q)? {
+                if !q.clean.contains_key(&p) {
+                    n += self.used_chunks(p, tokens) * tensors;
+                }
+            }
+        }
+        Ok(n as usize)
     }
 
     /// Makes every block of `batch` resident: maps pages behind its spilled and lost blocks

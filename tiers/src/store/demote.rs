@@ -161,15 +161,32 @@ impl TierStore {
         Ok(())
     }
 
-    /// A free disk slot for object `index`, dropping a redundant object for it when the tier
-    /// is full.
+    /// A free disk slot for object `index`. When the tier is full, a redundant object gives its
+    /// slot first, then the disk copy of an object that has the same bytes in host memory too
+    /// (the one whose owner runs soonest by the host policy: its host copy is the last to go).
     pub(super) fn take_disk<'s>(&'s self, op: &mut Op<'_>, index: u32) -> Result<SlotLease<'s>> {
         let Some(cfg) = &self.config.disk else {
             return Err(Error::InvalidState("the store has no disk tier".into()));
         };
         op.settle();
-        if op.st.disk.free.is_empty() {
-            self.drop_redundant(op, SlotTier::Disk, &HashSet::from([index]));
+        if op.st.disk.free.is_empty()
+            && !self.drop_redundant(op, SlotTier::Disk, &HashSet::from([index]))
+        {
+            let me = op.token();
+            let st = &mut *op.st;
+            let duplicate = (0..st.objs.len() as u32)
+                .filter(|&i| {
+                    let o = &st.objs[i as usize];
+                    i != index
+                        && o.live
+                        && o.free_for(me)
+                        && o.res.host.is_some()
+                        && o.res.disk.is_some()
+                })
+                .min_by_key(|&i| st.host_policy.distance(st.objs[i as usize].owner));
+            if let Some(d) = duplicate.and_then(|i| st.objs[i as usize].res.disk.take()) {
+                st.disk.put_back(d, None);
+            }
         }
         let st = &mut *op.st;
         st.lease(SlotTier::Disk, index, &self.returns)

@@ -183,6 +183,7 @@ impl TierStore {
             let st = &mut *op.st;
             let mut batch = Batch::new(Direction::HostToDevice);
             for &(i, dst, _) in &from_host {
+                st.objs[i as usize].staged = false;
                 let o = &st.objs[i as usize];
                 batch.after(o.host_ready.as_ref());
                 let h = o.res.host.unwrap_or_default();

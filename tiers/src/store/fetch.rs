@@ -11,7 +11,7 @@ use super::io::{sync, Batch};
 use super::slots::{SlotLease, SlotTier};
 use super::state::Op;
 use super::TierStore;
-use crate::disk::{DiskFile, IoPool};
+use crate::disk::{DiskFile, IoPool, Lane};
 use crate::object::ObjectId;
 use crate::policy::Tier;
 use crate::transfer::Direction;
@@ -23,7 +23,8 @@ pub(super) enum HopTarget<'a> {
     Hbm,
     /// Device addresses of another owner (`dsts[k]` for the k-th object), inside `scope`.
     /// An object whose `keep[k]` is set is read into a free host slot instead of staging and
-    /// stays there, leaving the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
+    /// stays there as a second copy (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move; the
+    /// disk copy stays, so a later eviction of the host copy writes nothing).
     Outside {
         dsts: &'a [DevicePtr],
         scope: &'a [&'a Reservation],
@@ -71,6 +72,7 @@ impl TierStore {
                 let o = &mut st.objs[i as usize];
                 o.res.hbm = Some(lease.keep());
                 o.hbm_ready = Some(Arc::clone(ev));
+                o.staged = false;
                 let h = o.res.host.unwrap_or_default();
                 st.host.fence[h as usize] = Some(Arc::clone(ev));
             })?;
@@ -97,6 +99,8 @@ impl TierStore {
     ) -> Result<()> {
         let (disk, io) = self.disk()?;
         let b = self.config.block_size;
+        // A restore waits for these reads: no staging read starts until they are done.
+        let _demand = io.demand();
         let mut staging = op.unlocked(|| self.staging_fences.lock());
         let half = staging.len() / 2;
         for (round, chunk) in objs.chunks(half).enumerate() {
@@ -137,7 +141,7 @@ impl TierStore {
                 for f in staging[base..base + half].iter().chain(&kept_fences) {
                     sync(f)?;
                 }
-                read_blocks(disk, io, b, reads)
+                read_blocks(disk, io, Lane::Demand, b, reads)
             })?;
             // Hop 2: one H2D batch for the chunk.
             let st = &mut *op.st;
@@ -169,7 +173,7 @@ impl TierStore {
                     o.hbm_ready = Some(Arc::clone(ev));
                 }
                 match kept {
-                    Some(h) => st.move_disk_to_host(i, h.keep(), ev),
+                    Some(h) => st.add_host_copy(i, h.keep(), Some(ev), false),
                     None => staging[staged] = Some(Arc::clone(ev)),
                 }
             })?;
@@ -177,50 +181,50 @@ impl TierStore {
         Ok(())
     }
 
-    /// Brings the disk copies of `ids` (owned by `owners`) up into host memory: the first hop
-    /// of the two-hop path, run ahead of the restore that needs them (TierKV §3.3's longer
-    /// lookahead for disk). The disk copy stays, so the host copy can go again without a write.
-    /// Room comes by the host policy from redundant objects and from objects of other owners
-    /// that run later than every one of `owners`; what finds none stays on disk only (advice,
-    /// not an error). Ids that are stale, lost, already in host memory or
-    /// HBM, or not on disk, are passed over. Returns the objects moved up; the file reads run in
-    /// parallel outside the lock.
-    pub fn stage_to_host(&self, ids: &[ObjectId], owners: &[u64]) -> Result<usize> {
+    /// Brings the disk copies of `ids` up into host memory: the first hop of the two-hop path,
+    /// run ahead of the restore that needs them (TierKV §3.3's longer lookahead for disk). The
+    /// disk copy stays, so the host copy can go again without a write.
+    ///
+    /// Staging never displaces anything: it takes only free host slots, and leaves `reserve` of
+    /// them free (the room the owner's spills before that restore will need). Making room by
+    /// moving another owner's copies down would cost that owner a disk read later (and a write,
+    /// for a sole copy), so ahead-of-need reads would add traffic rather than hide it; what
+    /// finds no room stays on disk only (advice, not an error), and is read on demand. A host
+    /// copy staged here is evicted like any other host copy (by the host policy: an owner that
+    /// runs sooner is never displaced for one that runs later); [`StoreStats::staged_evicted`]
+    /// counts those dropped before anything read them.
+    ///
+    /// The file reads go to the I/O pool's background lane: no read of a restore waits behind
+    /// them, and none of them starts while a restore's two-hop reads are under way. Ids that are
+    /// stale, lost, already in host memory or HBM, or not on disk, are passed over. Returns the
+    /// objects moved up (with room for only some, the first ones in `ids` order).
+    ///
+    /// [`StoreStats::staged_evicted`]: super::StoreStats::staged_evicted
+    pub fn stage_to_host(&self, ids: &[ObjectId], reserve: usize) -> Result<usize> {
         if self.disk.is_none() {
             return Ok(0);
         }
+        // Only the objects that find room are pinned (the rest stay free for a restore).
         let (mut op, idx) = self.begin(|st| {
-            let mut idx: Vec<u32> = ids
+            let mut seen = HashSet::new();
+            Ok(ids
                 .iter()
                 .filter_map(|&id| st.check(id).ok())
                 .filter(|&i| {
                     let r = st.objs[i as usize].res;
-                    r.disk.is_some() && r.host.is_none() && r.hbm.is_none()
+                    r.disk.is_some() && r.host.is_none() && r.hbm.is_none() && seen.insert(i)
                 })
-                .collect();
-            idx.sort_unstable();
-            idx.dedup();
-            Ok(idx)
+                .take(st.host.free.len().saturating_sub(reserve))
+                .collect())
         })?;
         if idx.is_empty() {
             return Ok(0);
         }
         let (disk, io) = self.disk()?;
-        let mut protect: HashSet<u32> = idx.iter().copied().collect();
-        protect.extend(op.st.objs.iter().enumerate().filter_map(|(i, o)| {
-            (o.live && !o.redundant && owners.contains(&o.owner)).then_some(i as u32)
-        }));
-        let nearest = owners
-            .iter()
-            .map(|&o| op.st.host_policy.distance(o))
-            .min()
-            .unwrap_or(0);
-        let _ = self.make_room_host(&mut op, idx.len(), &protect, nearest.saturating_add(1));
-        let fit = op.st.host.free.len().min(idx.len());
-        let mut reads = Vec::with_capacity(fit);
-        let mut fences = Vec::with_capacity(fit);
-        let mut leases = Vec::with_capacity(fit);
-        for &i in &idx[..fit] {
+        let mut reads = Vec::with_capacity(idx.len());
+        let mut fences = Vec::with_capacity(idx.len());
+        let mut leases = Vec::with_capacity(idx.len());
+        for &i in &idx {
             let st = &mut *op.st;
             let d = st.objs[i as usize].res.disk.unwrap_or_default();
             let Some(lease) = st.lease(SlotTier::Host, i, &self.returns) else {
@@ -237,11 +241,11 @@ impl TierStore {
             for f in &fences {
                 sync(f)?;
             }
-            read_blocks(disk, io, b, reads)
+            read_blocks(disk, io, Lane::Background, b, reads)
         })?;
         let moved = leases.len();
         for (i, lease) in leases {
-            op.st.add_host_copy(i, lease.keep());
+            op.st.add_host_copy(i, lease.keep(), None, true);
         }
         op.st.staged += moved as u64;
         Ok(moved)
@@ -274,6 +278,7 @@ impl TierStore {
                 sync(&o.host_ready)?;
                 buf.read_at(off, out)
             })?;
+            op.st.objs[i as usize].staged = false;
             op.st.touch_host(i);
             Ok(Tier::Host)
         } else if let Some(d) = o.res.disk {
@@ -329,11 +334,12 @@ impl TierStore {
 }
 
 /// Reads `reads` (host buffer, offset in it, offset in the file) of `b` bytes each from the disk
-/// file in parallel on the I/O pool; every submitted read finishes before this returns, so its
-/// buffer may be reused after an error too.
+/// file in parallel on the I/O pool's `lane`; every submitted read finishes before this
+/// returns, so its buffer may be reused after an error too.
 fn read_blocks(
     disk: &Arc<DiskFile>,
     io: &IoPool,
+    lane: Lane,
     b: u64,
     reads: Vec<(Arc<HostBuffer>, u64, u64)>,
 ) -> Result<()> {
@@ -341,7 +347,7 @@ fn read_blocks(
     let mut first_err = None;
     for (buf, off, file_off) in reads {
         let disk = Arc::clone(disk);
-        match io.submit(move || disk.read_into(&buf, off, file_off, b)) {
+        match io.submit(lane, move || disk.read_into(&buf, off, file_off, b)) {
             Ok(t) => tickets.push(t),
             Err(e) => {
                 first_err = Some(e);

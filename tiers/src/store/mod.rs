@@ -11,7 +11,8 @@
 //! An object is *redundant* while its owner holds the same bytes outside the store (a
 //! [`TierStore::copy_to_device`] restore marks it; [`TierStore::set_redundant`] changes it).
 //! Such a restore reads a disk object into a free host slot rather than staging, and the object
-//! keeps that slot and leaves the disk (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move).
+//! keeps that slot (TierKV keeps the DRAM copy of an SSD → DRAM → HBM move) and its disk copy:
+//! both hold the same bytes, so when the host copy goes again nothing is written.
 //! Redundant objects go first under pressure: a full host tier drops them (whole: every copy)
 //! before it moves any other host copy to disk or fails, and a full disk tier drops them before
 //! it fails. A dropped object stays live but lost (like a revoked one: [`TierStore::residency`]
@@ -161,6 +162,8 @@ pub struct StoreStats {
     pub prefetched_blocks: u64,
     /// Objects moved up from disk to host memory ahead of need ([`TierStore::stage_to_host`]).
     pub staged: u64,
+    /// Of those, objects whose host copy was dropped again before a restore or read used it.
+    pub staged_evicted: u64,
     pub fell_back: u64,
     pub lost: u64,
     /// Redundant objects dropped for room, ever (see the module documentation).
@@ -278,6 +281,7 @@ impl TierStore {
             evictions_host: 0,
             prefetched: 0,
             staged: 0,
+            staged_evicted: 0,
             fell_back: 0,
             lost: 0,
             redundant_dropped: 0,
@@ -321,6 +325,11 @@ impl TierStore {
     /// The disk tier's file, if the store has one.
     pub fn disk_file(&self) -> Option<&Arc<DiskFile>> {
         self.disk.as_ref()
+    }
+
+    /// The disk tier's I/O threads, if the store has a disk tier.
+    pub fn io_pool(&self) -> Option<&IoPool> {
+        self.io.as_ref()
     }
 
     pub fn block_size(&self) -> u64 {
@@ -476,6 +485,7 @@ impl TierStore {
         }
         st.objs[index as usize].hbm_ready = None;
         st.touch_hbm(index);
+        st.objs[index as usize].staged = false;
         if st.objs[index as usize].durability == Durability::Lossy {
             st.drop_lower(index);
             return Ok(());
@@ -573,6 +583,7 @@ impl TierStore {
             evictions_host: st.evictions_host,
             prefetched_blocks: st.prefetched,
             staged: st.staged,
+            staged_evicted: st.staged_evicted,
             fell_back: st.fell_back,
             lost: st.lost,
             redundant_dropped: st.redundant_dropped,

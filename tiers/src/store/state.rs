@@ -19,6 +19,11 @@ pub(super) struct Obj {
     pub(super) lost: bool,
     /// The owner holds these bytes too: dropped first under pressure.
     pub(super) redundant: bool,
+    /// The host copy came up from disk ahead of need ([`TierStore::stage_to_host`]) and no
+    /// restore or read has used it yet.
+    ///
+    /// [`TierStore::stage_to_host`]: super::TierStore::stage_to_host
+    pub(super) staged: bool,
     pub(super) durability: Durability,
     pub(super) owner: u64,
     pub(super) len: u64,
@@ -51,6 +56,8 @@ pub(super) struct State {
     pub(super) evictions_host: u64,
     pub(super) prefetched: u64,
     pub(super) staged: u64,
+    /// Staged host copies dropped before anything used them, ever.
+    pub(super) staged_evicted: u64,
     pub(super) fell_back: u64,
     pub(super) lost: u64,
     pub(super) redundant_dropped: u64,
@@ -91,6 +98,7 @@ impl State {
             live: true,
             lost: false,
             redundant: false,
+            staged: false,
             durability,
             owner,
             len,
@@ -168,6 +176,9 @@ impl State {
         let key = self.key(index);
         let o = &mut self.objs[index as usize];
         o.host_ready = None;
+        if std::mem::take(&mut o.staged) {
+            self.staged_evicted += 1;
+        }
         if let Some(h) = o.res.host.take() {
             self.host.put_back(h, None);
             self.host_policy.remove(key);
@@ -199,6 +210,7 @@ impl State {
 
     /// Frees an object's slots and retires its id.
     pub(super) fn drop_object(&mut self, index: u32) {
+        self.objs[index as usize].staged = false;
         self.drop_lower(index);
         self.drop_hbm(index);
         let o = &mut self.objs[index as usize];
@@ -209,26 +221,23 @@ impl State {
         self.free_objs.push(index);
     }
 
-    /// Object `i`'s bytes now sit in host slot `h` (read there from disk; `ev` reads them):
-    /// the host slot becomes its copy and its disk slot is freed.
-    pub(super) fn move_disk_to_host(&mut self, i: u32, h: u32, ev: &Arc<Event>) {
-        self.host.fence[h as usize] = Some(Arc::clone(ev));
+    /// Object `i`'s bytes were read from its disk copy into host slot `h` by the CPU: the host
+    /// slot becomes a second copy and the disk copy stays (an object's bytes never change while
+    /// it has lower copies: a write drops them), so dropping the host copy later writes nothing.
+    /// `reader` is the copy already queued to read the slot, if any; `staged`: moved up ahead
+    /// of need, not yet used.
+    pub(super) fn add_host_copy(
+        &mut self,
+        i: u32,
+        h: u32,
+        reader: Option<&Arc<Event>>,
+        staged: bool,
+    ) {
+        self.host.fence[h as usize] = reader.cloned();
         let o = &mut self.objs[i as usize];
         o.res.host = Some(h);
         o.host_ready = None;
-        if let Some(d) = o.res.disk.take() {
-            self.disk.put_back(d, None);
-        }
-        self.touch_host(i);
-    }
-
-    /// Object `i`'s bytes were read from its disk copy into host slot `h` by the CPU (no device
-    /// copy touched the slot): the host slot becomes a second copy, the disk copy stays.
-    pub(super) fn add_host_copy(&mut self, i: u32, h: u32) {
-        self.host.fence[h as usize] = None;
-        let o = &mut self.objs[i as usize];
-        o.res.host = Some(h);
-        o.host_ready = None;
+        o.staged = staged;
         self.touch_host(i);
     }
 

@@ -1,6 +1,7 @@
 //! Shared helpers for the tiers tests: a strict host backend, a pool, stores with all tiers.
 #![allow(dead_code)]
 
+pub mod kv;
 pub mod kvpr;
 
 use std::sync::Arc;
