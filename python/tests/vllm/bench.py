@@ -7,7 +7,7 @@
 
     STRATA_LIB=target/release/libstrata.so PYTHONPATH=python \\
         target/venv-vllm/bin/python python/tests/vllm/bench.py [--rounds 5] [--waves 4] \\
-        [--offload-rounds 5] [--offload-waves 3] [--requests 16] [--max-tokens 32]
+        [--spare-groups N] [--offload-rounds 5] [--offload-waves 3] [--requests 16] [--max-tokens 32]
 
 Every run is a fresh process. In each round the two settings run one after the other, the
 first of the pair alternating with the round, so machine noise hits both alike; the figure that
@@ -66,7 +66,8 @@ def plugin_vs_stock(args, tmp):
 
     def run(plugin):
         before = load()
-        r, _ = test_vllm.run_engine(plugin, model, "--bench", "--waves", str(args.waves))
+        spare = {} if args.spare_groups is None else {"STRATA_VLLM_SPARE_GROUPS": str(args.spare_groups)}
+        r, _ = test_vllm.run_engine(plugin, model, "--bench", "--waves", str(args.waves), **spare)
         r["load"] = before
         print(
             f"plugin={plugin} (load {before:.1f}): cold {r['tokens_per_s']:.1f} tok/s, "
@@ -183,6 +184,12 @@ def main():
     ap.add_argument("--waves", type=int, default=4, help="part 1: waves per process")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--spare-groups",
+        type=int,
+        help="part 1: fully free KV groups the plugin keeps mapped (default: the tests' 2, the most "
+        "elastic; a large number keeps every group mapped between waves)",
+    )
     ap.add_argument("--offload-rounds", type=int, default=5, help="part 2: pairs (0: skip)")
     ap.add_argument("--offload-waves", type=int, default=3, help="part 2: waves per process")
     args = ap.parse_args()
