@@ -60,35 +60,42 @@ impl CudaBackend {
         unrecorded: T,
         f: impl FnOnce(u64) -> Result<T>,
     ) -> Result<T> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let (device, raw) = {
-            let st = obj.state.lock();
-            match st.last {
-                None => return Ok(unrecorded),
-                Some(d) => (d, st.per_device[d as usize]),
-            }
-        };
-        self.enter(device)?;
-        f(raw)
+        self.with_live_event(event, |obj| {
+            let (device, raw) = {
+                let st = obj.state.lock();
+                match st.last {
+                    None => return Ok(unrecorded),
+                    Some(d) => (d, st.per_device[d as usize]),
+                }
+            };
+            self.enter(device)?;
+            f(raw)
+        })
     }
 
-    fn event_obj(&self, event: EventHandle) -> Result<Arc<EventObj>> {
-        let state = self.state.lock();
-        state
+    /// Runs `f` on `event`'s object with its gate held: no other thread destroys the event
+    /// meanwhile, and a destroyed one is an invalid handle.
+    fn with_live_event<R>(
+        &self,
+        event: EventHandle,
+        f: impl FnOnce(&EventObj) -> Result<R>,
+    ) -> Result<R> {
+        let gone = || Error::InvalidHandle {
+            kind: "event",
+            id: event.0,
+        };
+        let obj = self
+            .state
+            .lock()
             .events
             .get(&event.0)
             .cloned()
-            .ok_or(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            })
+            .ok_or_else(gone)?;
+        let alive = obj.gate.read();
+        if !*alive {
+            return Err(gone());
+        }
+        f(&obj)
     }
 
     /// Runs `f` with the stream's device context current and its raw handle, holding the
@@ -231,27 +238,21 @@ impl CudaBackend {
 
     /// [`Backend::event_record`](crate::Backend::event_record).
     pub(super) fn record_event(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        self.with_stream(stream, 0, |device, raw_s| {
-            let mut st = obj.state.lock();
-            let slot = &mut st.per_device[device as usize];
-            if *slot == 0 {
-                // The context of `device` is current (`with_stream`).
-                *slot = result::event::create()? as usize as u64;
-            }
-            let raw_e = *slot;
-            // SAFETY: the event is live (gate held, created in this stream's context) and the
-            // stream is null or live (gate held by `with_stream`), with its context current.
-            unsafe { result::event::record(raw_event(raw_e), raw_s)? };
-            st.last = Some(device);
-            Ok(())
+        self.with_live_event(event, |obj| {
+            self.with_stream(stream, 0, |device, raw_s| {
+                let mut st = obj.state.lock();
+                let slot = &mut st.per_device[device as usize];
+                if *slot == 0 {
+                    // The context of `device` is current (`with_stream`).
+                    *slot = result::event::create()? as usize as u64;
+                }
+                let raw_e = *slot;
+                // SAFETY: the event is live (gate held, created in this stream's context) and the
+                // stream is null or live (gate held by `with_stream`), with its context current.
+                unsafe { result::event::record(raw_event(raw_e), raw_s)? };
+                st.last = Some(device);
+                Ok(())
+            })
         })
     }
 
@@ -273,24 +274,18 @@ impl CudaBackend {
 
     /// [`Backend::stream_wait_event`](crate::Backend::stream_wait_event).
     pub(super) fn wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
-        let obj = self.event_obj(event)?;
-        let alive = obj.gate.read();
-        if !*alive {
-            return Err(Error::InvalidHandle {
-                kind: "event",
-                id: event.0,
-            });
-        }
-        let raw_e = {
-            let st = obj.state.lock();
-            // Waiting for an event never recorded is a no-op (as in CUDA).
-            st.last.map(|d| st.per_device[d as usize])
-        };
-        self.with_stream(stream, 0, |_, raw_s| match raw_e {
-            None => Ok(()),
-            // SAFETY: both handles are live (gates held); the driver allows an event of another
-            // context here.
-            Some(raw_e) => unsafe { result::stream::wait_event(raw_s, raw_event(raw_e)) },
+        self.with_live_event(event, |obj| {
+            let raw_e = {
+                let st = obj.state.lock();
+                // Waiting for an event never recorded is a no-op (as in CUDA).
+                st.last.map(|d| st.per_device[d as usize])
+            };
+            self.with_stream(stream, 0, |_, raw_s| match raw_e {
+                None => Ok(()),
+                // SAFETY: both handles are live (gates held); the driver allows an event of another
+                // context here.
+                Some(raw_e) => unsafe { result::stream::wait_event(raw_s, raw_event(raw_e)) },
+            })
         })
     }
 }
