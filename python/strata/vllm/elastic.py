@@ -14,6 +14,14 @@ group ``b // blocks_per_group``; the slot strata gives an admitted request is th
 Unmapped groups read as zeros (the space's zero page). Returning a group to the pool truncates
 its request to no tokens: the pages go back to the pool at once, nothing is copied, and the
 request keeps its slot (``release`` would keep the pages mapped for the slot's next request).
+
+Trimming. A group whose blocks all fell free stays mapped: ``spare_groups`` of them for good (a
+busy pool does not thrash), the others for ``trim_delay`` seconds (a burst after a short pause
+finds its pages mapped). A process-wide trimmer thread unmaps them once their delay is over, so
+an engine that goes idle returns its pages without another step. An engine short of pages
+first takes back, at once, the delayed groups of the other engines of its process. The trimmer
+works on vLLM's block pool (free queue, prefix cache) only under the engine's ``engine_lock``,
+which the scheduler holds over every call that reads or changes the pool (patches.py).
 """
 
 import dataclasses
@@ -38,6 +46,19 @@ _SPACES = []
 _SERIALS = itertools.count()
 
 
+def _env_float(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a non-negative number of seconds") from None
+    if not x >= 0 or math.isinf(x):
+        raise ValueError(f"{name}={value!r}: expected a non-negative number of seconds")
+    return x
+
+
 def _env_int(name, default):
     value = os.environ.get(name)
     if value is None or value == "":
@@ -55,7 +76,14 @@ class ElasticKv:
     """One KV space behind all of a model runner's attention layers, and its group map."""
 
     def __init__(
-        self, num_layers, num_blocks, block_bytes, device=0, spare_groups=None, owner=None
+        self,
+        num_layers,
+        num_blocks,
+        block_bytes,
+        device=0,
+        spare_groups=None,
+        owner=None,
+        trim_delay=None,
     ):
         self.device = device
         # The vLLM config of the model runner the space was made for: the scheduler built with
@@ -83,6 +111,9 @@ class ElasticKv:
         self.spare_groups = (
             _env_int("STRATA_VLLM_SPARE_GROUPS", 2) if spare_groups is None else spare_groups
         )
+        self.trim_delay = (
+            _env_float("STRATA_VLLM_TRIM_DELAY", 2.0) if trim_delay is None else trim_delay
+        )
         self.space = strata.kv.KvSpace(
             layers=self.tensors_per_group // 2,
             kv_heads=1,
@@ -94,16 +125,22 @@ class ElasticKv:
             host_bytes=0,
             device=device,
         )
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the group map (short holds, never around vLLM calls)
+        # Held by the scheduler over each call that reads or changes vLLM's block pool, and by
+        # whoever else changes that pool (the trimmer, a peer engine short of pages, sleep).
+        self.engine_lock = threading.RLock()
         # Every slot is held by a request for the space's life (slot i = group i), so the slot a
         # group lands in never depends on strata's choice; a group is mapped when its request
         # holds tokens_per_group tokens and empty otherwise.
         self._requests = [self._admit(g) for g in range(self.num_groups)]
         self._groups = set()  # mapped groups
         self._mapped_blocks = 0  # blocks of the mapped groups
-        self._free_groups = set()  # mapped groups whose blocks are all free
+        self._free_since = {}  # mapped group whose blocks are all free -> since (monotonic s)
         self._pinned = {0}  # vLLM's null block lives in group 0
         self.block_pool = None  # the scheduler's BlockPool, once it exists
+        # (force) -> groups unmapped: unmaps the free groups beyond the spares whose delay is
+        # over (all of them with force). Set with block_pool; call it under engine_lock.
+        self.trim = None
         # () -> the freed blocks a KV connector may still read or write (its stores of them
         # may not have run yet): their groups stay mapped until it is done with them.
         self.busy_blocks = None
@@ -144,7 +181,7 @@ class ElasticKv:
         failed = set()
         with self._lock:
             for g in sorted({self.group_of(b) for b in block_ids}):
-                self._free_groups.discard(g)
+                self._free_since.pop(g, None)
                 if g in self._groups:
                     continue
                 try:
@@ -163,14 +200,19 @@ class ElasticKv:
         on_mapped = self._mapped_blocks - blocks_out
         if on_mapped >= queued:
             return queued
+        mappable = self._mappable_groups()
+        if on_mapped + mappable * self.blocks_per_group < queued and _reclaim_for(self):
+            mappable = self._mappable_groups()
+        return min(queued, on_mapped + mappable * self.blocks_per_group)
+
+    def _mappable_groups(self):
         # The scheduler asks once per request per step: one struct refilled in place, two fields
         # read (strata.stats() builds a dict of every field, most of this call's cost).
         st = self._pool_stats
         _lib.check(_lib.lib().strata_stats(self.device, st))
         # Two pages of slack: the zero page and rounding in the pool's own accounting.
         room = st.total_bytes - st.pool_in_use_bytes - 2 * self.page_size
-        mappable = min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
-        return min(queued, on_mapped + mappable * self.blocks_per_group)
+        return min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
 
     def _admit(self, group):
         r = self.space.admit()
@@ -191,28 +233,42 @@ class ElasticKv:
         """Blocks taken out of the free state without get_new_blocks (prefix-cache hits)."""
         with self._lock:
             for b in block_ids:
-                self._free_groups.discard(self.group_of(b))
+                self._free_since.pop(self.group_of(b), None)
 
-    def maybe_free(self, blocks_by_id=None):
-        """Called after blocks were freed (and after each engine step, with none): the groups
-        all of whose blocks are free become candidates; beyond ``spare_groups`` of them, the
-        highest groups are unmapped, except those holding a block a KV transfer may still read
+    def maybe_free(self, blocks_by_id=None, force=False):
+        """Called after blocks were freed (after each engine step and by the trimmer, with
+        none): the groups all of whose blocks are free become candidates; beyond
+        ``spare_groups`` of them, those free for ``trim_delay`` seconds (any, with ``force``)
+        are unmapped, highest first, except those holding a block a KV transfer may still read
         (``busy_blocks``: they wait for a later call). Returns the groups to unmap (the caller
-        takes their blocks out of the prefix cache first)."""
+        takes their blocks out of the prefix cache first) and asks the trimmer to come back
+        when the next delay is over."""
+        now = time.monotonic()
         with self._lock:
             for g, blocks in (blocks_by_id or {}).items():
                 if g in self._groups and g not in self._pinned and all(
                     b.ref_cnt == 0 for b in blocks
                 ):
-                    self._free_groups.add(g)
-            excess = len(self._free_groups) - self.spare_groups
+                    self._free_since.setdefault(g, now)
+            excess = len(self._free_since) - self.spare_groups
             if excess <= 0:
                 return []
-            order = sorted(self._free_groups, reverse=True)
+            due = self.trim_delay if not force else 0.0
+            ripe = sorted((g for g, t in self._free_since.items() if now - t >= due), reverse=True)
+            waiting = [t + due for g, t in self._free_since.items() if now - t < due]
+        if len(ripe) < excess and waiting:
+            _TRIMMER.wake(min(waiting))
+        if not ripe:
+            return []
         busy = self._busy()
-        out = [g for g in order if busy.isdisjoint(self.group_blocks(g))][:excess]
-        self.unmaps_deferred += min(excess, len(order)) - len(out)
+        out = [g for g in ripe if busy.isdisjoint(self.group_blocks(g))][:excess]
+        self.unmaps_deferred += min(excess, len(ripe)) - len(out)
         return out
+
+    def delayed_groups(self):
+        """How many free groups beyond the spares wait for their delay (or a KV transfer)."""
+        with self._lock:
+            return max(len(self._free_since) - self.spare_groups, 0)
 
     def still_free(self, group, blocks):
         """Whether ``group`` (a maybe_free answer) has all ``blocks`` free (else it is forgotten)
@@ -220,7 +276,7 @@ class ElasticKv:
         busy = self._busy()
         with self._lock:
             if not all(b.ref_cnt == 0 for b in blocks):
-                self._free_groups.discard(group)
+                self._free_since.pop(group, None)
                 return False
         return busy.isdisjoint(self.group_blocks(group))
 
@@ -231,7 +287,7 @@ class ElasticKv:
         with self._lock:
             self._requests[group].truncate(0)  # a failure here leaves the group mapped, counted
             self._groups.discard(group)
-            self._free_groups.discard(group)
+            self._free_since.pop(group, None)
             self._mapped_blocks -= len(self.group_blocks(group))
             self.unmaps += 1
 
@@ -245,10 +301,11 @@ class ElasticKv:
             self.closed = True
             requests, self._requests = self._requests, []
             self._groups.clear()
-            self._free_groups.clear()
+            self._free_since.clear()
             self._mapped_blocks = 0
         _SPACES[:] = [w for w in _SPACES if w() not in (None, self)]
         self.block_pool = None
+        self.trim = None
         for r in requests:
             r.truncate(0)
             r.release()
@@ -275,7 +332,7 @@ class ElasticKv:
             "blocks_per_group": self.blocks_per_group,
             "groups_total": self.num_groups,
             "groups_mapped": mapped,
-            "groups_spare": len(self._free_groups),
+            "groups_spare": len(self._free_since),
             "mapped_bytes": mapped * self.group_bytes,
             "virtual_bytes": self.num_groups * self.group_bytes,
             "peak_mapped_bytes": self.peak_mapped_groups * self.group_bytes,
@@ -313,6 +370,64 @@ class ElasticKv:
             s["host_used_bytes"] / 2**20,
             (s["bytes_to_device"] + s["bytes_from_device"]) / 2**20,
         )
+
+
+def trim(kv, force=False, blocking=True):
+    """Runs ``kv``'s trim under its engine lock (without waiting for it unless ``blocking``: a
+    busy engine is not idle). Returns the number of groups unmapped."""
+    if not kv.engine_lock.acquire(blocking=blocking):
+        return 0
+    try:
+        fn = kv.trim
+        return 0 if kv.closed or fn is None else fn(force)
+    finally:
+        kv.engine_lock.release()
+
+
+def _reclaim_for(kv):
+    """``kv`` is short of pages: the other engines of this process give back, at once, the
+    free groups they keep only for their delay (not their spares; not an engine that is
+    stepping now). Returns whether any group came back."""
+    return sum(trim(peer, force=True, blocking=False) for peer in spaces() if peer is not kv) > 0
+
+
+class _Trimmer:
+    """One daemon thread per process: sleeps until the earliest trim delay asked for is over,
+    then trims every open space (each under its engine lock; a space with groups still waiting
+    asks again)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._due = None  # the earliest monotonic time asked for
+        self._thread = None
+
+    def wake(self, at):
+        with self._cv:
+            if self._due is not None and self._due <= at:
+                return
+            self._due = at
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="strata-vllm-trim", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while self._due is None or self._due > time.monotonic():
+                    wait = None if self._due is None else self._due - time.monotonic()
+                    self._cv.wait(wait)
+                self._due = None
+            for kv in spaces():
+                try:
+                    trim(kv)
+                except Exception:  # noqa: BLE001 - the thread must outlive one engine's failure
+                    log.exception("strata.vllm: trimming KV space %s failed", kv.label)
+
+
+_TRIMMER = _Trimmer()
 
 
 def spaces():

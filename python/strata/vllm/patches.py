@@ -13,11 +13,15 @@ Patches (all in the process that runs the model runner and the scheduler):
               shutdown closes that space (pages back to the pool, out of the metrics), and
               free groups whose blocks vLLM's OffloadingConnector may still store stay mapped
               until it is done (retried after each step; other KV connectors are refused);
+              Scheduler (schedule, update_from_output, finish_requests, add_request,
+              reset_prefix_cache, shutdown) run under the space's engine lock, so that the
+              trimmer thread and peer engines change the block pool only between them;
               vllm.v1.core.block_pool.BlockPool (get_new_blocks, get_num_free_blocks,
               reset_prefix_cache, touch, free_blocks, unpin_blocks): blocks handed out map
               their group's pages; groups whose blocks all fell free are unmapped beyond
-              STRATA_VLLM_SPARE_GROUPS (hysteresis), their blocks leaving the prefix cache and
-              moving to the back of the free queue; the free count vLLM schedules by is bounded
+              STRATA_VLLM_SPARE_GROUPS once free for STRATA_VLLM_TRIM_DELAY seconds
+              (hysteresis; elastic.py), their blocks leaving the prefix cache and moving to the
+              back of the free queue; the free count vLLM schedules by is bounded
               by the pages the pool can still map, and blocks of groups it could not map are
               swapped for free blocks of mapped groups, so a small pool makes vLLM queue and
               preempt instead of failing (reset_prefix_cache still sees the plain count).
@@ -31,6 +35,7 @@ Patches (all in the process that runs the model runner and the scheduler):
 """
 
 import contextvars
+import functools
 import importlib
 import inspect
 import re
@@ -189,6 +194,60 @@ def unmap_free_group(pool, group):
     return True
 
 
+def first_unmapped(pool):
+    """The first block of the free queue whose group is not mapped (the queue's fake tail if
+    none): every block before it lies on a mapped group. Kept on the pool and checked, not
+    trusted: when the blocks ahead of it were handed out (their groups now mapped), the walk
+    from the head passes at most the rest of those groups."""
+    kv, queue = pool._strata_kv, pool.free_block_queue
+    tail = queue.fake_free_list_tail
+    if kv.mapped_groups() == kv.num_groups:
+        return tail
+    block = pool._strata_first_unmapped
+    stale = block is None or block is tail or block.prev_free_block is None
+    if stale or kv.is_mapped(block.block_id):
+        block = queue.fake_free_list_head.next_free_block
+        while block is not tail and kv.is_mapped(block.block_id):
+            block = block.next_free_block
+        pool._strata_first_unmapped = block
+    return block
+
+
+def keep_mapped_ahead(pool, freed):
+    """vLLM's free_blocks put the freed blocks that hold cached KV at the tail of the free
+    queue (reused last, LRU), behind the blocks of unmapped groups, so the next request would
+    map a new group while these sit mapped. They move to just before the first unmapped block,
+    in order: free blocks of mapped groups are handed out first (uncached ones, at the head,
+    then cached ones, oldest first), unmapped groups' blocks last."""
+    queue = pool.free_block_queue
+    tail = queue.fake_free_list_tail
+    # (in the queue, holding cached KV: the ones vLLM appended)
+    moved = [b for b in freed if b.next_free_block is not None and b.block_hash is not None]
+    if not moved:
+        return
+    first = first_unmapped(pool)
+    if first is tail:
+        return
+    for b in moved:
+        queue.remove(b)
+        # FreeKVCacheBlockQueue has no insert: link b in before ``first`` (vLLM 0.32's fields).
+        before = first.prev_free_block
+        before.next_free_block, b.prev_free_block = b, before
+        b.next_free_block, first.prev_free_block = first, b
+        queue.num_free_blocks += 1
+
+
+def trim_pool(pool, blocks=(), force=False):
+    """After ``blocks`` of ``pool`` fell free (or with none, to retry): unmaps the groups
+    ElasticKv.maybe_free answers. Call it under the space's engine lock. Returns how many."""
+    kv = pool._strata_kv
+    if kv is None:
+        return 0
+    groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is pool}
+    candidates = {g: [pool.blocks[i] for i in kv.group_blocks(g)] for g in groups}
+    return sum(unmap_free_group(pool, g) for g in kv.maybe_free(candidates, force=force))
+
+
 def attach(scheduler, vllm_config, kv_cache_config):
     """Attaches the scheduler's block pool to the KV space made for the model runner of the
     same ``vllm_config`` (identity, not creation order). Without one, the pool stays stock when
@@ -215,6 +274,7 @@ def attach(scheduler, vllm_config, kv_cache_config):
     kv.busy_blocks = connector_busy_blocks(scheduler)
     pool._strata_kv = kv
     kv.block_pool = pool
+    kv.trim = lambda force=False: trim_pool(pool, force=force)
 
 
 def connector_busy_blocks(scheduler):
@@ -270,6 +330,8 @@ def _apply_block_pool():
     )
     init_scheduler, shutdown_scheduler = Scheduler.__init__, Scheduler.shutdown
     update_scheduler = Scheduler.update_from_output
+    for name in _LOCKED:
+        setattr(Scheduler, name, _under_engine_lock(getattr(Scheduler, name)))
 
     def scheduler_init(self, vllm_config, kv_cache_config, *args, **kwargs):
         init_scheduler(self, vllm_config, kv_cache_config, *args, **kwargs)
@@ -280,7 +342,7 @@ def _apply_block_pool():
         # Transfers that finished this step may release groups whose unmap waited for them.
         pool = self.kv_cache_manager.block_pool
         if pool._strata_kv is not None and pool._strata_kv.busy_blocks is not None:
-            _after_free(pool, ())
+            trim_pool(pool)
         return out
 
     def scheduler_shutdown(self):
@@ -353,28 +415,22 @@ def _apply_block_pool():
         if self._strata_kv is not None:
             self._strata_kv.used([b.block_id for b in blocks])
 
-    def _after_free(self, blocks):
-        kv = self._strata_kv
-        if kv is None:
-            return
-        groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is self}
-        candidates = {g: [self.blocks[i] for i in kv.group_blocks(g)] for g in groups}
-        for g in kv.maybe_free(candidates):
-            unmap_free_group(self, g)
-
     def free_blocks(self, ordered_blocks):
         blocks = list(ordered_blocks)
         free(self, blocks)
-        _after_free(self, blocks)
+        if self._strata_kv is not None:
+            keep_mapped_ahead(self, [b for b in blocks if b.pool is None or b.pool is self])
+            trim_pool(self, blocks)
 
     def unpin_blocks(self, blocks, on_reuse):
         blocks = list(blocks)
         unpin(self, blocks, on_reuse)
-        _after_free(self, blocks)
+        trim_pool(self, blocks)
 
     # Pools no scheduler attached (no strata KV) behave as stock.
     BlockPool._strata_kv = None
     BlockPool._strata_all_free_check = False
+    BlockPool._strata_first_unmapped = None
     BlockPool.get_new_blocks = get_new_blocks
     BlockPool.get_num_free_blocks = get_num_free_blocks
     BlockPool.reset_prefix_cache = reset_prefix_cache
@@ -383,8 +439,26 @@ def _apply_block_pool():
     BlockPool.unpin_blocks = unpin_blocks
     BlockPool._strata = True
     Scheduler.__init__ = scheduler_init
-    Scheduler.shutdown = scheduler_shutdown
-    Scheduler.update_from_output = scheduler_update_from_output
+    Scheduler.shutdown = _under_engine_lock(scheduler_shutdown)
+    Scheduler.update_from_output = _under_engine_lock(scheduler_update_from_output)
+
+
+# The Scheduler calls that read or change the block pool (the stock ones in 0.32; shutdown and
+# update_from_output are wrapped again around strata's versions of them).
+_LOCKED = ("schedule", "finish_requests", "add_request", "reset_prefix_cache")
+
+
+def _under_engine_lock(method):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        kv = getattr(pool, "_strata_kv", None)
+        if kv is None:
+            return method(self, *args, **kwargs)
+        with kv.engine_lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 # ---- cpu-sleep, gpu-sleep ---------------------------------------------------------------------
@@ -399,7 +473,8 @@ def release_kv(worker, level):
     pool = getattr(kv, "block_pool", None)
     if level < 1 or pool is None:
         return None
-    released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
+    with kv.engine_lock:
+        released = sum(unmap_free_group(pool, g) for g in kv.mapped_group_list() if g)
     elastic.log.info("strata.vllm: sleep level %d unmapped %d KV groups", level, released)
     return released
 
@@ -488,6 +563,14 @@ PATCHES = [
                 "kv_cache_config",
             ],
             "vllm.v1.core.sched.scheduler:Scheduler.shutdown": ["self"],
+            "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["self"],
+            "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": [
+                "self",
+                "request_ids",
+                "finished_status",
+            ],
+            "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["self", "request"],
+            "vllm.v1.core.sched.scheduler:Scheduler.reset_prefix_cache": ["self"],
             "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": [
                 "self",
                 "scheduler_output",

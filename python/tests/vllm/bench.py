@@ -7,7 +7,7 @@
 
     STRATA_LIB=target/release/libstrata.so PYTHONPATH=python \\
         target/venv-vllm/bin/python python/tests/vllm/bench.py [--rounds 5] [--waves 4] \\
-        [--spare-groups N] [--offload-rounds 5] [--offload-waves 3] [--requests 16] [--max-tokens 32]
+        [--spare-groups N] [--trim-delay S] [--offload-rounds 5] [--offload-waves 3] [--requests 16] [--max-tokens 32]
 
 Every run is a fresh process. In each round the two settings run one after the other, the
 first of the pair alternating with the round, so machine noise hits both alike; the figure that
@@ -66,14 +66,19 @@ def plugin_vs_stock(args, tmp):
 
     def run(plugin):
         before = load()
-        spare = {} if args.spare_groups is None else {"STRATA_VLLM_SPARE_GROUPS": str(args.spare_groups)}
-        r, _ = test_vllm.run_engine(plugin, model, "--bench", "--waves", str(args.waves), **spare)
+        knobs = {"STRATA_VLLM_TRIM_DELAY": args.trim_delay}  # None: the plugin's default
+        if args.spare_groups is not None:
+            knobs["STRATA_VLLM_SPARE_GROUPS"] = str(args.spare_groups)
+        r, _ = test_vllm.run_engine(plugin, model, "--bench", "--waves", str(args.waves), **knobs)
         r["load"] = before
+        mapping = ""
+        if r["stats"]:
+            mapping = f"; {r['stats']['maps']} maps, {r['stats']['unmaps']} unmaps"
         print(
             f"plugin={plugin} (load {before:.1f}): cold {r['tokens_per_s']:.1f} tok/s, "
             f"TTFT {r['mean_ttft_s'] * 1e3:.0f} ms; warm {warm(r, 'tokens_per_s'):.1f} tok/s, "
             f"{warm(r, 'tokens_per_cpu_s'):.1f} tok/CPU-s, "
-            f"TTFT {warm(r, 'mean_ttft_s') * 1e3:.0f} ms",
+            f"TTFT {warm(r, 'mean_ttft_s') * 1e3:.0f} ms{mapping}",
             flush=True,
         )
         return r
@@ -187,8 +192,13 @@ def main():
     ap.add_argument(
         "--spare-groups",
         type=int,
-        help="part 1: fully free KV groups the plugin keeps mapped (default: the tests' 2, the most "
-        "elastic; a large number keeps every group mapped between waves)",
+        help="part 1: fully free KV groups the plugin keeps mapped for good (default: the "
+        "tests' 2)",
+    )
+    ap.add_argument(
+        "--trim-delay",
+        help="part 1: seconds other free KV groups stay mapped (STRATA_VLLM_TRIM_DELAY; default: "
+        "the plugin's; 0 unmaps them at once)",
     )
     ap.add_argument("--offload-rounds", type=int, default=5, help="part 2: pairs (0: skip)")
     ap.add_argument("--offload-waves", type=int, default=3, help="part 2: waves per process")

@@ -136,6 +136,34 @@ def block_pool(llm):
     return core.scheduler.kv_cache_manager.block_pool
 
 
+def grace(args, plugin, outputs, timed_wave, mapped):
+    """After the first wave: a second of the same shape (other tokens) at once, then idle until
+    the KV groups beyond the spares are unmapped (STRATA_VLLM_TRIM_DELAY), or 30 s."""
+    import strata.vllm
+
+    kv = strata.vllm.elastic.newest()
+    after_a = strata.vllm.stats()
+    timed_wave("g", salt=1)
+    after_g = strata.vllm.stats()
+    ended = time.monotonic()
+    floor = (kv.spare_groups + 1) * kv.group_bytes  # the spares and the null block's group
+    while mapped() > floor and time.monotonic() - ended < 30:
+        time.sleep(0.02)
+    fell_after = time.monotonic() - ended
+    print("RESULT " + json.dumps({
+        "plugin": plugin,
+        "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
+        "after_a": after_a,
+        "after_g": after_g,
+        "idle": strata.vllm.stats(),
+        "fell_after_s": fell_after,
+        "trim_delay_s": kv.trim_delay,
+        "spare_groups": kv.spare_groups,
+        "group_bytes": kv.group_bytes,
+    }), flush=True)
+    os._exit(0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -146,6 +174,11 @@ def main():
     ap.add_argument("--waves", type=int, default=1, help="with --bench: waves to time")
     ap.add_argument(
         "--bench", action="store_true", help="one wave, no per-step probes (bench.py)"
+    )
+    ap.add_argument(
+        "--grace",
+        action="store_true",
+        help="a second wave right after the first, then idle until the KV is trimmed",
     )
     args = ap.parse_args()
 
@@ -197,6 +230,8 @@ def main():
         }
 
     first = timed_wave("a")
+    if args.grace:
+        grace(args, plugin, outputs, timed_wave, mapped)
     if args.bench:
         # later waves: other tokens, the same shape; the KV pages were mapped before
         warm = [timed_wave(f"w{n}", salt=n) for n in range(1, args.waves)]

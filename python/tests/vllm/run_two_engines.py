@@ -86,7 +86,10 @@ def main():
     spaces.extend([kv_a, kv_b])
     outputs_a = run(llm_a, "a")
     idle_a = kv_a.stats()["mapped_bytes"]
+    unmaps_a = kv_a.stats()["unmaps"]
     outputs_b = run(llm_b, "b")
+    a_after_b = kv_a.stats()["mapped_bytes"]
+    a_unmaps_during_b = kv_a.stats()["unmaps"] - unmaps_a
     # A sleeps: its own KV goes back to the pool, B's (spare groups) stays; A wakes and runs.
     mapped_b = kv_b.stats()["mapped_bytes"]
     llm_a.sleep(level=1)
@@ -141,6 +144,8 @@ def main():
         "outputs_a_again": outputs_a_again,
         "idle_a": idle_a,
         "idle_b": mapped_b,
+        "a_after_b": a_after_b,
+        "a_unmaps_during_b": a_unmaps_during_b,
         "a_asleep": asleep,
         "peak_mapped_sum": max(mapped_sums),
         "stock_failed_groups_a": len(failed_a),

@@ -356,6 +356,8 @@ def start_offload(model_dir, offload, disk_dir=None, elastic=False, args=()):
         STRATA_HOST_STRICT="0",
         STRATA_VLLM="1" if elastic else "0",
         STRATA_VLLM_SPARE_GROUPS=str(SPARE_GROUPS),
+        # unmapped at once (no trim delay): stores of freed blocks race their group's unmapping
+        STRATA_VLLM_TRIM_DELAY="0",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=os.path.join(REPO, "python"),
     )

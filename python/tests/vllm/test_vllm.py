@@ -16,11 +16,13 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 SPARE_GROUPS = 2
+GRACE_DELAY = 3.0  # STRATA_VLLM_TRIM_DELAY of the runs that keep free groups mapped a while
 REQUESTS = 8
 MAX_TOKENS = 12
 SMALL_DEVICE = 1536 << 10
 TWO_ENGINES_KV = 8 << 20
 TWO_ENGINES_DEVICE = 12 << 20
+PRESSURE_DEVICE = 3 << 20
 
 try:
     import vllm  # noqa: F401
@@ -41,13 +43,17 @@ def run_script(script, plugin, model_dir, *args, **extra_env):
     env.update(
         STRATA_VLLM="1" if plugin else "0",
         STRATA_VLLM_SPARE_GROUPS=str(SPARE_GROUPS),
+        # free groups beyond the spares unmapped at once, unless a test says otherwise
+        STRATA_VLLM_TRIM_DELAY="0",
         STRATA_HOST_GRANULARITY="64KiB",
         STRATA_BACKEND="host",
         STRATA_HOST_STRICT="0",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=os.path.join(REPO, "python"),
     )
-    env.update(extra_env)
+    env.update({k: v for k, v in extra_env.items() if v is not None})
+    for k in [k for k, v in extra_env.items() if v is None]:
+        env.pop(k, None)  # None: the library's default
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, script), model_dir,
          "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), *args],
@@ -114,6 +120,17 @@ class Elastic(unittest.TestCase):
         cls.two, _ = run_script(
             "run_two_engines.py", True, model, "--kv-bytes", str(TWO_ENGINES_KV),
             STRATA_HOST_DEVICES="12MiB",
+        )
+        # the same on a device smaller than one engine's run and another's idle groups
+        # together, each keeping its free groups mapped for a minute unless the other needs
+        # the pages
+        cls.pressure, _ = run_script(
+            "run_two_engines.py", True, model, "--kv-bytes", str(TWO_ENGINES_KV),
+            STRATA_HOST_DEVICES=str(PRESSURE_DEVICE), STRATA_VLLM_TRIM_DELAY="60",
+        )
+        # a second wave right after the first, then idle until the trimmer unmaps
+        cls.grace, _ = run_engine(
+            True, model, "--grace", STRATA_VLLM_TRIM_DELAY=str(GRACE_DELAY)
         )
 
     @classmethod
@@ -187,6 +204,42 @@ class Elastic(unittest.TestCase):
         self.assertGreater(r["idle_b"], group)
         self.assertEqual(r["a_asleep"], [group, r["idle_b"]])
         self.assertEqual(r["mapped_after"], [group, group])
+
+    def test_free_groups_stay_mapped_for_the_trim_delay_then_the_trimmer_unmaps_them(self):
+        r, group = self.grace, self.grace["group_bytes"]
+        self.assertEqual(r["trim_delay_s"], GRACE_DELAY)
+        self.assertEqual(r["outputs"], self.stock["outputs"])
+        a, g, idle = r["after_a"], r["after_g"], r["idle"]
+        # the second wave (same shape, other tokens) ran on the first one's groups: it mapped
+        # none, and nothing was unmapped in between
+        self.assertGreater(a["groups_mapped"], SPARE_GROUPS + 1)
+        self.assertEqual(g["maps"], a["maps"])
+        self.assertEqual(g["unmaps"], 0)
+        self.assertEqual(g["groups_mapped"], a["groups_mapped"])
+        # idle: the trimmer thread unmapped every group beyond the spares (and the null
+        # block's), no earlier than the delay after the last step freed them
+        self.assertEqual(idle["groups_mapped"], SPARE_GROUPS + 1)
+        self.assertEqual(idle["unmaps"], g["groups_mapped"] - SPARE_GROUPS - 1)
+        self.assertEqual(idle["mapped_bytes"], (SPARE_GROUPS + 1) * group)
+        self.assertEqual(idle["pool_in_use_bytes"], idle["mapped_bytes"])
+        self.assertGreaterEqual(r["fell_after_s"], 0.8 * GRACE_DELAY)
+        self.assertLess(r["fell_after_s"], GRACE_DELAY + 10)
+
+    def test_an_engine_short_of_pages_takes_back_what_an_idle_one_keeps_for_its_delay(self):
+        r = self.pressure
+        group, device = r["group_bytes"], r["device_bytes"]
+        self.assertEqual(device, PRESSURE_DEVICE)
+        # A idle keeps its free groups mapped (a minute's delay), so little room is left ...
+        self.assertGreater(r["idle_a"], (SPARE_GROUPS + 1) * group)
+        self.assertGreater(r["idle_a"] + r["idle_b"], device)  # B's run needed A's pages
+        # ... and B, short of pages, took A's back (down to the null block's group and A's
+        # spares) while it ran; then A took B's back to run again
+        self.assertGreater(r["a_unmaps_during_b"], 0)
+        self.assertLessEqual(r["a_after_b"], (SPARE_GROUPS + 1) * group)
+        self.assertEqual(r["outputs_a"], self.stock["outputs"])
+        self.assertEqual(r["outputs_b"], self.stock["outputs"])
+        self.assertEqual(r["outputs_a_again"], self.stock["outputs"])
+        self.assertLessEqual(r["peak_mapped_sum"], device)
 
     def test_engines_built_out_of_order_attach_to_their_own_kv(self):
         # B was built inside A's construction: B's KV space is the newer one when A's block
