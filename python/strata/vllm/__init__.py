@@ -40,6 +40,7 @@ __all__ = [
     "enable",
     "parse_version",
     "register",
+    "set_limit",
     "stats",
 ]
 
@@ -67,3 +68,16 @@ def stats():
     """The newest elastic KV space's figures in this process (None before vLLM built one)."""
     kv = elastic.newest()
     return None if kv is None else kv.stats()
+
+
+def set_limit(limit_bytes, engine=None):
+    """Caps the KV bytes an engine maps (None: no cap). ``engine``: its label (the metrics'
+    ``engine``), default the newest engine of this process. Free groups beyond the cap are
+    unmapped at once; from outside the process use ``python -m strata.vllm.control``."""
+    spaces = elastic.spaces()
+    kv = spaces[-1] if engine is None and spaces else None
+    if engine is not None:
+        kv = next((s for s in spaces if s.label == str(engine)), None)
+    if kv is None:
+        raise LookupError(f"strata.vllm: no open engine {engine!r} in this process")
+    return kv.set_limit(limit_bytes)

@@ -22,6 +22,11 @@ an engine that goes idle returns its pages without another step. An engine short
 first takes back, at once, the delayed groups of the other engines of its process. The trimmer
 works on vLLM's block pool (free queue, prefix cache) only under the engine's ``engine_lock``,
 which the scheduler holds over every call that reads or changes the pool (patches.py).
+
+Limit. ``limit_bytes`` (None: the device's room) caps the bytes mapped: beyond it no group is
+mapped (vLLM queues and preempts as on a smaller device) and free groups are unmapped at once,
+spares too. It comes from ``STRATA_VLLM_KV_LIMIT``, ``set_limit``, or from outside through the
+control folder (strata.vllm.control), which the trimmer thread reads every ``POLL_S`` seconds.
 """
 
 import dataclasses
@@ -36,6 +41,8 @@ import weakref
 import strata
 import strata.kv
 from strata import _lib
+
+from . import control
 
 # A child of vLLM's logger: its lines go wherever vLLM sends its own.
 log = logging.getLogger("vllm.strata")
@@ -114,6 +121,11 @@ class ElasticKv:
         self.trim_delay = (
             _env_float("STRATA_VLLM_TRIM_DELAY", 2.0) if trim_delay is None else trim_delay
         )
+        limit = os.environ.get("STRATA_VLLM_KV_LIMIT", "")
+        try:
+            self.limit_bytes = control.parse_limit(limit) if limit else None
+        except control.ControlError as e:
+            raise ValueError(f"STRATA_VLLM_KV_LIMIT={limit!r}: {e}") from None
         self.space = strata.kv.KvSpace(
             layers=self.tensors_per_group // 2,
             kv_heads=1,
@@ -151,7 +163,12 @@ class ElasticKv:
         self._last_log = None  # the first allocation logs at once
         self._ranges = []  # (first, end) addresses of the layer tensors handed out
         self._pool_stats = _lib.Stats()
+        directory = control.folder()
+        self._control = control.Endpoint(directory, self.label) if directory else None
         _SPACES.append(weakref.ref(self))
+        if self._control is not None:
+            self.poll_control()
+            _TRIMMER.start_polling()
 
     def layer_tensor(self, index):
         """Layer ``index``'s raw bytes: a flat int8 CPU/CUDA tensor over its strata tensor."""
@@ -184,6 +201,9 @@ class ElasticKv:
                 self._free_since.pop(g, None)
                 if g in self._groups:
                     continue
+                if len(self._groups) >= self._limit_groups():
+                    failed.add(g)
+                    continue
                 try:
                     self._map(g)
                 except strata.OutOfMemory:
@@ -212,7 +232,50 @@ class ElasticKv:
         _lib.check(_lib.lib().strata_stats(self.device, st))
         # Two pages of slack: the zero page and rounding in the pool's own accounting.
         room = st.total_bytes - st.pool_in_use_bytes - 2 * self.page_size
-        return min(max(room, 0) // self.group_bytes, self.num_groups - len(self._groups))
+        groups = min(self.num_groups, self._limit_groups()) - len(self._groups)
+        return max(min(max(room, 0) // self.group_bytes, groups), 0)
+
+    def _limit_groups(self):
+        """The most groups the limit allows (at least the null block's)."""
+        limit = self.limit_bytes
+        return self.num_groups if limit is None else max(limit // self.group_bytes, 1)
+
+    def set_limit(self, limit_bytes):
+        """Caps the bytes this space maps (None: no cap but the device's room). Free groups
+        beyond it are unmapped now (waiting for the engine's current scheduler call, if any);
+        groups in use stay until their blocks fall free. Returns the groups unmapped."""
+        if limit_bytes is not None and (not isinstance(limit_bytes, int) or limit_bytes < 0):
+            raise strata.InvalidArgument(
+                f"strata.vllm: KV limit {limit_bytes!r}: expected a byte count >= 0 or None"
+            )
+        self.limit_bytes = limit_bytes
+        log.info(
+            "strata.vllm: KV space %s limit %s",
+            self.label,
+            "none" if limit_bytes is None else f"{limit_bytes} B",
+        )
+        return trim(self)
+
+    def poll_control(self):
+        """Reads the control folder's limit for this space (applied if it changed) and
+        publishes the space's figures there. Runs on the trimmer thread."""
+        if self._control is None or self.closed:
+            return
+        try:
+            changed, limit = self._control.read_limit()
+            if changed:
+                self.set_limit(limit)
+        except (OSError, ValueError) as e:
+            log.error("strata.vllm: KV space %s: control file not applied: %s", self.label, e)
+        s = self.stats()
+        self._control.publish(
+            {
+                "pid": os.getpid(),
+                "label": self.label,
+                **{k: s[k] for k in ("virtual_bytes", "mapped_bytes", "limit_bytes")},
+                **{k: s[k] for k in ("groups_mapped", "groups_total", "group_bytes")},
+            }
+        )
 
     def _admit(self, group):
         r = self.space.admit()
@@ -251,6 +314,9 @@ class ElasticKv:
                 ):
                     self._free_since.setdefault(g, now)
             excess = len(self._free_since) - self.spare_groups
+            over = len(self._groups) - self._limit_groups()
+            if over > 0:  # spares and delays give way to the limit
+                excess, force = max(excess, min(over, len(self._free_since))), True
             if excess <= 0:
                 return []
             due = self.trim_delay if not force else 0.0
@@ -306,6 +372,8 @@ class ElasticKv:
         _SPACES[:] = [w for w in _SPACES if w() not in (None, self)]
         self.block_pool = None
         self.trim = None
+        if self._control is not None:
+            self._control.remove()
         for r in requests:
             r.truncate(0)
             r.release()
@@ -332,6 +400,8 @@ class ElasticKv:
             "blocks_per_group": self.blocks_per_group,
             "groups_total": self.num_groups,
             "groups_mapped": mapped,
+            "group_bytes": self.group_bytes,
+            "limit_bytes": self.limit_bytes,
             "groups_spare": len(self._free_since),
             "mapped_bytes": mapped * self.group_bytes,
             "virtual_bytes": self.num_groups * self.group_bytes,
@@ -394,35 +464,54 @@ def _reclaim_for(kv):
 class _Trimmer:
     """One daemon thread per process: sleeps until the earliest trim delay asked for is over,
     then trims every open space (each under its engine lock; a space with groups still waiting
-    asks again)."""
+    asks again); with a control folder it also wakes every POLL_S seconds to read the limits
+    and publish the figures there."""
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._due = None  # the earliest monotonic time asked for
+        self._due = None  # the earliest monotonic time a trim was asked for
+        self._next_poll = None  # the next control-folder poll (None: no polling)
         self._thread = None
 
     def wake(self, at):
         with self._cv:
-            if self._due is not None and self._due <= at:
-                return
-            self._due = at
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="strata-vllm-trim", daemon=True
-                )
-                self._thread.start()
-            self._cv.notify()
+            if self._due is None or at < self._due:
+                self._due = at
+                self._start()
+
+    def start_polling(self):
+        with self._cv:
+            if self._next_poll is None:
+                self._next_poll = time.monotonic() + control.POLL_S
+                self._start()
+
+    def _start(self):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="strata-vllm-trim", daemon=True)
+            self._thread.start()
+        self._cv.notify()
 
     def _run(self):
         while True:
             with self._cv:
-                while self._due is None or self._due > time.monotonic():
-                    wait = None if self._due is None else self._due - time.monotonic()
-                    self._cv.wait(wait)
-                self._due = None
+                while True:
+                    now = time.monotonic()
+                    times = [t for t in (self._due, self._next_poll) if t is not None]
+                    if times and min(times) <= now:
+                        break
+                    self._cv.wait(min(times) - now if times else None)
+                trim_now = self._due is not None and self._due <= now
+                poll_now = self._next_poll is not None and self._next_poll <= now
+                if trim_now:
+                    self._due = None
+                if poll_now:
+                    self._next_poll = now + control.POLL_S
             for kv in spaces():
                 try:
-                    trim(kv)
+                    if poll_now:
+                        kv.poll_control()
+                    if trim_now:
+                        trim(kv)
                 except Exception:  # noqa: BLE001 - the thread must outlive one engine's failure
                     log.exception("strata.vllm: trimming KV space %s failed", kv.label)
 

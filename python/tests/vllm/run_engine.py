@@ -164,6 +164,63 @@ def grace(args, plugin, outputs, timed_wave, mapped):
     os._exit(0)
 
 
+def limit_from_outside(args, outputs, run_wave, mapped, steps):
+    """After the first wave (its free groups kept mapped: a long STRATA_VLLM_TRIM_DELAY), an
+    operator's process halves the engine's KV limit through the control folder; the idle engine
+    applies it; the same prompts run under it; then bad requests and the limit lifted."""
+    import subprocess
+
+    import strata.vllm
+
+    kv = strata.vllm.elastic.newest()
+    name = f"{os.getpid()}-{kv.label}"
+    cli = [sys.executable, "-m", "strata.vllm.control"]
+
+    def ctl(*argv):
+        return subprocess.run(cli + list(argv), capture_output=True, text=True, timeout=60)
+
+    def wait_for(done):
+        start = time.monotonic()
+        while not done() and time.monotonic() - start < 10:
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    peak = max(s["mapped"] for s in steps)
+    held = mapped()
+    limit = peak // 2 // kv.group_bytes * kv.group_bytes
+    set_rc = ctl("limit", name, str(limit)).returncode
+    applied_after = wait_for(lambda: kv.limit_bytes == limit and mapped() <= limit)
+    idle_limited = mapped()
+    listed = json.loads(ctl("list", "--json").stdout)
+    del steps[:]
+    run_wave("l")
+    limited = [s["mapped"] for s in steps]
+    unknown = ctl("limit", "1-99", "1MiB")
+    bad_size = ctl("limit", name, "12 parsecs")
+    lift_rc = ctl("limit", name, "none").returncode
+    lifted_after = wait_for(lambda: kv.limit_bytes is None)
+    print("RESULT " + json.dumps({
+        "outputs": [outputs[f"a{i}"] for i in range(args.requests)],
+        "outputs_limited": [outputs[f"l{i}"] for i in range(args.requests)],
+        "name": name,
+        "group_bytes": kv.group_bytes,
+        "peak": peak,
+        "held": held,
+        "limit": limit,
+        "set_rc": set_rc,
+        "applied_after_s": applied_after,
+        "idle_limited": idle_limited,
+        "listed": listed,
+        "limited_steps": limited,
+        "unknown": [unknown.returncode, unknown.stderr],
+        "bad_size": [bad_size.returncode, bad_size.stderr],
+        "lift_rc": lift_rc,
+        "lifted": kv.limit_bytes is None,
+        "lifted_after_s": lifted_after,
+    }), flush=True)
+    os._exit(0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -179,6 +236,11 @@ def main():
         "--grace",
         action="store_true",
         help="a second wave right after the first, then idle until the KV is trimmed",
+    )
+    ap.add_argument(
+        "--limit",
+        action="store_true",
+        help="after the first wave, halve the KV limit through the control CLI and run again",
     )
     args = ap.parse_args()
 
@@ -232,6 +294,8 @@ def main():
     first = timed_wave("a")
     if args.grace:
         grace(args, plugin, outputs, timed_wave, mapped)
+    if args.limit:
+        limit_from_outside(args, outputs, run_wave, mapped, steps)
     if args.bench:
         # later waves: other tokens, the same shape; the KV pages were mapped before
         warm = [timed_wave(f"w{n}", salt=n) for n in range(1, args.waves)]

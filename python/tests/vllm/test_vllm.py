@@ -132,6 +132,12 @@ class Elastic(unittest.TestCase):
         cls.grace, _ = run_engine(
             True, model, "--grace", STRATA_VLLM_TRIM_DELAY=str(GRACE_DELAY)
         )
+        # a KV limit set from another process through the control folder
+        cls.control_dir = os.path.join(cls.tmp.name, "control")
+        cls.limited, _ = run_engine(
+            True, model, "--limit", STRATA_VLLM_TRIM_DELAY="60",
+            STRATA_VLLM_CONTROL_DIR=cls.control_dir,
+        )
 
     @classmethod
     def tearDownClass(cls):
@@ -240,6 +246,39 @@ class Elastic(unittest.TestCase):
         self.assertEqual(r["outputs_b"], self.stock["outputs"])
         self.assertEqual(r["outputs_a_again"], self.stock["outputs"])
         self.assertLessEqual(r["peak_mapped_sum"], device)
+
+    def test_a_limit_set_from_outside_caps_the_mapped_kv(self):
+        r, group = self.limited, self.limited["group_bytes"]
+        self.assertEqual(r["outputs"], self.stock["outputs"])
+        # idle, the engine kept its free groups mapped (a minute's delay) ...
+        self.assertEqual(r["held"], r["peak"])
+        self.assertGreater(r["peak"], 4 * group)
+        # ... until another process halved its limit: applied without an engine step
+        self.assertEqual(r["set_rc"], 0)
+        self.assertLess(r["applied_after_s"], 5)
+        self.assertLessEqual(r["idle_limited"], r["limit"])
+        entry = r["listed"][r["name"]]
+        self.assertEqual(entry["limit_bytes"], r["limit"])
+        self.assertLessEqual(entry["mapped_bytes"], r["limit"])
+        self.assertEqual(entry["virtual_bytes"], 512 * group)
+        # the same prompts under the limit: the same outputs, never more mapped than allowed
+        self.assertEqual(r["outputs_limited"], self.stock["outputs"])
+        self.assertTrue(r["limited_steps"])
+        self.assertLessEqual(max(r["limited_steps"]), r["limit"])
+        # bad requests are refused with a message; the limit lifted
+        self.assertEqual(r["unknown"][0], 2)
+        self.assertIn("no live engine '1-99'", r["unknown"][1])
+        self.assertEqual(r["bad_size"][0], 2)
+        self.assertIn("expected bytes", r["bad_size"][1])
+        self.assertEqual(r["lift_rc"], 0)
+        self.assertTrue(r["lifted"])
+        # the engine's process ended without shutting down (os._exit): its files name a dead
+        # process, so list leaves it out and removes them
+        from strata.vllm import control
+
+        self.assertTrue(os.listdir(self.control_dir))
+        self.assertEqual(control.engines(self.control_dir), {})
+        self.assertEqual(os.listdir(self.control_dir), [])
 
     def test_engines_built_out_of_order_attach_to_their_own_kv(self):
         # B was built inside A's construction: B's KV space is the newer one when A's block
