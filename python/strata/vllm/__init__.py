@@ -18,7 +18,9 @@ engine-core process with the uni-process executor).
 Several engines in one process share the device by what they map: an idle engine keeps only
 its null block's group and its spares once its delay is over, an engine short of pages takes
 back at once what the others keep for their delay, so a second engine runs where stock vLLM,
-holding each engine's whole KV capacity, would not fit. Sleep (level >= 1) returns an engine's KV pages.
+holding each engine's whole KV capacity, would not fit. Sleep (level >= 1) returns an engine's
+KV pages. Each engine's mapped KV can be capped while it runs: ``set_limit``,
+``STRATA_VLLM_KV_LIMIT``, or from another process ``python -m strata.vllm.control``.
 
 Operator view: ``strata.vllm.stats()`` (groups and bytes mapped, pool and tier figures, bytes
 moved), the same as vLLM metrics named ``vllm:strata_kv_*`` with an ``engine`` label

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 
 POLL_S = 0.5  # how often the trimmer thread reads the limits and refreshes the figures
 
@@ -86,13 +87,16 @@ class Endpoint:
         self.limit_path = os.path.join(directory, self.name + ".limit")
         self._seen = None  # (mtime_ns, size) of the limit file last read
         self._published = None
+        self._lock = threading.Lock()  # no figures written after the files were removed
+        self._removed = False
         atexit.register(self.remove)  # an engine never shut down leaves no files either
 
     def publish(self, figures):
-        if figures == self._published:
-            return
-        _write_atomically(self.status_path, json.dumps(figures))
-        self._published = figures
+        with self._lock:
+            if self._removed or figures == self._published:
+                return
+            _write_atomically(self.status_path, json.dumps(figures))
+            self._published = figures
 
     def read_limit(self):
         """(changed, limit): whether the limit file changed since the last call, and the limit
@@ -110,11 +114,13 @@ class Endpoint:
             return True, parse_limit(f.read())
 
     def remove(self):
-        for path in (self.status_path, self.limit_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        with self._lock:
+            self._removed = True
+            for path in (self.status_path, self.limit_path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
 
 def _write_atomically(path, text):

@@ -248,13 +248,16 @@ class ElasticKv:
             raise strata.InvalidArgument(
                 f"strata.vllm: KV limit {limit_bytes!r}: expected a byte count >= 0 or None"
             )
-        self.limit_bytes = limit_bytes
+        with self.engine_lock:  # not between a scheduler's count of free blocks and its take
+            self.limit_bytes = limit_bytes
+            unmapped = trim(self)
         log.info(
-            "strata.vllm: KV space %s limit %s",
+            "strata.vllm: KV space %s limit %s (%d free groups unmapped)",
             self.label,
             "none" if limit_bytes is None else f"{limit_bytes} B",
+            unmapped,
         )
-        return trim(self)
+        return unmapped
 
     def poll_control(self):
         """Reads the control folder's limit for this space (applied if it changed) and
@@ -330,11 +333,6 @@ class ElasticKv:
         out = [g for g in ripe if busy.isdisjoint(self.group_blocks(g))][:excess]
         self.unmaps_deferred += min(excess, len(ripe)) - len(out)
         return out
-
-    def delayed_groups(self):
-        """How many free groups beyond the spares wait for their delay (or a KV transfer)."""
-        with self._lock:
-            return max(len(self._free_since) - self.spare_groups, 0)
 
     def still_free(self, group, blocks):
         """Whether ``group`` (a maybe_free answer) has all ``blocks`` free (else it is forgotten)

@@ -21,10 +21,12 @@ Patches (all in the process that runs the model runner and the scheduler):
               their group's pages; groups whose blocks all fell free are unmapped beyond
               STRATA_VLLM_SPARE_GROUPS once free for STRATA_VLLM_TRIM_DELAY seconds
               (hysteresis; elastic.py), their blocks leaving the prefix cache and moving to the
-              back of the free queue; the free count vLLM schedules by is bounded
-              by the pages the pool can still map, and blocks of groups it could not map are
-              swapped for free blocks of mapped groups, so a small pool makes vLLM queue and
-              preempt instead of failing (reset_prefix_cache still sees the plain count).
+              back of the free queue; freed blocks that hold cached KV go ahead of those (not
+              behind them, as vLLM would put them), so mapped groups' blocks are used first;
+              the free count vLLM schedules by is bounded by the pages the pool can still map
+              (and the engine's KV limit), and blocks of groups it could not map are swapped
+              for free blocks of mapped groups, so a small pool makes vLLM queue and preempt
+              instead of failing (reset_prefix_cache still sees the plain count).
   cpu-sleep   vllm.v1.worker.cpu_worker.CPUWorker.sleep (a no-op in vLLM's CPU build): level >= 1
               unmaps every KV group of that worker's KV space whose blocks are free; wake needs
               nothing.
