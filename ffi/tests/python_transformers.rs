@@ -18,6 +18,8 @@ fn python_transformers_generate_on_strata_kv() {
         &[
             "test_llama_greedy_matches_dynamic_cache",
             "test_qwen2_greedy_matches_dynamic_cache",
+            "test_llama_with_strata_sdpa_attention_matches_dynamic_cache",
+            "test_mixtral_with_strata_sdpa_attention_matches_dynamic_cache",
             "test_mixtral_moe_greedy_matches_dynamic_cache",
             "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
             "test_crop_returns_the_pages_past_the_tokens_kept",

@@ -30,6 +30,13 @@ sequence, masked by the model). `crop` lowers the held length and returns the pa
 tokens kept (`strata_kv_truncate`; the page holding the last kept token stays); `reset` releases
 every request's pages; `close` releases the space. The addresses stay through all three.
 
+Attention. GPU kernels read the `[batch, kv_heads, tokens, head_dim]` views with their stride as
+is. Torch's CPU kernels read short head rows of them slowly, so on the CPU set the model's
+attention to "strata_sdpa" (registered on import): decode steps then read adjacent heads' rows
+together (`strata._row_attention`), everything else is transformers' "sdpa" unchanged:
+
+    model.set_attn_implementation("strata_sdpa")
+
 The tensors are DLPack exports of strata memory (CUDA tensors on the CUDA backend, CPU tensors
 on the host backend outside strict mode). Errors are strata's typed exceptions
 (`strata.InvalidArgument`, `strata.OutOfMemory`, `strata.InvalidState`, `strata.Unsupported`).
@@ -41,8 +48,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from . import _lib, kv
+from ._row_attention import NAME as ATTENTION  # registers attn_implementation="strata_sdpa"
 
-__all__ = ["StrataCache", "StrataLayer"]
+__all__ = ["ATTENTION", "StrataCache", "StrataLayer"]
 
 _WINDOWED = ("sliding_attention", "chunked_attention")
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 import strata
 from strata import kv
@@ -32,6 +33,9 @@ if cpu_readable_kv():
         import torch
         import transformers
         from transformers import DynamicCache, LogitsProcessorList
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from strata import _row_attention
     except ImportError:
         transformers = None
 else:
@@ -116,15 +120,32 @@ def mapped_bytes(cache):
 
 @unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
 class StrataCacheTest(unittest.TestCase):
-    def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, **extra):
+    def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, attention=None, **extra):
+        """`attention`: the StrataCache run's attn_implementation (DynamicCache's stays "sdpa")."""
         from strata.transformers import StrataCache
 
         model = tiny(name, **extra)
         expected = generate(model, DynamicCache(), new_tokens)
+        if attention:
+            model.set_attn_implementation(attention)
         total = max(PROMPTS) + new_tokens
         with StrataCache(model.config, max_cache_len=total + 100) as cache:
             watch = Watch(cache)
-            got = generate(model, cache, new_tokens, logits_processor=LogitsProcessorList([watch]))
+            to_sdpa = []  # counts only: holding the calls' arguments would keep the KV views alive
+
+            def sdpa(*args, **kw):
+                to_sdpa.append(None)
+                return sdpa_attention_forward(*args, **kw)
+
+            # FOLD_FROM_BYTES 0: these tiny models' contexts fold from the first decode step.
+            with (
+                mock.patch.object(_row_attention, "sdpa_attention_forward", sdpa),
+                mock.patch.object(_row_attention, "FOLD_FROM_BYTES", 0),
+            ):
+                got = generate(model, cache, new_tokens, logits_processor=LogitsProcessorList([watch]))
+            if attention == "strata_sdpa":
+                # Only the prefill goes to SDPA: every decode step of every layer reads rows.
+                self.assertEqual(len(to_sdpa), len(model.model.layers))
             self.assertEqual(got.shape, expected.shape)
             self.assertTrue(torch.equal(got, expected), f"{name}: {(got != expected).sum()} tokens differ")
             # One set of addresses for the whole generation, and the views start at the base.
@@ -148,6 +169,20 @@ class StrataCacheTest(unittest.TestCase):
 
     def test_mixtral_moe_greedy_matches_dynamic_cache(self):
         self.same_tokens_as_dynamic("Mixtral", num_local_experts=4, num_experts_per_tok=2)
+
+    def test_llama_with_strata_sdpa_attention_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Llama", attention="strata_sdpa")
+
+    def test_mixtral_with_strata_sdpa_attention_matches_dynamic_cache(self):
+        # 8 query heads over 2 KV heads of 32: rows of one head reach 128 bytes, so two heads fold.
+        self.same_tokens_as_dynamic(
+            "Mixtral",
+            attention="strata_sdpa",
+            hidden_size=256,
+            num_attention_heads=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
 
     def test_mistral_window_wider_than_the_cache_is_full_attention(self):
         self.same_tokens_as_dynamic("Mistral", new_tokens=64, sliding_window=4096)

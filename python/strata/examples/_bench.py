@@ -49,13 +49,15 @@ def timed_generate(model, ids, cache, new_tokens):
 
 
 def alternate(names, rounds, run):
-    """`run(name)` for every name once per round, `rounds` times; returns {name: [result of each
+    """`run(name)` for every name once per round, `rounds` times, each round starting one name
+    later (so no configuration always follows the same one); returns {name: [result of each
     round]} and the 1-minute load average at the start of each round."""
     results = {name: [] for name in names}
     loads = []
-    for _ in range(rounds):
+    for r in range(rounds):
         loads.append(os.getloadavg()[0])
-        for name in names:
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
             results[name].append(run(name))
     return results, loads
 

@@ -4,6 +4,8 @@ decode time per token and peak KV bytes at a short and a long context.
     python -m strata.examples.bench_cache                 # BENCHMARKS.md's table (contexts 256, 2048)
     python -m strata.examples.bench_cache --quick         # a smoke run
 
+StrataCache runs twice: with transformers' "sdpa" attention, as the other caches, and with
+"strata_sdpa" (decode steps read adjacent heads' rows together; `strata._row_attention`).
 Model: a random-initialised Llama (4 layers, hidden 256, 8 heads over 4 KV heads, float32),
 batch 4, 64-token prompts, greedy. Decode time per token is (generate(N) - generate(1)) / (N - 1)
 per configuration, so the prefill is not counted. Each round runs every cache once (rounds
@@ -16,16 +18,24 @@ import argparse
 
 from ._bench import alternate, median, model_and_prompts, rounds_line, setting, timed_generate
 
-NAMES = ("dynamic", "static", "strata")
-LABEL = {"dynamic": "DynamicCache", "static": "StaticCache", "strata": "StrataCache"}
+NAMES = ("dynamic", "static", "strata", "strata_rows")
+LABEL = {
+    "dynamic": "DynamicCache",
+    "static": "StaticCache",
+    "strata": "StrataCache",
+    "strata_rows": 'StrataCache, "strata_sdpa"',
+}
 
 
 def run(model, ids, name, new_tokens, max_len):
-    """(seconds, peak KV bytes, output ids) of one generation with the `name` cache."""
+    """(seconds, peak KV bytes, output ids) of one generation with the `name` cache. Every cache
+    runs with transformers' "sdpa" attention except "strata_rows": StrataCache with
+    "strata_sdpa" (`strata._row_attention`)."""
     from transformers import DynamicCache, StaticCache
 
-    from strata.transformers import StrataCache
+    from strata.transformers import ATTENTION, StrataCache
 
+    model.set_attn_implementation(ATTENTION if name == "strata_rows" else "sdpa")
     if name == "dynamic":
         cache = DynamicCache()
     elif name == "static":
@@ -33,7 +43,7 @@ def run(model, ids, name, new_tokens, max_len):
     else:
         cache = StrataCache(model.config, max_cache_len=max_len)
     elapsed, out = timed_generate(model, ids, cache, new_tokens)
-    if name == "strata":
+    if name.startswith("strata"):
         held = cache.stats()["kv_bytes"]
         cache.close()
     else:

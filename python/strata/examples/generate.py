@@ -121,7 +121,7 @@ def main(argv=None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from strata.transformers import OffloadedStrataCache, StrataCache
+    from strata.transformers import ATTENTION, OffloadedStrataCache, StrataCache
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
@@ -137,6 +137,7 @@ def main(argv=None):
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(ATTENTION)  # "sdpa", but CPU decode reads strata's KV rows whole
 
     # Rows of different lengths, left-padded: row i has prompt - 8*i tokens (at least 1).
     ids = torch.zeros(args.batch, args.prompt, dtype=torch.long)
