@@ -51,6 +51,25 @@ fn python_package_unittests() {
     // The ctypes tests really ran (not everything skipped).
     assert!(stderr.contains("test_tags_and_sleep_wake_keep_contents") && stderr.contains("... ok"));
     assert!(stderr.contains("test_lost_callback_fires_exactly_once_per_lost_block ("));
+    // With torch and transformers (.ci/run's environment), "strata_sdpa"'s tests ran, not skipped.
+    let has_transformers = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_transformers {
+        for test in [
+            "test_decode_over_token_major_views_matches_sdpa",
+            "test_everything_else_is_sdpa_unchanged",
+            "test_short_contexts_are_sdpa_unchanged",
+        ] {
+            assert!(
+                stderr.contains(&format!(
+                    "{test} (test_row_attention.RowAttentionTest.{test}) ... ok"
+                )),
+                "{test} did not pass:\n{stderr}"
+            );
+        }
+    }
 }
 
 /// The DLPack tests outside strict mode: KV tensors are CPU tensors over the space's pages.

@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "strata_sdpa"
-ROW_BYTES = 256  # the shortest row read per group (measured: 128-byte rows read 2-3x slower)
+ROW_BYTES = 256  # the shortest row read per group: 128-byte head rows are what read slowly
 # One request's keys of a layer (tokens x heads x dim x element size) from which decode folds.
 # Below it the stride costs little and the fold's extra work more than it saves: on the 2-vCPU
 # development VM the fold lost 4 % at 512 tokens of 4 x 32 float32 heads (256 KiB) and won 20 %
@@ -90,7 +90,15 @@ def row_attention_forward(
     """transformers' attention-function contract: returns (`[batch, 1, query heads, dim]`, None)."""
     if not _foldable(query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
     batch, q_heads, _, dim = query.shape
     heads, tokens = key.shape[1], key.shape[2]
@@ -107,7 +115,8 @@ def row_attention_forward(
     else:
         # [batch, groups, group, rep, group, dim]: each query head's row is zero outside its
         # own KV head's block.
-        folded = query.reshape(batch, groups, group, rep, 1, dim) * _block_diagonal(group, query.dtype, query.device)
+        ones = _block_diagonal(group, query.dtype, query.device)
+        folded = query.reshape(batch, groups, group, rep, 1, dim) * ones
         folded = folded.view(batch, groups, group * rep, group * dim)
     out = torch.nn.functional.scaled_dot_product_attention(
         folded, rows(key), rows(value), attn_mask=attention_mask, scale=scale

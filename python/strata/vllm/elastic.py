@@ -17,11 +17,12 @@ request keeps its slot (``release`` would keep the pages mapped for the slot's n
 
 Trimming. A group whose blocks all fell free stays mapped: ``spare_groups`` of them for good (a
 busy pool does not thrash), the others for ``trim_delay`` seconds (a burst after a short pause
-finds its pages mapped). A process-wide trimmer thread unmaps them once their delay is over, so
-an engine that goes idle returns its pages without another step. An engine short of pages
-first takes back, at once, the delayed groups of the other engines of its process. The trimmer
-works on vLLM's block pool (free queue, prefix cache) only under the engine's ``engine_lock``,
-which the scheduler holds over every call that reads or changes the pool (patches.py).
+finds its pages mapped). A process-wide trimmer thread (trimmer.py) unmaps them once their
+delay is over, so an engine that goes idle returns its pages without another step. An engine
+short of pages first takes back, at once, the delayed groups of the other engines of its
+process. The trimmer works on vLLM's block pool (free queue, prefix cache) only under the
+engine's ``engine_lock``, which the scheduler holds over every call that reads or changes the
+pool (patches.py).
 
 Limit. ``limit_bytes`` (None: the device's room) caps the bytes mapped: beyond it no group is
 mapped (vLLM queues and preempts as on a smaller device) and free groups are unmapped at once,
@@ -43,6 +44,7 @@ import strata.kv
 from strata import _lib
 
 from . import control
+from .trimmer import Trimmer, trim
 
 # A child of vLLM's logger: its lines go wherever vLLM sends its own.
 log = logging.getLogger("vllm.strata")
@@ -440,18 +442,6 @@ class ElasticKv:
         )
 
 
-def trim(kv, force=False, blocking=True):
-    """Runs ``kv``'s trim under its engine lock (without waiting for it unless ``blocking``: a
-    busy engine is not idle). Returns the number of groups unmapped."""
-    if not kv.engine_lock.acquire(blocking=blocking):
-        return 0
-    try:
-        fn = kv.trim
-        return 0 if kv.closed or fn is None else fn(force)
-    finally:
-        kv.engine_lock.release()
-
-
 def _reclaim_for(kv):
     """``kv`` is short of pages: the other engines of this process give back, at once, the
     free groups they keep only for their delay (not their spares; not an engine that is
@@ -459,68 +449,15 @@ def _reclaim_for(kv):
     return sum(trim(peer, force=True, blocking=False) for peer in spaces() if peer is not kv) > 0
 
 
-class _Trimmer:
-    """One daemon thread per process: sleeps until the earliest trim delay asked for is over,
-    then trims every open space (each under its engine lock; a space with groups still waiting
-    asks again); with a control folder it also wakes every POLL_S seconds to read the limits
-    and publish the figures there."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._due = None  # the earliest monotonic time a trim was asked for
-        self._next_poll = None  # the next control-folder poll (None: no polling)
-        self._thread = None
-
-    def wake(self, at):
-        with self._cv:
-            if self._due is None or at < self._due:
-                self._due = at
-                self._start()
-
-    def start_polling(self):
-        with self._cv:
-            if self._next_poll is None:
-                self._next_poll = time.monotonic() + control.POLL_S
-                self._start()
-
-    def _start(self):
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="strata-vllm-trim", daemon=True)
-            self._thread.start()
-        self._cv.notify()
-
-    def _run(self):
-        while True:
-            with self._cv:
-                while True:
-                    now = time.monotonic()
-                    times = [t for t in (self._due, self._next_poll) if t is not None]
-                    if times and min(times) <= now:
-                        break
-                    self._cv.wait(min(times) - now if times else None)
-                trim_now = self._due is not None and self._due <= now
-                poll_now = self._next_poll is not None and self._next_poll <= now
-                if trim_now:
-                    self._due = None
-                if poll_now:
-                    self._next_poll = now + control.POLL_S
-            for kv in spaces():
-                try:
-                    if poll_now:
-                        kv.poll_control()
-                    if trim_now:
-                        trim(kv)
-                except Exception:  # noqa: BLE001 - the thread must outlive one engine's failure
-                    log.exception("strata.vllm: trimming KV space %s failed", kv.label)
-
-
-_TRIMMER = _Trimmer()
 
 
 def spaces():
     """The open ElasticKv instances of this process, oldest first."""
     live = [w() for w in _SPACES]
     return [kv for kv in live if kv is not None and not kv.closed]
+
+
+_TRIMMER = Trimmer(spaces)
 
 
 def newest():
