@@ -27,6 +27,7 @@ fn python_transformers_generate_on_strata_kv() {
             "test_llama_offload_matches_dynamic_cache",
             "test_qwen2_gqa_offload_matches_dynamic_cache",
             "test_mixtral_moe_offload_matches_dynamic_cache",
+            "test_offload_with_strata_sdpa_attention_matches_dynamic_cache",
             "test_mistral_offload_matches_dynamic_cache",
             "test_disk_tier_holds_what_host_memory_cannot_with_and_without_the_lookahead",
             "test_adaptive_expansion_moves_layers_in_a_generate_run",

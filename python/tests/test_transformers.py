@@ -5,6 +5,7 @@ tokens held, and bad use raises typed errors. Models are random-initialised from
 this module outside strict mode (STRATA_HOST_STRICT=0) and checks that the tests ran; in the
 strict run of the whole suite they skip."""
 
+import contextlib
 import math
 import os
 import subprocess
@@ -112,6 +113,24 @@ def generate(model, cache, new_tokens=NEW_TOKENS, prompts=PROMPTS, **kw):
         )
 
 
+@contextlib.contextmanager
+def folding_from_the_first_step():
+    """"strata_sdpa" folds from the first decode step (FOLD_FROM_BYTES 0: these tiny models'
+    contexts stay below it); yields a list that gets one entry per call handed to SDPA (counts
+    only: holding the calls' arguments would keep the KV views alive)."""
+    to_sdpa = []
+
+    def sdpa(*args, **kw):
+        to_sdpa.append(None)
+        return sdpa_attention_forward(*args, **kw)
+
+    with (
+        mock.patch.object(_row_attention, "sdpa_attention_forward", sdpa),
+        mock.patch.object(_row_attention, "FOLD_FROM_BYTES", 0),
+    ):
+        yield to_sdpa
+
+
 def mapped_bytes(cache):
     """What whole pages for the tokens held cost: rows x blocks x block bytes."""
     s = cache.stats()
@@ -131,17 +150,7 @@ class StrataCacheTest(unittest.TestCase):
         total = max(PROMPTS) + new_tokens
         with StrataCache(model.config, max_cache_len=total + 100) as cache:
             watch = Watch(cache)
-            to_sdpa = []  # counts only: holding the calls' arguments would keep the KV views alive
-
-            def sdpa(*args, **kw):
-                to_sdpa.append(None)
-                return sdpa_attention_forward(*args, **kw)
-
-            # FOLD_FROM_BYTES 0: these tiny models' contexts fold from the first decode step.
-            with (
-                mock.patch.object(_row_attention, "sdpa_attention_forward", sdpa),
-                mock.patch.object(_row_attention, "FOLD_FROM_BYTES", 0),
-            ):
+            with folding_from_the_first_step() as to_sdpa:
                 got = generate(model, cache, new_tokens, logits_processor=LogitsProcessorList([watch]))
             if attention == "strata_sdpa":
                 # Only the prefill goes to SDPA: every decode step of every layer reads rows.
@@ -416,6 +425,15 @@ class OffloadTest(unittest.TestCase):
 
     def test_mixtral_moe_offload_matches_dynamic_cache(self):
         self.full_offload("Mixtral", num_local_experts=4, num_experts_per_tok=2)
+
+    def test_offload_with_strata_sdpa_attention_matches_dynamic_cache(self):
+        # Swapped-in layers are the same token-major views: every decode step folds over them.
+        model = offload_model("Qwen2")
+        expected = generate(model, DynamicCache())
+        model.set_attn_implementation("strata_sdpa")
+        with folding_from_the_first_step() as to_sdpa:
+            self.offload_matches_dynamic("Qwen2", model=model, expected=expected)
+        self.assertEqual(len(to_sdpa), len(model.model.layers))
 
     def test_mistral_offload_matches_dynamic_cache(self):
         self.full_offload("Mistral", sliding_window=4096)
