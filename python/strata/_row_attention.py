@@ -5,8 +5,8 @@ on the CPU over K/V stored token-major, as `StrataCache` holds them.
 heads) and hands the model `[batch, head, token, dim]` views of them: head `h`'s keys are rows of
 `dim` elements, `heads × dim` apart. GPU attention kernels read that stride as is. Torch's CPU
 flash attention reads one head at a time, and when a head's row is short (32 float32 = 128 bytes)
-the CPU's prefetchers fetch the neighbouring heads' rows too, so decode attention at a 2048-token
-context took 2.3× as long as over contiguous K/V (BENCHMARKS.md).
+decode attention at a 2048-token context took 2.3× as long as over contiguous K/V (BENCHMARKS.md),
+most likely because the CPU's prefetchers fetch the neighbouring heads' rows too.
 
 Here a decode step reads `group` adjacent heads' rows as one row of `group × dim` elements (at
 least `ROW_BYTES` long): the keys become `[batch, heads / group, token, group × dim]`, a view of
