@@ -55,30 +55,27 @@ _SPACES = []
 _SERIALS = itertools.count()
 
 
-def _env_float(name, default):
+def _env_number(name, default, parse, expected):
+    """``parse`` of the environment's ``name`` (non-negative and finite), or ``default`` when it
+    is unset or empty; a ValueError naming the variable otherwise."""
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        x = float(value)
+        x = parse(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a non-negative number of seconds") from None
-    if not x >= 0 or math.isinf(x):
-        raise ValueError(f"{name}={value!r}: expected a non-negative number of seconds")
+        x = None
+    if x is None or not x >= 0 or math.isinf(x):
+        raise ValueError(f"{name}={value!r}: expected {expected}")
     return x
 
 
+def _env_float(name, default):
+    return _env_number(name, default, float, "a non-negative number of seconds")
+
+
 def _env_int(name, default):
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a non-negative integer") from None
-    if n < 0:
-        raise ValueError(f"{name}={value!r}: expected a non-negative integer")
-    return n
+    return _env_number(name, default, int, "a non-negative integer")
 
 
 class ElasticKv:
