@@ -1,7 +1,7 @@
 //! Test set-up the workspace's test binaries share (a dev-dependency only; no dependencies of
 //! its own, so any crate's tests may use it): where the running test executable's target folder
 //! is, building another package into it, the folder of NVIDIA's real CUDA libraries, and the
-//! report `.ci/run` counts the CUDA checks from.
+//! report `.ci/run` counts the CUDA checks from, and the named skips `.ci/gpu-run` lists.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -73,4 +73,22 @@ pub fn report(line: &str) {
         .open(path)
         .expect("open STRATA_CUDA_REPORT");
     writeln!(file, "{line}").expect("write STRATA_CUDA_REPORT");
+}
+
+/// Records that the running test skipped itself, and why: prints `skipped TEST: REASON` (shown
+/// by `--show-output`; `.ci/gpu-run` counts and lists these lines) and appends the same line to
+/// the file `STRATA_SKIP_REPORT` names, if set. Only for what the machine cannot do (a second
+/// device, peer access, a host-backend hook on a real driver); the caller returns right after.
+pub fn skip(test: &str, reason: &str) {
+    let line = format!("skipped {test}: {reason}");
+    println!("{line}");
+    let Some(path) = std::env::var_os("STRATA_SKIP_REPORT") else {
+        return;
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("open STRATA_SKIP_REPORT");
+    writeln!(file, "{line}").expect("write STRATA_SKIP_REPORT");
 }
