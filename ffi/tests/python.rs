@@ -62,46 +62,48 @@ fn python_package_unittests() {
     // With torch and CPU tensors (the host backend), the KV lifetime tests ran: DLPack after
     // close, close racing an export.
     if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") && imports(&python, "torch") {
-        for test in [
-            "test_a_descriptor_taken_before_close_is_refused_after_it",
-            "test_close_racing_an_export_never_frees_exported_memory",
-        ] {
-            assert!(
-                stderr.contains(&format!(
-                    "{test} (test_kv_lifetime.KvLifetimeTest.{test}) ... ok"
-                )),
-                "{test} did not pass:\n{stderr}"
-            );
-        }
+        assert_passed(
+            &stderr,
+            "test_kv_lifetime.KvLifetimeTest",
+            &[
+                "test_a_descriptor_taken_before_close_is_refused_after_it",
+                "test_close_racing_an_export_never_frees_exported_memory",
+            ],
+        );
     }
     // With hypothesis (.ci/run's environment), the property tests of strata.kv ran, not skipped.
     if imports(&python, "hypothesis") {
-        for test in [
-            "test_kv_calls_with_integers_at_and_beyond_the_c_limits",
-            "test_kv_space_counts_beyond_their_c_types_are_refused",
-        ] {
-            assert!(
-                stderr.contains(&format!(
-                    "{test} (test_kv_properties.KvIntegerProperties.{test}) ... ok"
-                )),
-                "{test} did not pass:\n{stderr}"
-            );
-        }
+        assert_passed(
+            &stderr,
+            "test_kv_properties.KvIntegerProperties",
+            &[
+                "test_kv_calls_with_integers_at_and_beyond_the_c_limits",
+                "test_kv_space_counts_beyond_their_c_types_are_refused",
+            ],
+        );
     }
     // With torch and transformers (.ci/run's environment), "strata_sdpa"'s tests ran, not skipped.
     if imports(&python, "torch, transformers") {
-        for test in [
-            "test_decode_over_token_major_views_matches_sdpa",
-            "test_everything_else_is_sdpa_unchanged",
-            "test_short_contexts_are_sdpa_unchanged",
-        ] {
-            assert!(
-                stderr.contains(&format!(
-                    "{test} (test_row_attention.RowAttentionTest.{test}) ... ok"
-                )),
-                "{test} did not pass:\n{stderr}"
-            );
-        }
+        assert_passed(
+            &stderr,
+            "test_row_attention.RowAttentionTest",
+            &[
+                "test_decode_over_token_major_views_matches_sdpa",
+                "test_everything_else_is_sdpa_unchanged",
+                "test_short_contexts_are_sdpa_unchanged",
+            ],
+        );
+    }
+}
+
+/// Asserts that unittest's verbose output `stderr` shows each of `tests` of `class` (module.Class)
+/// passed, not skipped.
+fn assert_passed(stderr: &str, class: &str, tests: &[&str]) {
+    for test in tests {
+        assert!(
+            stderr.contains(&format!("{test} ({class}.{test}) ... ok")),
+            "{test} did not pass:\n{stderr}"
+        );
     }
 }
 
