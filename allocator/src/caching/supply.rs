@@ -11,7 +11,7 @@
 use parking_lot::Mutex;
 use strata_vmm::{DevicePtr, Error, Location, Result, StreamHandle};
 
-use super::grow::DriverCalls;
+use super::stats::DriverCalls;
 use super::{CachingAllocator, State};
 use crate::mapped::{unmap_pages, MappedPage};
 use crate::pool::{Page, PagePool, PageSource};

@@ -5,7 +5,7 @@
 use parking_lot::MutexGuard;
 use strata_vmm::{Error, Result, StreamHandle};
 
-use super::grow::Guard;
+use super::Guard;
 use super::{internal, BlockState, CachedRun, CachingAllocator, State};
 use crate::mapped::{unmap_pages, MappedPage};
 use crate::pool::Page;
