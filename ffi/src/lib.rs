@@ -28,6 +28,7 @@ mod kv;
 mod offload;
 mod params;
 mod pie;
+mod sleep;
 mod stats;
 mod status;
 mod streams;
@@ -40,9 +41,9 @@ use std::ffi::{c_char, c_double, c_int, c_void};
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use global::global;
-pub use status::Status;
 #[cfg(test)]
-use tags::{strata_sleep, strata_wake};
+use sleep::{strata_sleep, strata_wake};
+pub use status::Status;
 
 /// `cudaStream_t`: an opaque pointer whose value is the backend's stream handle.
 pub type CudaStream = *mut c_void;
@@ -251,7 +252,7 @@ pub extern "C" fn strata_record_stream(ptr: *mut c_void, stream: CudaStream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tags (sleep and wake: `tags/sleep.rs`)
+// Tags (sleep and wake: `sleep.rs`)
 
 /// Pushes tag `name` on the calling thread's tag stack: this thread's allocations get it until
 /// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...); with

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use strata_vmm::{Error, Result};
 
 use crate::tags::{self, set_overflow, Overflow};
-use crate::{boundary, global::global, stream_of, CudaStream};
+use crate::{boundary, global::global, sleep, stream_of, CudaStream};
 
 /// `STRATA_TIER_HOST`: host memory mapped for the device at the same addresses.
 pub const TIER_HOST: c_int = 1;
@@ -36,7 +36,7 @@ pub unsafe extern "C" fn strata_offload(
             TIER_HOST => offload_to_host(name, stream),
             TIER_DISK => {
                 let dir = std::env::temp_dir();
-                tags::sleep_tag(name, |a, id| a.sleep_to_disk(id, &dir))
+                sleep::sleep_tag(name, |a, id| a.sleep_to_disk(id, &dir))
             }
             _ => Err(Error::InvalidArgument(format!(
                 "tier {tier} (STRATA_TIER_HOST = {TIER_HOST}, STRATA_TIER_DISK = {TIER_DISK})"
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn strata_onload(tag: *const c_char, stream: CudaStream) -
         let name = unsafe { boundary::c_str("tag", tag) }?;
         let lease = tags::lease(name)?;
         if tags::sleeping().contains(&lease.id()) {
-            return tags::wake_tag(name);
+            return sleep::wake_tag(name);
         }
         let g = global()?;
         for (_, a) in g.existing_all() {

@@ -1,6 +1,8 @@
 //! The tag table: everything the process knows about tags, in one structure ([`TagTable`]):
 //! names ↔ ids, which tags sleep, which overflow and where. The per-thread tag stack is in
-//! `stack.rs`, `strata_sleep`/`strata_wake` (and `strata_sleep_to_disk`) in `sleep.rs`.
+//! `stack.rs`; `strata_sleep`/`strata_wake` (and `strata_sleep_to_disk`) are next to the table,
+//! in `../sleep.rs`. The table is below everything else in the crate (it uses only the
+//! runtime).
 //!
 //! Ids start at 1 (0 is untagged). At most [`MAX_TAGS`] names are registered at once; when
 //! that many are, the names no longer in use are released (no thread has them pushed, no call
@@ -19,7 +21,6 @@
 //! then `overflowing`, then an allocator's state. Nothing takes `names` while holding
 //! `sleeping` (a [`Lease`] outlives the sleeping set's guard in `strata_sleep`/`strata_wake`).
 
-mod sleep;
 mod stack;
 
 use std::collections::{HashMap, HashSet};
@@ -30,9 +31,6 @@ use strata_allocator::{CachingAllocator, TagId};
 use strata_runtime::DeviceRuntime;
 use strata_vmm::{Error, Result};
 
-pub(crate) use sleep::{sleep_tag, wake_tag};
-#[cfg(test)]
-pub(crate) use sleep::{strata_sleep, strata_wake};
 pub use stack::{current, depth, pop, push};
 
 /// Most names registered at once (a guard against runaway tag creation).

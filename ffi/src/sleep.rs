@@ -1,8 +1,8 @@
 //! Sleep and wake of a tag on every device: `strata_sleep` (host copies or none),
 //! `strata_sleep_to_disk` (torch_memory_saver's disk backup: the contents in an unlinked file,
 //! restored by `strata_wake` with the file reads and the device writes pipelined) and
-//! `strata_wake`. The sleeping set is the tag table's; its lock is held for a whole sleep or
-//! wake.
+//! `strata_wake`, next to the tag table (`tags/`): the sleeping set is the table's; its lock is
+//! held for a whole sleep or wake.
 
 use std::ffi::{c_char, c_int};
 use std::path::Path;
@@ -10,8 +10,8 @@ use std::path::Path;
 use strata_allocator::{CachingAllocator, TagId};
 use strata_vmm::{Error, Result};
 
-use crate::boundary;
 use crate::global::global;
+use crate::{boundary, tags};
 
 /// Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
 /// live allocations to host memory when `keep_host_copy` is non-zero, then unmaps and releases
@@ -42,10 +42,10 @@ pub(crate) fn sleep_tag(
     name: &str,
     put: impl Fn(&CachingAllocator, TagId) -> Result<()>,
 ) -> Result<()> {
-    let lease = super::lease(name)?;
+    let lease = tags::lease(name)?;
     let id = lease.id();
     let g = global()?;
-    let mut sleeping = super::sleeping();
+    let mut sleeping = tags::sleeping();
     let asleep_on: Vec<String> = g
         .existing_all()
         .filter(|(_, a)| a.is_asleep(id))
@@ -116,10 +116,10 @@ pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
 
 /// Wakes tag `name` on every device where it sleeps (see `strata_wake`).
 pub(crate) fn wake_tag(name: &str) -> Result<()> {
-    let lease = super::lease(name)?;
+    let lease = tags::lease(name)?;
     let id = lease.id();
     let g = global()?;
-    let mut sleeping = super::sleeping();
+    let mut sleeping = tags::sleeping();
     let mut woke = sleeping.contains(&id);
     for (_, a) in g.existing_all() {
         if a.is_asleep(id) {
