@@ -99,22 +99,7 @@ impl HostBackend {
     /// profile `STRATA_HOST_LATENCY` names (`none` when unset) and refusing to map imported
     /// handles when `STRATA_HOST_IMPORTED_MAPS=refuse` (as a real driver did: REFERENCE.md §1.8).
     pub fn new(config: HostConfig) -> Result<Self> {
-        let latency = Profile::from_env().map_err(|reason| Error::Config {
-            name: "STRATA_HOST_LATENCY",
-            value: std::env::var("STRATA_HOST_LATENCY").unwrap_or_default(),
-            reason,
-        })?;
-        let refuse_imported_maps = match std::env::var("STRATA_HOST_IMPORTED_MAPS").as_deref() {
-            Err(_) | Ok("") | Ok("allow") => false,
-            Ok("refuse") => true,
-            Ok(v) => {
-                return Err(Error::Config {
-                    name: "STRATA_HOST_IMPORTED_MAPS",
-                    value: v.to_string(),
-                    reason: "expected allow or refuse".into(),
-                })
-            }
-        };
+        let (latency, refuse_imported_maps) = config::driver_env()?;
         let backend = Self::with_latency(config, latency)?;
         Ok(if refuse_imported_maps {
             backend.refusing_imported_maps()
