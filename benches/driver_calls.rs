@@ -86,7 +86,13 @@ fn main() {
 fn per_page(b: &Arc<dyn Backend>, g: u64, n: usize, table: &mut Table) {
     let rw = [(D0, Access::ReadWrite)];
     let names = [
-        "reserve", "create", "map", "set_access", "unmap", "release", "free_va",
+        "reserve",
+        "create",
+        "map",
+        "set_access",
+        "unmap",
+        "release",
+        "free_va",
     ];
     let mut s: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
     for _ in 0..n {

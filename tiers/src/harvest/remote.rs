@@ -16,7 +16,7 @@
 //! [`Error::Unsupported`] with the same words, and neither closes on the other mid-frame.
 //!
 //! Frames are 32 bytes: `tag: u32, 0: u32, lease: u64, a: u64, b: u64`; a text (the refusal's
-//! words) follows its frame as `a` bytes in frames of [`TEXT`] whose last 24 bytes carry it.
+//! words) follows its frame as `a` bytes in text frames whose last 24 bytes carry it.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;

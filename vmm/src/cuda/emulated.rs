@@ -399,7 +399,10 @@ fn emulated_driver_charges_the_latency_profile() {
     }
     let (create, map) = (median(create), median(map));
     // Orders only: kvcached's A100 create (193 µs) is a lower bound and far above a map.
-    assert!(create >= std::time::Duration::from_micros(193), "{create:?}");
+    assert!(
+        create >= std::time::Duration::from_micros(193),
+        "{create:?}"
+    );
     assert!(create > 2 * map, "create {create:?} vs map {map:?}");
     b.free_va(va, g).unwrap();
 }

@@ -103,8 +103,13 @@ impl HostConfig {
 /// (`STRATA_HOST_IMPORTED_MAPS`: `allow`, the default, or `refuse`).
 pub(super) fn driver_env() -> Result<(Profile, bool)> {
     let var = |name: &'static str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let latency =
-        Profile::from_env().map_err(|reason| config("STRATA_HOST_LATENCY", &var("STRATA_HOST_LATENCY").unwrap_or_default(), reason))?;
+    let latency = Profile::from_env().map_err(|reason| {
+        config(
+            "STRATA_HOST_LATENCY",
+            &var("STRATA_HOST_LATENCY").unwrap_or_default(),
+            reason,
+        )
+    })?;
     let refuse = match var("STRATA_HOST_IMPORTED_MAPS").as_deref() {
         None | Some("allow") => false,
         Some("refuse") => true,
