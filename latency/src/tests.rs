@@ -61,3 +61,15 @@ fn a_charged_call_takes_at_least_its_cost() {
         "an uncharged call returns at once"
     );
 }
+
+#[test]
+fn a_profile_file_is_read_by_path() {
+    let path = std::env::temp_dir().join(format!("strata-latency-{}.txt", std::process::id()));
+    std::fs::write(&path, "base=a100\nunmap=2\nh2d_gbps=0\n").unwrap();
+    let p = Profile::parse(path.to_str().unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(p.name, path.to_str().unwrap());
+    assert_eq!(p.cost(Call::Create), Profile::a100().cost(Call::Create));
+    assert_eq!(p.cost(Call::Unmap), Duration::from_micros(2));
+    assert_eq!(p.bandwidth(Direction::HostToDevice), None, "0 turns charging off");
+}
