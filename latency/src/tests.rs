@@ -71,5 +71,9 @@ fn a_profile_file_is_read_by_path() {
     assert_eq!(p.name, path.to_str().unwrap());
     assert_eq!(p.cost(Call::Create), Profile::a100().cost(Call::Create));
     assert_eq!(p.cost(Call::Unmap), Duration::from_micros(2));
-    assert_eq!(p.bandwidth(Direction::HostToDevice), None, "0 turns charging off");
+    assert_eq!(
+        p.bandwidth(Direction::HostToDevice),
+        None,
+        "0 turns charging off"
+    );
 }
