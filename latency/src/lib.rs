@@ -123,8 +123,9 @@ impl Call {
         )
     }
 
+    /// Its slot in a profile's table ([`Call::ALL`] lists the calls in declaration order).
     fn index(self) -> usize {
-        Call::ALL.iter().position(|&c| c == self).unwrap_or(0)
+        self as usize
     }
 }
 
@@ -146,7 +147,9 @@ pub struct Profile {
     bandwidth: [Option<f64>; 3],
 }
 
-const US: fn(f64) -> Duration = |us| Duration::from_nanos((us * 1000.0) as u64);
+fn us(micros: f64) -> Duration {
+    Duration::from_nanos((micros * 1000.0) as u64)
+}
 
 impl Profile {
     /// Nothing charged.
@@ -167,11 +170,11 @@ impl Profile {
     pub fn a100() -> Profile {
         let mut p = Profile::none();
         p.name = "a100".into();
-        p.set(Call::Create, US(193.0));
-        p.set(Call::Map, US(1.5));
-        p.set(Call::SetAccess, US(36.0));
-        p.set(Call::Unmap, US(26.0));
-        p.set(Call::Reserve, US(19.0));
+        p.set(Call::Create, us(193.0));
+        p.set(Call::Map, us(1.5));
+        p.set(Call::SetAccess, us(36.0));
+        p.set(Call::Unmap, us(26.0));
+        p.set(Call::Reserve, us(19.0));
         p.bandwidth[Direction::HostToDevice as usize] = Some(32e9);
         p.bandwidth[Direction::DeviceToHost as usize] = Some(32e9);
         p
@@ -193,9 +196,9 @@ impl Profile {
     pub fn h200() -> Profile {
         let mut p = Profile::none();
         p.name = "h200".into();
-        p.set(Call::Map, US(1.8));
-        p.set(Call::SetAccess, US(20.4));
-        p.set(Call::Unmap, US(31.1));
+        p.set(Call::Map, us(1.8));
+        p.set(Call::SetAccess, us(20.4));
+        p.set(Call::Unmap, us(31.1));
         p.bandwidth[Direction::HostToDevice as usize] = Some(55e9);
         p.bandwidth[Direction::DeviceToHost as usize] = Some(55e9);
         p
@@ -286,12 +289,10 @@ impl Charger {
         if cost.is_zero() {
             return;
         }
-        if call.is_vmm() {
-            let _one_at_a_time = self.vmm.lock().unwrap_or_else(|e| e.into_inner());
-            wait(cost);
-        } else {
-            wait(cost);
-        }
+        let _one_at_a_time = call
+            .is_vmm()
+            .then(|| self.vmm.lock().unwrap_or_else(|e| e.into_inner()));
+        wait(cost);
     }
 
     /// Pays for moving `len` bytes in `direction`.

@@ -24,6 +24,17 @@ fn h200_split_adds_up_to_the_measured_totals() {
 }
 
 #[test]
+fn every_call_has_its_own_slot_and_key() {
+    for (i, call) in Call::ALL.into_iter().enumerate() {
+        assert_eq!(call.index(), i);
+        assert_eq!(
+            Call::ALL.iter().filter(|c| c.key() == call.key()).count(),
+            1
+        );
+    }
+}
+
+#[test]
 fn names_and_files_parse() {
     assert_eq!(Profile::parse("none").unwrap(), Profile::none());
     assert_eq!(Profile::parse("a100").unwrap(), Profile::a100());
