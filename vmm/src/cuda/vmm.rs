@@ -193,7 +193,7 @@ impl CudaBackend {
         // SAFETY: the table confirms the target lies inside one of our reservations and is
         // unmapped, that `offset + size` fits the handle, and the handle is live (we hold it and
         // the state lock, so no release runs concurrently).
-        unsafe { result::map::map(va, size, offset, handle.0)? };
+        unsafe { result::map::map(va, size, offset, handle.0) }.map_err(not_supported)?;
         state
             .table
             .insert_mapping(va, size, handle, offset, info.size, granularity)
@@ -237,6 +237,17 @@ impl CudaBackend {
         unsafe { result::access::set(va, size, &descs)? };
         state.table.set_access(va, size, grants, granularity)?;
         Ok(())
+    }
+}
+
+/// The driver's `CUDA_ERROR_NOT_SUPPORTED` as [`Error::Unsupported`], in the driver's own
+/// words (what a caller can fall back on, e.g. a non-mappable imported handle); other errors
+/// unchanged.
+pub(super) fn not_supported(e: Error) -> Error {
+    if result::is_code(&e, CUresult::CUDA_ERROR_NOT_SUPPORTED) {
+        Error::Unsupported(e.to_string())
+    } else {
+        e
     }
 }
 
