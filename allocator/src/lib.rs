@@ -17,7 +17,7 @@ pub use caching::{
     Revoked, SpillCounts, SpillStats, TagId, TagStats, TierBytes, UNTAGGED,
 };
 pub use direct::DirectResource;
-pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};
+pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId, MAP_AHEAD_ENV};
 pub use mapped::{unmap_pages, MappedPage, MappedRun, Migrated, PageLease, Return, StillMapped};
 pub use pool::{Page, PagePool, PageSource, PoolConfig, PoolStats};
 pub use resource::MemoryResource;

@@ -1368,8 +1368,12 @@ fn check_resident(
     }
 }
 
-fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op]) {
+/// `ahead`: the map-ahead budget in pages (ignored with a zero page, which it does not support).
+fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op], ahead: Option<usize>) {
     let mut space = KvSpace::new(Arc::clone(&rig.pool), cfg).expect("space");
+    if let Some(budget) = ahead.filter(|_| !cfg.zero_page) {
+        space.start_map_ahead(budget).expect("map ahead");
+    }
     // Reference model: live slots and their token counts; ids freed so far.
     let mut live: Vec<(SlotId, u32)> = Vec::new();
     let mut dead: Vec<SlotId> = Vec::new();
@@ -1540,9 +1544,10 @@ proptest! {
         bpt_eighths in 1u64..12,
         zero_page in any::<bool>(),
         limit in prop::option::of(16u64..120),
+        ahead in prop::option::of(4usize..40),
     ) {
         let (rig, _) = fake_rig(limit);
-        walk(&rig, walk_config(rig.page, bpt_eighths, zero_page), &ops);
+        walk(&rig, walk_config(rig.page, bpt_eighths, zero_page), &ops, ahead);
     }
 }
 
@@ -1555,9 +1560,10 @@ proptest! {
         bpt_eighths in 1u64..12,
         zero_page in any::<bool>(),
         limit in prop::option::of(16u64..100),
+        ahead in prop::option::of(4usize..40),
     ) {
         if let Some(rig) = host_rig(limit, HOST_SMALL_PAGE) {
-            walk(&rig, walk_config(rig.page, bpt_eighths, zero_page), &ops);
+            walk(&rig, walk_config(rig.page, bpt_eighths, zero_page), &ops, ahead);
         }
     }
 }

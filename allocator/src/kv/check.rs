@@ -24,19 +24,23 @@ impl KvSpace {
     /// - every mapping is one page at its own address inside its tensor's reservation; pool pages
     ///   are page-sized; no pool page is mapped twice and none is the zero page;
     /// - the pages counted as mapped equal the pool pages found, and equal the growth of the
-    ///   pool's `in_use` since creation (this last check assumes nothing else took or gave pages
+    ///   pool's `in_use` since creation, with the pages the mapper holds ahead (its rows are
+    ///   checked too, with the mapper idle; this last check assumes nothing else took or gave pages
     ///   of this pool meanwhile, as in the tests).
     pub fn check_invariants(&self) -> Result<(), String> {
         self.check_layout()?;
-        let in_use = self.pool.stats().in_use as u64;
-        let delta = in_use.wrapping_sub(self.pool_in_use_base);
-        if delta != self.counters.pages_mapped {
-            return Err(format!(
-                "pool in_use grew by {delta} (from {} to {in_use}) but {} pages are mapped",
-                self.pool_in_use_base, self.counters.pages_mapped
-            ));
-        }
-        Ok(())
+        self.settled_ahead(|ahead| {
+            let in_use = self.pool.stats().in_use as u64;
+            let delta = in_use.wrapping_sub(self.pool_in_use_base);
+            if delta != self.counters.pages_mapped + ahead {
+                return Err(format!(
+                    "pool in_use grew by {delta} (from {} to {in_use}) but {} pages are mapped \
+                     and {ahead} ahead",
+                    self.pool_in_use_base, self.counters.pages_mapped
+                ));
+            }
+            Ok(())
+        })?
     }
 
     /// [`KvSpace::check_invariants`] without the pool `in_use` comparison, for a shared pool.

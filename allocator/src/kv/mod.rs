@@ -61,9 +61,12 @@ use strata_vmm::{
 use crate::mapped::unmap_pages;
 use crate::pool::{Page, PagePool};
 
+mod ahead;
 mod check;
+mod grow_ahead;
 mod tensor;
 
+pub use grow_ahead::MAP_AHEAD_ENV;
 use tensor::{Backing, Counters, Env, Tensor};
 
 /// Which of a layer's two tensors.
@@ -143,6 +146,12 @@ pub struct KvStats {
     /// Slot pages (each one page in every tensor) evicted by [`KvSpace::evict_pages`] and not
     /// restored: the holes of all active slots together.
     pub pages_evicted: u64,
+    /// Pool pages the background mapper holds mapped ahead of active slots, not yet published
+    /// by a grow ([`KvSpace::start_map_ahead`]); not in `pages_mapped`, in the pool's `in_use`.
+    pub pages_ahead: u64,
+    /// Pool pages that grows published from the mapper's rows since creation (no driver call
+    /// on the caller's path).
+    pub pages_from_ahead: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,6 +198,8 @@ pub struct KvSpace {
     counters: Counters,
     /// The pool's `in_use` when the space was created (see [`KvSpace::check_invariants`]).
     pool_in_use_base: u64,
+    /// The background mapper, once [`KvSpace::start_map_ahead`] started it.
+    ahead: Option<ahead::MapAhead>,
 }
 
 impl std::fmt::Debug for KvSpace {
@@ -265,6 +276,7 @@ impl KvSpace {
             deferred: VecDeque::new(),
             counters: Counters::default(),
             pool_in_use_base,
+            ahead: None,
         };
         for _ in 0..n_tensors {
             let reservation = Arc::new(Reservation::new(&space.backend, tensor_bytes, page)?);
@@ -286,6 +298,7 @@ impl KvSpace {
                 tensor.unback(0, tensor_pages, &mut returned, &env, &mut space.counters)?;
             }
         }
+        space.map_ahead_from_env()?;
         Ok(space)
     }
 
@@ -450,6 +463,9 @@ impl KvSpace {
         slot.state = SlotState::Active;
         slot.tokens = 0;
         slot.reused = reused;
+        if let Some(ahead) = &self.ahead {
+            ahead.admit(index as usize, slot.mapped);
+        }
         Ok(SlotId {
             index,
             generation: slot.generation,
@@ -481,7 +497,11 @@ impl KvSpace {
         }
         let need = self.pages_for(tokens);
         if need > current.mapped {
-            self.back_slot(index, current.mapped, need)?;
+            if self.ahead.is_some() {
+                self.grow_ahead(index, current.mapped, need)?;
+            } else {
+                self.back_slot(index, current.mapped, need)?;
+            }
             self.slots[index].mapped = need;
         }
         self.slots[index].tokens = tokens;
@@ -532,10 +552,19 @@ impl KvSpace {
         Err(error)
     }
 
-    /// Takes `n` pages, reclaiming deferred slots and retrying once when the pool is out of memory.
+    /// Takes `n` pages. When the pool is out of memory, gives back the pages mapped ahead and
+    /// retries, then reclaims deferred slots and retries once more.
     fn take_pages(&mut self, n: usize) -> Result<Vec<Page>> {
         match self.pool.take(n) {
-            Err(e) if e.is_out_of_memory() && !self.deferred.is_empty() => {
+            Err(e) if e.is_out_of_memory() => {
+                if self.release_ahead() {
+                    if let Ok(pages) = self.pool.take(n) {
+                        return Ok(pages);
+                    }
+                }
+                if self.deferred.is_empty() {
+                    return Err(e);
+                }
                 self.reclaim_pages(n);
                 self.pool.take(n)
             }
@@ -630,6 +659,10 @@ impl KvSpace {
             )));
         }
         let need = self.pages_for(tokens);
+        if let Some(ahead) = &self.ahead {
+            let rows = ahead.retire(index, need, true);
+            ahead.release(rows);
+        }
         let result = self.unback_slot(index, need, current.mapped);
         self.holes[index].retain(|&p| p < need);
         let slot = &mut self.slots[index];
@@ -649,6 +682,7 @@ impl KvSpace {
     pub fn free(&mut self, slot: SlotId) -> Result<()> {
         let index = self.active(slot)?;
         let mut result = Ok(());
+        self.retire_ahead(index);
         if let Some(&first) = self.holes[index].first() {
             let mapped = self.slots[index].mapped;
             result = self
@@ -751,9 +785,19 @@ impl KvSpace {
             map_calls: self.counters.map_calls,
             unmap_calls: self.counters.unmap_calls,
             set_access_calls: self.counters.set_access_calls,
+            pages_from_ahead: self.counters.pages_from_ahead,
             ..KvStats::default()
         };
         stats.pages_evicted = self.holes.iter().map(|h| h.len() as u64).sum();
+        if let Some(ahead) = &self.ahead {
+            let c = ahead.counters();
+            stats.pages_ahead = c.pages_ready;
+            stats.pages_mapped_total += c.pages_mapped_total;
+            stats.pages_unmapped_total += c.pages_unmapped_total;
+            stats.map_calls += c.map_calls;
+            stats.unmap_calls += c.unmap_calls;
+            stats.set_access_calls += c.set_access_calls;
+        }
         for slot in &self.slots {
             match slot.state {
                 SlotState::Active => {
@@ -775,8 +819,13 @@ impl Drop for KvSpace {
     /// exiting nothing calls the backend (the owners leak instead).
     fn drop(&mut self) {
         if process_is_exiting() {
+            if let Some(ahead) = self.ahead.take() {
+                std::mem::forget(ahead);
+            }
             return;
         }
+        // The mapper first: it stops and unmaps what it holds before the tables go.
+        drop(self.ahead.take());
         let mut returned = Vec::new();
         let mut first_err = None;
         for tensor in &mut self.tensors {

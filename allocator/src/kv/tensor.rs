@@ -17,6 +17,7 @@ pub(super) struct Counters {
     pub(super) map_calls: u64,
     pub(super) unmap_calls: u64,
     pub(super) set_access_calls: u64,
+    pub(super) pages_from_ahead: u64,
 }
 
 pub(super) enum Backing {

@@ -1,0 +1,147 @@
+//! The space's side of map-ahead ([`super::ahead`]): starting the mapper, growing from the rows
+//! it mapped, and handing rows back on shrink, free and out of memory.
+
+use std::sync::Arc;
+
+use strata_vmm::{Error, Result};
+
+use super::ahead::{AheadSetup, MapAhead, Row};
+use super::tensor::Backing;
+use super::{invalid, KvSpace, SlotState};
+
+/// Env switch for benches and tests: pages (all tensors together) that a space with no zero page
+/// keeps mapped ahead, as if [`KvSpace::start_map_ahead`] had been called at creation.
+pub const MAP_AHEAD_ENV: &str = "STRATA_KV_MAP_AHEAD";
+
+impl KvSpace {
+    /// Starts the background mapper: it keeps pool pages mapped ahead of every active slot, as
+    /// many rows (one page in every tensor) as the slot's recent growth rate calls for, at most
+    /// `budget_pages` pages in all; a grow then publishes mapped pages with no driver call. See
+    /// the design in `kv/ahead.rs`: pages ahead belong to their slot (counted in
+    /// [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and the pool's `in_use`), go back
+    /// first when the pool is out of memory, and no lock is held across a wait on the mapper.
+    ///
+    /// A space with a zero page, a budget below one row (`2 × layers` pages) or a mapper already
+    /// running is [`Error::InvalidArgument`].
+    pub fn start_map_ahead(&mut self, budget_pages: usize) -> Result<()> {
+        if self.zero.is_some() {
+            return Err(invalid("kv map-ahead needs a space without a zero page"));
+        }
+        if budget_pages < self.tensors.len() {
+            return Err(invalid(format!(
+                "kv map-ahead budget of {budget_pages} pages is below one row of {} pages",
+                self.tensors.len()
+            )));
+        }
+        if self.ahead.is_some() {
+            return Err(invalid("kv map-ahead is already running"));
+        }
+        let ahead = MapAhead::start(AheadSetup {
+            pool: Arc::clone(&self.pool),
+            backend: Arc::clone(&self.backend),
+            reservations: self.tensors.iter().map(|t| Arc::clone(&t.reservation)).collect(),
+            location: self.location,
+            page: self.page,
+            pages_per_slot: self.pages_per_slot,
+            slots: self.slots.len(),
+            budget_pages,
+        })?;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.state == SlotState::Active {
+                ahead.admit(i, slot.mapped);
+            }
+        }
+        self.ahead = Some(ahead);
+        Ok(())
+    }
+
+    /// Whether the background mapper runs.
+    pub fn maps_ahead(&self) -> bool {
+        self.ahead.is_some()
+    }
+
+    /// Starts the mapper when [`MAP_AHEAD_ENV`] names a budget and the space has no zero page.
+    pub(super) fn map_ahead_from_env(&mut self) -> Result<()> {
+        let Ok(value) = std::env::var(MAP_AHEAD_ENV) else {
+            return Ok(());
+        };
+        let budget: usize = value.trim().parse().map_err(|_| {
+            Error::InvalidArgument(format!("{MAP_AHEAD_ENV}={value:?} is not a page count"))
+        })?;
+        if budget == 0 || self.zero.is_some() {
+            return Ok(());
+        }
+        self.start_map_ahead(budget.max(self.tensors.len()))
+    }
+
+    /// Backs pages `mapped..need` of slot `index`: the mapper's ready rows first (published,
+    /// no driver call), the rest mapped here. All or nothing, like [`KvSpace::back_slot`].
+    pub(super) fn grow_ahead(&mut self, index: usize, mapped: usize, need: usize) -> Result<()> {
+        let ahead = self.ahead.as_ref().expect("grow_ahead with a mapper");
+        let rows = ahead.take_rows(index, mapped, need);
+        let from = mapped + rows.len();
+        if from < need {
+            if let Err(e) = self.back_slot(index, from, need) {
+                let ahead = self.ahead.as_ref().expect("mapper");
+                let stale = ahead.put_back(index, mapped, rows);
+                ahead.release(stale);
+                return Err(e);
+            }
+        }
+        self.counters.pages_from_ahead += (rows.len() * self.tensors.len()) as u64;
+        self.publish_rows(index, mapped, rows);
+        Ok(())
+    }
+
+    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables.
+    fn publish_rows(&mut self, index: usize, at: usize, rows: Vec<Row>) {
+        let base = index * self.pages_per_slot + at;
+        for (k, row) in rows.into_iter().enumerate() {
+            for (tensor, mapped) in self.tensors.iter_mut().zip(row) {
+                tensor.pages[base + k] = Backing::Real(mapped);
+                self.counters.pages_mapped += 1;
+            }
+        }
+    }
+
+    /// A slot is being freed: its ready rows become part of its extent (kept mapped for the next
+    /// admit, like the rest of a deferred slot), unless it has holes (it is truncated to its
+    /// first hole, so they are unmapped).
+    pub(super) fn retire_ahead(&mut self, index: usize) {
+        let Some(ahead) = &self.ahead else {
+            return;
+        };
+        let mapped = self.slots[index].mapped;
+        let rows = ahead.retire(index, 0, false);
+        if self.holes[index].is_empty() {
+            let n = rows.len();
+            self.publish_rows(index, mapped, rows);
+            self.slots[index].mapped += n;
+        } else {
+            ahead.release(rows);
+        }
+    }
+
+    /// The pool is out of memory for a synchronous caller: every row mapped ahead goes back.
+    /// Returns whether any did.
+    pub(super) fn release_ahead(&mut self) -> bool {
+        let Some(ahead) = &self.ahead else {
+            return false;
+        };
+        let rows = ahead.drain_all();
+        let any = !rows.is_empty();
+        ahead.release(rows);
+        any
+    }
+
+    /// With the mapper idle, the pages it holds ahead (0 without one) and a check of its rows.
+    pub(super) fn settled_ahead<R>(
+        &self,
+        check: impl FnOnce(u64) -> R,
+    ) -> std::result::Result<R, String> {
+        match &self.ahead {
+            Some(ahead) => ahead.settled(|held| check(held as u64)),
+            None => Ok(check(0)),
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! KvSpace map-ahead (`KvSpace::start_map_ahead`): grows publish rows the background mapper
+//! mapped; pages ahead belong to their slot and go back first when the pool runs out. The
+//! random walks with the mapper on are in `kv_space.rs`; timings are in `benches/kv_ahead.rs`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_allocator::{KvConfig, KvSpace, PagePool, PoolConfig};
+use strata_vmm::{Backend, Error, HostConfig};
+
+const PAGE: u64 = 64 << 10;
+
+/// A strict host backend and a pool of at most `limit_pages` pages; `None` without one.
+fn rig(limit_pages: Option<u64>) -> Option<(Arc<dyn Backend>, Arc<PagePool>)> {
+    let backend = match strata_vmm::host_or_cuda(HostConfig {
+        devices: vec![256 << 20],
+        granularity: PAGE,
+        strict: true,
+        link: None,
+    }) {
+        Ok(b) => b,
+        Err(Error::Unsupported(why)) => {
+            eprintln!("host backend unavailable ({why})");
+            return None;
+        }
+        Err(e) => panic!("host backend: {e}"),
+    };
+    let page = backend.granularity(strata_vmm::Location::Device(0)).unwrap();
+    let pool = PagePool::new(
+        Arc::clone(&backend),
+        0,
+        PoolConfig {
+            low_watermark: 0,
+            high_watermark: 1 << 20,
+            limit: limit_pages.map(|n| n * page),
+            idle_trim_after: None,
+            background: false,
+        },
+    )
+    .expect("pool");
+    Some((backend, pool))
+}
+
+/// 2 layers (4 tensors, so a row is 4 pages), 4 slots of 8 pages, 1/4 page per token.
+fn config(page: u64, zero_page: bool) -> KvConfig {
+    KvConfig {
+        layers: 2,
+        max_slots: 4,
+        max_tokens: 32,
+        bytes_per_token: page / 4,
+        zero_page,
+    }
+}
+
+const ROW: u64 = 4;
+
+/// Waits (at most 20 s) until the mapper holds at least `pages` pages ahead.
+fn wait_ahead(space: &KvSpace, pages: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while space.stats().pages_ahead < pages {
+        assert!(Instant::now() < deadline, "the mapper never mapped {pages} pages ahead");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn ok(space: &KvSpace) {
+    if let Err(e) = space.check_invariants() {
+        panic!("invariant: {e}");
+    }
+}
+
+#[test]
+fn start_is_validated() {
+    let Some((_, pool)) = rig(None) else { return };
+    let page = pool.page_size();
+    let mut zero = KvSpace::new(Arc::clone(&pool), config(page, true)).unwrap();
+    assert!(matches!(zero.start_map_ahead(64), Err(Error::InvalidArgument(_))));
+    let mut space = KvSpace::new(Arc::clone(&pool), config(page, false)).unwrap();
+    assert!(matches!(space.start_map_ahead(3), Err(Error::InvalidArgument(_))));
+    space.start_map_ahead(8).unwrap();
+    assert!(space.maps_ahead());
+    assert!(matches!(space.start_map_ahead(8), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn grows_publish_rows_mapped_ahead() {
+    let Some((_, pool)) = rig(None) else { return };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(16).unwrap();
+    let slot = space.admit().unwrap();
+    space.grow(slot, 4).unwrap();
+    assert_eq!(space.stats().pages_from_ahead, 0, "nothing was ahead of the first grow");
+    wait_ahead(&space, ROW);
+    ok(&space);
+    space.grow(slot, 8).unwrap();
+    assert_eq!(space.stats().pages_from_ahead, ROW);
+    assert_eq!(space.stats().pages_mapped, 2 * ROW);
+    ok(&space);
+    // Pages ahead never exceed the budget.
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(space.stats().pages_ahead <= 16);
+    drop(space);
+    assert_eq!(pool.stats().in_use, 0, "every page ahead went back with the space");
+}
+
+#[test]
+fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
+    let Some((_, pool)) = rig(None) else { return };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(8).unwrap();
+    let slot = space.admit().unwrap();
+    space.grow(slot, 4).unwrap();
+    wait_ahead(&space, ROW);
+    space.shrink(slot, 0).unwrap();
+    ok(&space);
+    assert_eq!(space.stats().pages_ahead, 0);
+    assert_eq!(space.stats().pages_mapped, 0);
+    space.grow(slot, 4).unwrap();
+    wait_ahead(&space, ROW);
+    let ahead = space.stats().pages_ahead;
+    space.free(slot).unwrap();
+    ok(&space);
+    let s = space.stats();
+    assert_eq!((s.pages_ahead, s.slots_deferred), (0, 1));
+    assert_eq!(s.pages_mapped, ROW + ahead, "the rows ahead stay with the deferred slot");
+    assert_eq!(space.reclaim_deferred() as u64, ROW + ahead);
+    ok(&space);
+}
+
+#[test]
+fn out_of_memory_takes_pages_ahead_back_first() {
+    // 12 pages: slot a's row and the row the mapper maps ahead of it leave 4 free; slot b's two
+    // rows fit only once the row ahead goes back.
+    let Some((_, pool)) = rig(Some(12)) else { return };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(8).unwrap();
+    let a = space.admit().unwrap();
+    let b = space.admit().unwrap();
+    space.grow(a, 4).unwrap();
+    wait_ahead(&space, ROW);
+    ok(&space);
+    space.grow(b, 8).expect("the pages ahead went back for a synchronous grow");
+    ok(&space);
+    assert_eq!(space.stats().pages_mapped, 3 * ROW);
+    let err = space.grow(b, 12).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(space.tokens(b).unwrap(), 8);
+    ok(&space);
+}
