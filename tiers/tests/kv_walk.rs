@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::kv::*;
 use rand::rngs::SmallRng;
@@ -54,9 +55,10 @@ fn rebuild(m: &KvBlockManager, r: RequestId, seed: u64, p: usize) -> Result<(), 
 /// One random walk: every operation, its expected outcome from the model, the invariant checker
 /// after every step, every request's bytes checked whenever none of its blocks is lost. Returns
 /// the clean hits (spills without a copy, revocations without loss).
-fn walk(seed: u64, steps: u32) -> u64 {
+/// `ahead`: run with the space's background mapper and this budget in pages.
+fn walk(seed: u64, steps: u32, ahead: Option<usize>) -> u64 {
     let dir = tempfile::tempdir().unwrap();
-    let m = manager(24, 32, 400, dir.path());
+    let m = manager_ahead(24, 32, 400, dir.path(), ahead);
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut live: Vec<Model> = Vec::new();
     let mut held = Vec::new();
@@ -285,12 +287,30 @@ fn walk(seed: u64, steps: u32) -> u64 {
     assert_eq!(m.store().stats().objects, 0);
     assert_eq!(m.stats().lost_blocks as usize, lost_total);
     assert!(checked > 0, "walk {seed} checked nothing");
+    if ahead.is_some() {
+        // Every page the mapper held went back with the releases (or is with deferred slots).
+        assert_eq!(m.space_stats().slots_active, 0);
+        assert_eq!(m.space_stats().pages_ahead, 0);
+    }
+    FROM_AHEAD.fetch_add(m.space_stats().pages_from_ahead, Ordering::Relaxed);
     let s = m.stats();
     s.clean_spills + s.clean_revocations
 }
 
+/// Pages that appends published from the mapper's rows, over the walks of this process.
+static FROM_AHEAD: AtomicU64 = AtomicU64::new(0);
+
 #[test]
 fn random_walks_against_a_model() {
-    let clean_hits: u64 = (1..=2).map(|seed| walk(seed, 250)).sum();
+    let clean_hits: u64 = (1..=2).map(|seed| walk(seed, 250, None)).sum();
     assert!(clean_hits > 0, "the walks never used a clean copy");
+}
+
+/// The same walks with the background mapper keeping pages ahead of growing requests: spills,
+/// revocations, releases and out of memory (24 pages for 16 requests) race with it.
+#[test]
+fn random_walks_with_the_mapper_on() {
+    let clean_hits: u64 = (1..=3).map(|seed| walk(seed, 250, Some(8))).sum();
+    assert!(clean_hits > 0, "the walks never used a clean copy");
+    assert!(FROM_AHEAD.load(Ordering::Relaxed) > 0, "no append used a page mapped ahead");
 }

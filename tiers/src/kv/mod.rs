@@ -55,7 +55,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use strata_allocator::{Kind, KvConfig, KvSpace, Page, SlotId};
+use strata_allocator::{Kind, KvConfig, KvSpace, KvStats, Page, SlotId};
 use strata_vmm::{record_deferred, DevicePtr, Error, Event, Reservation, Result};
 
 use crate::object::{ObjectId, Tier};
@@ -281,6 +281,19 @@ impl KvBlockManager {
 
     pub fn config(&self) -> &KvBlocksConfig {
         &self.config
+    }
+
+    /// Starts the space's background mapper ([`KvSpace::start_map_ahead`]): an append then
+    /// publishes pages mapped ahead of its request, with no driver call, while they last. At
+    /// most `budget_pages` pool pages are held ahead; they go back first when a synchronous
+    /// grow or restore finds the pool out of memory. Needs `zero_page` off.
+    pub fn start_map_ahead(&self, budget_pages: usize) -> Result<()> {
+        self.inner.lock().space.start_map_ahead(budget_pages)
+    }
+
+    /// The underlying space's counters (pages mapped, ahead, published from ahead, driver calls).
+    pub fn space_stats(&self) -> KvStats {
+        self.inner.lock().space.stats()
     }
 
     /// Tokens per block (`page_size / bytes_per_token`).

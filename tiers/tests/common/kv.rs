@@ -30,6 +30,18 @@ pub fn manager(
     disk_chunks: u64,
     dir: &std::path::Path,
 ) -> KvBlockManager {
+    manager_ahead(pool_pages, host_chunks, disk_chunks, dir, None)
+}
+
+/// [`manager`], with the background mapper on (`ahead`: its budget in pages; the space then has
+/// no zero page, which the mapper does not support).
+pub fn manager_ahead(
+    pool_pages: u64,
+    host_chunks: u64,
+    disk_chunks: u64,
+    dir: &std::path::Path,
+    ahead: Option<usize>,
+) -> KvBlockManager {
     let b = backend(None);
     let pool = PagePool::new(
         Arc::clone(&b),
@@ -41,7 +53,11 @@ pub fn manager(
         },
     )
     .unwrap();
-    manager_on(pool, host_chunks, disk_chunks, dir)
+    let m = build(pool, host_chunks, disk_chunks, dir, ahead.is_none());
+    if let Some(budget) = ahead {
+        m.start_map_ahead(budget).unwrap();
+    }
+    m
 }
 
 /// A manager over `pool`, with host and disk tiers of `host_chunks` and `disk_chunks` store
@@ -51,6 +67,16 @@ pub fn manager_on(
     host_chunks: u64,
     disk_chunks: u64,
     dir: &std::path::Path,
+) -> KvBlockManager {
+    build(pool, host_chunks, disk_chunks, dir, true)
+}
+
+fn build(
+    pool: Arc<PagePool>,
+    host_chunks: u64,
+    disk_chunks: u64,
+    dir: &std::path::Path,
+    zero_page: bool,
 ) -> KvBlockManager {
     let mut c = StoreConfig::new(CHUNK, 0, host_chunks * CHUNK);
     // As strata_kv_create: the host tier sends the blocks of the request running last to disk.
@@ -80,7 +106,7 @@ pub fn manager_on(
                 host_to_hbm: (Duration::from_micros(5), 50e9),
                 disk_to_host: (Duration::from_micros(80), 7e9),
             },
-            zero_page: true,
+            zero_page,
         },
     )
     .unwrap()
