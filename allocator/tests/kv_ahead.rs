@@ -25,7 +25,9 @@ fn rig(limit_pages: Option<u64>) -> Option<(Arc<dyn Backend>, Arc<PagePool>)> {
         }
         Err(e) => panic!("host backend: {e}"),
     };
-    let page = backend.granularity(strata_vmm::Location::Device(0)).unwrap();
+    let page = backend
+        .granularity(strata_vmm::Location::Device(0))
+        .unwrap();
     let pool = PagePool::new(
         Arc::clone(&backend),
         0,
@@ -58,7 +60,10 @@ const ROW: u64 = 4;
 fn wait_ahead(space: &KvSpace, pages: u64) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while space.stats().pages_ahead < pages {
-        assert!(Instant::now() < deadline, "the mapper never mapped {pages} pages ahead");
+        assert!(
+            Instant::now() < deadline,
+            "the mapper never mapped {pages} pages ahead"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -74,12 +79,21 @@ fn start_is_validated() {
     let Some((_, pool)) = rig(None) else { return };
     let page = pool.page_size();
     let mut zero = KvSpace::new(Arc::clone(&pool), config(page, true)).unwrap();
-    assert!(matches!(zero.start_map_ahead(64), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        zero.start_map_ahead(64),
+        Err(Error::InvalidArgument(_))
+    ));
     let mut space = KvSpace::new(Arc::clone(&pool), config(page, false)).unwrap();
-    assert!(matches!(space.start_map_ahead(3), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        space.start_map_ahead(3),
+        Err(Error::InvalidArgument(_))
+    ));
     space.start_map_ahead(8).unwrap();
     assert!(space.maps_ahead());
-    assert!(matches!(space.start_map_ahead(8), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        space.start_map_ahead(8),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -89,7 +103,11 @@ fn grows_publish_rows_mapped_ahead() {
     space.start_map_ahead(16).unwrap();
     let slot = space.admit().unwrap();
     space.grow(slot, 4).unwrap();
-    assert_eq!(space.stats().pages_from_ahead, 0, "nothing was ahead of the first grow");
+    assert_eq!(
+        space.stats().pages_from_ahead,
+        0,
+        "nothing was ahead of the first grow"
+    );
     wait_ahead(&space, ROW);
     ok(&space);
     space.grow(slot, 8).unwrap();
@@ -100,7 +118,11 @@ fn grows_publish_rows_mapped_ahead() {
     std::thread::sleep(Duration::from_millis(20));
     assert!(space.stats().pages_ahead <= 16);
     drop(space);
-    assert_eq!(pool.stats().in_use, 0, "every page ahead went back with the space");
+    assert_eq!(
+        pool.stats().in_use,
+        0,
+        "every page ahead went back with the space"
+    );
 }
 
 #[test]
@@ -122,7 +144,11 @@ fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
     ok(&space);
     let s = space.stats();
     assert_eq!((s.pages_ahead, s.slots_deferred), (0, 1));
-    assert_eq!(s.pages_mapped, ROW + ahead, "the rows ahead stay with the deferred slot");
+    assert_eq!(
+        s.pages_mapped,
+        ROW + ahead,
+        "the rows ahead stay with the deferred slot"
+    );
     assert_eq!(space.reclaim_deferred() as u64, ROW + ahead);
     ok(&space);
 }
@@ -131,7 +157,9 @@ fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
 fn out_of_memory_takes_pages_ahead_back_first() {
     // 12 pages: slot a's row and the row the mapper maps ahead of it leave 4 free; slot b's two
     // rows fit only once the row ahead goes back.
-    let Some((_, pool)) = rig(Some(12)) else { return };
+    let Some((_, pool)) = rig(Some(12)) else {
+        return;
+    };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
     space.start_map_ahead(8).unwrap();
     let a = space.admit().unwrap();
@@ -139,7 +167,9 @@ fn out_of_memory_takes_pages_ahead_back_first() {
     space.grow(a, 4).unwrap();
     wait_ahead(&space, ROW);
     ok(&space);
-    space.grow(b, 8).expect("the pages ahead went back for a synchronous grow");
+    space
+        .grow(b, 8)
+        .expect("the pages ahead went back for a synchronous grow");
     ok(&space);
     assert_eq!(space.stats().pages_mapped, 3 * ROW);
     let err = space.grow(b, 12).unwrap_err();

@@ -254,6 +254,20 @@ fn c_kv_random_walk() {
     c_test("kv_walk");
 }
 
+/// The revoker storm with every KV space's background mapper on (`STRATA_KV_MAP_AHEAD`, spaces
+/// without a zero page): appends publish pages mapped ahead while the revoker, spills and
+/// releases race with the mapper.
+#[test]
+fn c_kv_threads_with_a_revoker_and_the_mapper_on() {
+    c_test_with("kv_threads", &[("STRATA_KV_MAP_AHEAD", "64")]);
+}
+
+/// The C random walk with the mapper on (its spaces without a zero page).
+#[test]
+fn c_kv_random_walk_with_the_mapper_on() {
+    c_test_with("kv_walk", &[("STRATA_KV_MAP_AHEAD", "32")]);
+}
+
 #[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");

@@ -312,5 +312,8 @@ fn random_walks_against_a_model() {
 fn random_walks_with_the_mapper_on() {
     let clean_hits: u64 = (1..=3).map(|seed| walk(seed, 250, Some(8))).sum();
     assert!(clean_hits > 0, "the walks never used a clean copy");
-    assert!(FROM_AHEAD.load(Ordering::Relaxed) > 0, "no append used a page mapped ahead");
+    assert!(
+        FROM_AHEAD.load(Ordering::Relaxed) > 0,
+        "no append used a page mapped ahead"
+    );
 }

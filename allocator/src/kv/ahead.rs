@@ -269,7 +269,10 @@ impl MapAhead {
 
     /// Runs `check` with the mapper idle (no row in flight, none claimed until it returns) on
     /// the pages held ahead and the addresses they must have; returns its result.
-    pub(super) fn settled<R>(&self, check: impl FnOnce(usize) -> R) -> std::result::Result<R, String> {
+    pub(super) fn settled<R>(
+        &self,
+        check: impl FnOnce(usize) -> R,
+    ) -> std::result::Result<R, String> {
         let mut g = self.shared.state.lock();
         while g.in_flight.is_some() {
             self.shared.landed.wait(&mut g);

@@ -39,7 +39,11 @@ impl KvSpace {
         let ahead = MapAhead::start(AheadSetup {
             pool: Arc::clone(&self.pool),
             backend: Arc::clone(&self.backend),
-            reservations: self.tensors.iter().map(|t| Arc::clone(&t.reservation)).collect(),
+            reservations: self
+                .tensors
+                .iter()
+                .map(|t| Arc::clone(&t.reservation))
+                .collect(),
             location: self.location,
             page: self.page,
             pages_per_slot: self.pages_per_slot,

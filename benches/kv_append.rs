@@ -1,0 +1,146 @@
+//! KV growth latency with the background mapper off and on (issue 30 item 3): steady growth of
+//! a few requests, one fresh page per tensor per append, with a decode step's gap between
+//! rounds; prints the mean, p50, p99 and max of `KvSpace::grow` (what `strata_kv_append` and
+//! `KvBlockManager::append` reach) for both, side by side.
+//!
+//! Run: `STRATA_HOST_LATENCY=h200 cargo bench --bench kv_append` (options: `-- --rounds N`,
+//! default 400; `--gap-us U`, the step gap, default 500). The host backend charges the profile's
+//! per-call costs (`strata-latency`); a 64 KiB granule keeps the memory small (costs are per call).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata::allocator::{KvConfig, KvSpace, PagePool, PoolConfig};
+use strata::vmm::{self, HostConfig};
+
+const LAYERS: u32 = 4;
+const SLOTS: u32 = 4;
+const TOKENS_PER_PAGE: u64 = 16;
+const MAX_TOKENS: u32 = 1024;
+
+struct Run {
+    grows: Vec<Duration>,
+    wall: Duration,
+    from_ahead: u64,
+    pages: u64,
+}
+
+fn quantile(v: &[Duration], q: f64) -> f64 {
+    v[((v.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e6
+}
+
+fn run(pool: &Arc<PagePool>, ahead: Option<usize>, rounds: usize, gap: Duration) -> Run {
+    let page = pool.page_size();
+    let mut space = KvSpace::new(
+        Arc::clone(pool),
+        KvConfig {
+            layers: LAYERS,
+            max_slots: SLOTS,
+            max_tokens: MAX_TOKENS,
+            bytes_per_token: page / TOKENS_PER_PAGE,
+            zero_page: false,
+        },
+    )
+    .expect("space");
+    if let Some(budget) = ahead {
+        space.start_map_ahead(budget).expect("map ahead");
+    }
+    let mut slots: Vec<_> = (0..SLOTS).map(|_| space.admit().expect("admit")).collect();
+    let mut grows = Vec::with_capacity(rounds * SLOTS as usize);
+    let block = TOKENS_PER_PAGE as u32;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        for slot in &mut slots {
+            let tokens = space.tokens(*slot).expect("tokens");
+            if tokens + block > MAX_TOKENS {
+                // A finished request: its pages go back and a new one starts (not timed).
+                space.shrink(*slot, 0).expect("shrink");
+                space.free(*slot).expect("free");
+                *slot = space.admit().expect("admit");
+                continue;
+            }
+            let t = Instant::now();
+            space.grow(*slot, tokens + block).expect("grow");
+            grows.push(t.elapsed());
+        }
+        std::thread::sleep(gap);
+    }
+    let wall = started.elapsed();
+    let s = space.stats();
+    grows.sort();
+    Run {
+        grows,
+        wall,
+        from_ahead: s.pages_from_ahead,
+        pages: s.pages_mapped_total,
+    }
+}
+
+fn main() {
+    let (mut rounds, mut gap_us) = (400usize, 500u64);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--rounds" => {
+                rounds = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--rounds N")
+            }
+            "--gap-us" => {
+                gap_us = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--gap-us U")
+            }
+            _ => {} // cargo bench passes --bench
+        }
+    }
+    let backend = vmm::host_or_cuda(HostConfig {
+        devices: vec![4 << 30],
+        granularity: 64 << 10,
+        strict: false,
+        link: None,
+    })
+    .expect("backend");
+    let profile = match backend.as_any().downcast_ref::<vmm::HostBackend>() {
+        Some(host) => host.latency().name.clone(),
+        None => "(driver)".into(),
+    };
+    let pool = PagePool::new(
+        Arc::clone(&backend),
+        0,
+        PoolConfig {
+            low_watermark: 0,
+            high_watermark: 1 << 20,
+            limit: None,
+            idle_trim_after: None,
+            background: false,
+        },
+    )
+    .expect("pool");
+    let row = 2 * LAYERS as usize;
+    println!(
+        "backend {}, latency profile {profile}; {LAYERS} layers ({row} pages a row), {SLOTS} \
+         requests, one fresh row per append, {rounds} rounds, {gap_us} µs between rounds",
+        backend.kind()
+    );
+    println!(
+        "| mapper | appends | mean µs | p50 µs | p99 µs | max µs | pages from ahead | run s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (name, ahead) in [("off", None), ("on", Some(4 * SLOTS as usize * row))] {
+        let r = run(&pool, ahead, rounds, Duration::from_micros(gap_us));
+        let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
+        println!(
+            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {} of {} | {:.3} |",
+            r.grows.len(),
+            quantile(&r.grows, 0.5),
+            quantile(&r.grows, 0.99),
+            quantile(&r.grows, 1.0),
+            r.from_ahead,
+            r.pages,
+            r.wall.as_secs_f64()
+        );
+    }
+}
