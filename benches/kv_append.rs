@@ -126,18 +126,21 @@ fn main() {
         backend.kind()
     );
     println!(
-        "| mapper | appends | mean µs | p50 µs | p99 µs | max µs | pages from ahead | run s |"
+        "| mapper | appends | mean µs | p50 µs | p95 µs | p99 µs | max µs | over 5 µs | pages \
+         from ahead | run s |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (name, ahead) in [("off", None), ("on", Some(4 * SLOTS as usize * row))] {
         let r = run(&pool, ahead, rounds, Duration::from_micros(gap_us));
         let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
         println!(
-            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {} of {} | {:.3} |",
+            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {:.3} |",
             r.grows.len(),
             quantile(&r.grows, 0.5),
+            quantile(&r.grows, 0.95),
             quantile(&r.grows, 0.99),
             quantile(&r.grows, 1.0),
+            r.grows.iter().filter(|d| d.as_micros() > 5).count(),
             r.from_ahead,
             r.pages,
             r.wall.as_secs_f64()

@@ -102,16 +102,15 @@ fn grows_publish_rows_mapped_ahead() {
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
     space.start_map_ahead(16).unwrap();
     let slot = space.admit().unwrap();
+    // An admitted slot gets its first row ahead of its first grow.
+    wait_ahead(&space, ROW);
+    ok(&space);
     space.grow(slot, 4).unwrap();
-    assert_eq!(
-        space.stats().pages_from_ahead,
-        0,
-        "nothing was ahead of the first grow"
-    );
+    assert_eq!(space.stats().pages_from_ahead, ROW);
     wait_ahead(&space, ROW);
     ok(&space);
     space.grow(slot, 8).unwrap();
-    assert_eq!(space.stats().pages_from_ahead, ROW);
+    assert_eq!(space.stats().pages_from_ahead, 2 * ROW);
     assert_eq!(space.stats().pages_mapped, 2 * ROW);
     ok(&space);
     // Pages ahead never exceed the budget.
@@ -135,8 +134,10 @@ fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
     wait_ahead(&space, ROW);
     space.shrink(slot, 0).unwrap();
     ok(&space);
-    assert_eq!(space.stats().pages_ahead, 0);
+    // The rows ahead went back (`ok` counted them against the pool); the mapper may already
+    // map the shrunk slot's first row again.
     assert_eq!(space.stats().pages_mapped, 0);
+    assert!(space.stats().pages_ahead <= 8, "within the budget");
     space.grow(slot, 4).unwrap();
     wait_ahead(&space, ROW);
     let ahead = space.stats().pages_ahead;
@@ -144,19 +145,18 @@ fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
     ok(&space);
     let s = space.stats();
     assert_eq!((s.pages_ahead, s.slots_deferred), (0, 1));
-    assert_eq!(
-        s.pages_mapped,
-        ROW + ahead,
+    assert!(
+        s.pages_mapped >= ROW + ahead,
         "the rows ahead stay with the deferred slot"
     );
-    assert_eq!(space.reclaim_deferred() as u64, ROW + ahead);
+    assert_eq!(space.reclaim_deferred() as u64, s.pages_mapped);
     ok(&space);
 }
 
 #[test]
 fn out_of_memory_takes_pages_ahead_back_first() {
-    // 12 pages: slot a's row and the row the mapper maps ahead of it leave 4 free; slot b's two
-    // rows fit only once the row ahead goes back.
+    // 12 pages: slot a's row and the two rows ahead (a's second, b's first: the budget) fill
+    // the pool; b's second row fits only once a's row ahead goes back.
     let Some((_, pool)) = rig(Some(12)) else {
         return;
     };
@@ -165,8 +165,9 @@ fn out_of_memory_takes_pages_ahead_back_first() {
     let a = space.admit().unwrap();
     let b = space.admit().unwrap();
     space.grow(a, 4).unwrap();
-    wait_ahead(&space, ROW);
+    wait_ahead(&space, 2 * ROW);
     ok(&space);
+    assert_eq!(pool.stats().in_use, 12);
     space
         .grow(b, 8)
         .expect("the pages ahead went back for a synchronous grow");

@@ -18,7 +18,8 @@
 //!   refill thread; the mapper never takes the space's owner's locks).
 //! - How many rows a slot keeps ahead follows its recent growth rate (rows per second, a moving
 //!   average) times the mapper's measured time per row, with at least the last grow's size and
-//!   one row; all ready and in-flight pages together never exceed the space's ahead budget.
+//!   one row (a newly admitted slot gets one row before its first grow); all ready and
+//!   in-flight pages together never exceed the space's ahead budget.
 //! - Synchronous callers come first: when a grow or restore finds the pool out of memory, every
 //!   ready row of the space is unmapped and given back (after the in-flight row lands) before
 //!   deferred slots are reclaimed, and the mapper stops refilling until the next grow. Out of
@@ -159,16 +160,19 @@ impl MapAhead {
         self.shared.reservations.len()
     }
 
-    /// Slot `index` became active with `extent` pages mapped.
+    /// Slot `index` became active with `extent` pages mapped; one row goes ahead of it.
     pub(super) fn admit(&self, index: usize, extent: usize) {
         let mut g = self.shared.state.lock();
         let s = &mut g.slots[index];
         s.active = true;
         s.epoch += 1;
         s.extent = extent;
-        s.want = 0;
+        // An admitted request is about to grow: its first row is mapped ahead at once.
+        s.want = 1;
         s.rate = 0.0;
         s.last_grow = None;
+        drop(g);
+        self.shared.wake.notify_one();
     }
 
     /// A grow of slot `index` from `mapped` to `need` pages: waits for an in-flight row inside
