@@ -74,6 +74,7 @@ fn shim() -> Option<&'static Shim> {
             Ok(runtime) => {
                 let n = runtime.device_count();
                 log!("backend {} with {n} device(s)", runtime.backend().kind());
+                crate::ops::start();
                 Some(Shim {
                     runtime,
                     devices: (0..n).map(|_| OnceLock::new()).collect(),
@@ -107,8 +108,13 @@ fn runtime_config() -> RuntimeConfig {
     }
 }
 
+/// The process's runtime, if the shim opened it (figures).
+pub fn runtime() -> Option<&'static Runtime> {
+    initialized().then(shim).flatten().map(|s| s.runtime)
+}
+
 /// The allocator of `device`, created on first use; `None` when strata cannot serve it.
-fn allocator(device: u32) -> Option<&'static CachingAllocator> {
+pub fn allocator(device: u32) -> Option<&'static CachingAllocator> {
     let shim = shim()?;
     let slot = shim.devices.get(device as usize)?;
     *slot.get_or_init(|| {
@@ -224,7 +230,8 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
     let info = backend.device_info(device).ok()?;
     let device_free = backend.mem_info(device).ok()?.free;
     let total = info.total_memory;
-    let (takeable, held) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
+    let allocator = shim.devices.get(device as usize).and_then(|d| d.get());
+    let (takeable, held) = match allocator {
         Some(Some(a)) => {
             let s = a.stats();
             let pool = a.pool().stats();
@@ -236,7 +243,12 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
         _ => (0, 0),
     };
     let mut free = device_free.saturating_add(takeable);
-    if let Some(limit) = config::get().limit {
+    // The allocator's cap once it exists (`strata limit` changes it), else the configured one.
+    let limit = match allocator {
+        Some(Some(a)) => a.limit(),
+        _ => config::get().limit,
+    };
+    if let Some(limit) = limit {
         free = free.min(limit.saturating_sub(held).saturating_add(takeable));
     }
     Some((free.min(total), total))
