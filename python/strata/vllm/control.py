@@ -19,6 +19,10 @@ whose process is P and whose KV space is labelled L (the ``engine`` label of the
 Another program may write the ``.limit`` file itself (write a temporary file, then rename it).
 A limit below one group is raised to one group (the null block's group stays mapped); an
 unreadable limit file is logged and ignored (the previous limit holds).
+
+``strata limit PID SIZE`` (README, "Operators") caps everything strata holds on a device for a
+whole process instead, and what does not fit fails as out of memory; for a vLLM engine's KV this
+control is the better one, since its limit reaches vLLM's scheduler, which queues and preempts.
 """
 
 import argparse

@@ -103,7 +103,7 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         return json.loads(out.stdout)
 
-    def rows_of(self, pids, deadline_s=10):
+    def rows_of(self, pids, deadline_s=30):
         """`strata ps --json` once every pid in `pids` shows its figures (published every
         250 ms), by pid."""
         end = time.monotonic() + deadline_s

@@ -31,7 +31,7 @@ pub struct TopArgs {
     #[arg(long, requires = "once")]
     pub svg: Option<PathBuf>,
     /// With `--once`: the frame's width in columns.
-    #[arg(long, default_value_t = 132)]
+    #[arg(long, default_value_t = 150)]
     pub width: u16,
 }
 
@@ -296,24 +296,8 @@ impl View {
                     .into(),
             ])
         });
-        let widths = [
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(14),
-            Constraint::Length(4),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(4),
-            Constraint::Length(8),
-            Constraint::Length(11),
-        ];
+        let widths =
+            [7, 7, 10, 3, 10, 10, 10, 10, 10, 10, 9, 8, 9, 3, 7, 10].map(Constraint::Length);
         Table::new(body, widths)
             .header(TableRow::new(header).style(Style::new().bold().reversed()))
             .block(Block::bordered().title(" processes and devices "))
@@ -369,17 +353,7 @@ fn detail_table(rows: &[Row<'_>]) -> Table<'static> {
             ]));
         }
     }
-    let widths = [
-        Constraint::Length(8),
-        Constraint::Length(4),
-        Constraint::Length(4),
-        Constraint::Length(16),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Min(20),
-    ];
+    let widths = [7, 3, 4, 16, 10, 10, 10, 10, 40].map(Constraint::Length);
     let header = [
         "PID", "DEV", "KIND", "NAME", "STATE", "DEVICE", "HOST", "DISK", "DETAIL",
     ];

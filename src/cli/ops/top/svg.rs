@@ -61,9 +61,12 @@ pub fn render(buffer: &Buffer) -> String {
                 continue;
             }
             let weight = if bold { " font-weight=\"bold\"" } else { "" };
+            // Each run spans exactly its cells, whatever widths the font's glyphs have.
             line.push_str(&format!(
-                "<tspan x=\"{:.1}\" fill=\"{fill}\"{weight}>{}</tspan>",
+                "<tspan x=\"{:.1}\" textLength=\"{:.1}\" lengthAdjust=\"spacingAndGlyphs\" \
+                 fill=\"{fill}\"{weight}>{}</tspan>",
                 8.0 + f64::from(start) * CELL_W,
+                f64::from(x - start) * CELL_W,
                 escape(&text)
             ));
         }
