@@ -48,8 +48,18 @@ pub fn device_figures(
             disk: 0,
         };
         out.moved_bytes = spill.counts.bytes_to_host + spill.counts.bytes_to_device;
+        // Where nothing is off the device (the common case), a tag's pages are its reserved
+        // bytes: no walk over its pages under the allocator's lock, once per tag.
+        let all_local = spill.tiers.host == 0 && spill.tiers.peer == 0;
         for t in s.tags.iter().filter(|t| shown(t)) {
-            let tiers = a.spill_stats(Some(t.tag)).tiers;
+            let tiers = if all_local {
+                strata_allocator::TierBytes {
+                    local: t.reserved_bytes,
+                    ..Default::default()
+                }
+            } else {
+                a.spill_stats(Some(t.tag)).tiers
+            };
             let tag = tag_figures(t, tiers, tag_name(t.tag));
             out.tiers.host += t.host_copy_bytes;
             out.tiers.disk += t.disk_copy_bytes;

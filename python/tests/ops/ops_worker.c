@@ -1,5 +1,6 @@
-/* A strata process for the operators' tests (test_ops.py): allocations under two tags, one of
- * them asleep, and one KV space with tokens, then allocations on request.
+/* A strata process for the operators' tests (test_ops.py): allocations under three tags, one
+ * asleep ("cache"), one offloaded to host memory ("moved", 2 MiB), and one KV space with tokens,
+ * then allocations on request.
  *
  *   ops_worker WEIGHTS_MIB CACHE_MIB KV_TOKENS
  *
@@ -34,6 +35,8 @@ int main(int argc, char **argv) {
     tagged("weights", weights);
     tagged("cache", cache);
     if (strata_sleep("cache", 1) != 0) die("sleep");
+    tagged("moved", 2u << 20);
+    if (strata_offload("moved", STRATA_TIER_HOST, NULL) != 0) die("offload");
 
     strata_kv_config_t c;
     memset(&c, 0, sizeof c);

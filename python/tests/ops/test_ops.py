@@ -79,9 +79,10 @@ class OpsTest(unittest.TestCase):
         except Exception:
             cls.tearDownClass()
             raise
-        cls.workers = {cls.a.pid: (cls.a, C_A, ("weights", "cache")),
-                       cls.b.pid: (cls.b, C_B, ("weights", "cache")),
-                       cls.py.pid: (cls.py, PY, ("params", "scratch"))}
+        # pid: (worker, sizes, awake tag, asleep tag, MiB offloaded to host memory)
+        cls.workers = {cls.a.pid: (cls.a, C_A, "weights", "cache", 2),
+                       cls.b.pid: (cls.b, C_B, "weights", "cache", 2),
+                       cls.py.pid: (cls.py, PY, "params", "scratch", 0)}
 
     @classmethod
     def start(cls, argv):
@@ -116,31 +117,37 @@ class OpsTest(unittest.TestCase):
 
     def test_1_ps_shows_every_process_with_its_bytes_tags_and_kv(self):
         rows = self.rows_of(self.workers)
-        for pid, (w, (weights, cache, tokens), (awake, asleep)) in self.workers.items():
+        for pid, (w, (weights, cache, tokens), awake, asleep, moved) in self.workers.items():
             r = rows[pid]
             self.assertEqual(r["library"], "strata")
             self.assertEqual(r["allocated_bytes"], w.allocated)
-            self.assertEqual(r["allocated_bytes"], (weights + cache) * MIB)
+            self.assertEqual(r["allocated_bytes"], (weights + cache + moved) * MIB)
             self.assertEqual(r["reserved_bytes"], w.reserved)
             self.assertEqual(r["pool_in_use_bytes"], w.pool_in_use)
             self.assertGreaterEqual(r["peak_bytes"], r["allocated_bytes"])
             self.assertIsNone(r["limit_bytes"])
             tags = {t["name"]: t for t in r["tags"]}
-            self.assertEqual(set(tags), {awake, asleep})
+            self.assertEqual(set(tags), {awake, asleep} | ({"moved"} if moved else set()))
             self.assertEqual(tags[awake]["state"], "awake")
             self.assertEqual(tags[awake]["allocated_bytes"], weights * MIB)
             self.assertGreaterEqual(tags[awake]["tiers"]["device"], weights * MIB)
+            self.assertEqual(tags[awake]["tiers"]["host"], 0)
             self.assertEqual(tags[asleep]["state"], "asleep")
             self.assertEqual(tags[asleep]["tiers"], {"device": 0, "peer": 0, "host": cache * MIB, "disk": 0})
             self.assertEqual(tags[asleep]["bytes"], cache * MIB)
+            if moved:
+                self.assertEqual(tags["moved"]["state"], "offloaded")
+                self.assertEqual(tags["moved"]["tiers"], {"device": 0, "peer": 0, "host": moved * MIB, "disk": 0})
+                self.assertGreaterEqual(r["moved_bytes"], moved * MIB)
             (space,) = r["kv_spaces"]
             self.assertEqual((space["tokens"], space["requests"]), (tokens, 1))
             # 2 KiB per token: 1024 tokens per 2 MiB page, K and V of one layer per block.
             blocks = -(-tokens // 1024)
             self.assertEqual(space["bytes"]["device"], blocks * 2 * 2 * MIB)
-            # The device's tiers: the allocator's pages, the sleeping copy, the KV blocks.
-            self.assertEqual(r["tiers"]["host"], cache * MIB)
-            self.assertEqual(r["tiers"]["device"], w.reserved + space["bytes"]["device"])
+            # The device's tiers: the allocator's pages (the offloaded ones on the host), the
+            # sleeping copy, the KV blocks.
+            self.assertEqual(r["tiers"]["host"], (cache + moved) * MIB)
+            self.assertEqual(r["tiers"]["device"], w.reserved - moved * MIB + space["bytes"]["device"])
 
     def test_2_limit_caps_one_process_and_none_lifts_it(self):
         self.rows_of([self.a.pid])
@@ -177,7 +184,7 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         for pid in self.workers:
             self.assertIn(str(pid), out.stdout)
-        for name in ("weights", "cache", "params", "scratch", "asleep", "awake", "space"):
+        for name in ("weights", "cache", "moved", "params", "scratch", "asleep", "awake", "offloaded", "space"):
             self.assertIn(name, out.stdout)
         with open(svg) as f:
             image = f.read()

@@ -444,3 +444,36 @@ fn color(c: Color, default: &'static str) -> &'static str {
         _ => default,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_sort_reverse_filter_and_quit() {
+        let mut v = View::new(Folder::at("/nonexistent"));
+        assert_eq!(v.sort, Sort::Reserved);
+        for want in [
+            Sort::Allocated,
+            Sort::AllocRate,
+            Sort::MovedRate,
+            Sort::Pid,
+            Sort::Reserved,
+        ] {
+            assert!(!v.key(KeyCode::Char('s')));
+            assert_eq!(v.sort, want);
+        }
+        assert!(!v.key(KeyCode::Char('r')));
+        assert!(v.reverse);
+        assert!(!v.key(KeyCode::Char('/')));
+        for c in "wq".chars() {
+            assert!(!v.key(KeyCode::Char(c)), "typing a filter never quits");
+        }
+        assert!(!v.key(KeyCode::Backspace));
+        assert!(!v.key(KeyCode::Enter));
+        assert_eq!(v.filter, "w");
+        assert!(!v.key(KeyCode::Char('c')));
+        assert!(v.filter.is_empty());
+        assert!(v.key(KeyCode::Char('q')));
+    }
+}
