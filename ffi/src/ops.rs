@@ -51,7 +51,15 @@ fn tag_name(id: TagId) -> Option<String> {
     crate::tags::name_of(id)
 }
 
-/// Starts publishing (once: the runtime calls it when it is created).
+/// Starts publishing (once: the runtime calls it when it is created), and removes the file at
+/// a normal exit.
 pub fn start() {
     Publisher::start(Arc::new(CApi));
+    // SAFETY: `unpublish_at_exit` is a plain `extern "C" fn()` that never unwinds (it catches
+    // panics); atexit only stores it. A failed registration leaves the file to the next reader.
+    unsafe { libc::atexit(unpublish_at_exit) };
+}
+
+extern "C" fn unpublish_at_exit() {
+    let _ = std::panic::catch_unwind(|| strata_ops::unpublish("strata"));
 }

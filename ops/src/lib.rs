@@ -30,5 +30,5 @@ pub use layout::{
     TierBytes, LAYOUT_VERSION,
 };
 pub use limit::{parse_limit, request_limit, LimitError};
-pub use publisher::{Publisher, Source, INTERVAL};
+pub use publisher::{unpublish, Publisher, Source, INTERVAL};
 pub use reader::{read_all, Listing};

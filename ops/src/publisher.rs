@@ -1,11 +1,15 @@
 //! The thread that publishes a library's figures and applies limit requests.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::folder::{Folder, Owned};
 use crate::layout::{DeviceFigures, LimitRequest, ProcessFigures, LAYOUT_VERSION};
 use crate::proc;
+
+/// Set at exit ([`unpublish`]): the publisher writes no more.
+static STOPPED: AtomicBool = AtomicBool::new(false);
 
 /// How often figures are written and requests read: a limit applies within two of these.
 pub const INTERVAL: Duration = Duration::from_millis(250);
@@ -86,8 +90,15 @@ impl Publisher {
         };
         if let Ok(bytes) = serde_json::to_vec(&figures) {
             let name = Folder::figures_name(self.pid, self.source.library());
+            if STOPPED.load(Ordering::Acquire) {
+                return;
+            }
             // A failed write (folder removed, tmpfs full) is retried on the next tick.
             let _ = self.folder.write(&name, &bytes);
+            // The process began to exit meanwhile: take back what this tick wrote.
+            if STOPPED.load(Ordering::Acquire) {
+                let _ = self.folder.remove(&name);
+            }
         }
     }
 
@@ -125,6 +136,15 @@ impl Publisher {
         self.source
             .apply_limit(device, request.limit.resolve(total))
             .map_err(|e| format!("device {device}: {e}"))
+    }
+}
+
+/// Stops publishing and removes this process's file of `library` (at exit, so a reader need
+/// not prune it; a tick writing meanwhile removes what it wrote).
+pub fn unpublish(library: &str) {
+    STOPPED.store(true, Ordering::Release);
+    if let Ok(folder) = Folder::from_env() {
+        let _ = folder.remove(&Folder::figures_name(std::process::id(), library));
     }
 }
 

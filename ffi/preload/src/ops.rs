@@ -51,7 +51,16 @@ impl Source for Shim {
     }
 }
 
-/// Starts publishing (once: the shim calls it when it opens its backend).
+/// Starts publishing (once: the shim calls it when it opens its backend), and removes the file
+/// at a normal exit.
 pub fn start() {
     Publisher::start(Arc::new(Shim));
+    // SAFETY: `unpublish_at_exit` is a plain `extern "C" fn()` that never unwinds (it catches
+    // panics); atexit only stores it. A failed registration leaves the file to the next reader.
+    unsafe { libc::atexit(unpublish_at_exit) };
+}
+
+extern "C" fn unpublish_at_exit() {
+    let _inside = Inside::enter();
+    let _ = std::panic::catch_unwind(|| strata_ops::unpublish("preload"));
 }

@@ -262,6 +262,15 @@ class OpsTest(unittest.TestCase):
         out = self.cli("limit", str(self.b.pid), "1GiB")
         self.assertEqual(out.returncode, 2)
 
+    def test_8_a_process_exiting_normally_removes_its_file(self):
+        self.rows_of([self.a.pid])
+        name = f"{self.a.pid}.strata.json"
+        self.assertIn(name, os.listdir(self.shm))
+        self.a.proc.stdin.write("quit\n")
+        self.a.proc.stdin.flush()
+        self.assertEqual(self.a.proc.wait(timeout=30), 0)
+        self.assertNotIn(name, os.listdir(self.shm), "removed at exit, before any reader")
+
 
 if __name__ == "__main__":
     unittest.main()
