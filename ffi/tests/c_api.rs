@@ -255,6 +255,11 @@ fn c_kv_random_walk() {
 }
 
 #[test]
+fn c_kv_at_the_limits_of_their_types() {
+    c_test("kv_limits");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }
