@@ -562,12 +562,13 @@ int strata_kv_copy_tokens(strata_kv_t kv, int direction, uint32_t tokens,
 
 /* Spills the request's resident blocks to STRATA_TIER_HOST or STRATA_TIER_DISK (blocks already
  * in host memory move to disk too). Full blocks with a clean copy copy nothing. Out of tier
- * space, whichever tier (host memory full, the disk tier full or absent, its filesystem full):
- * STRATA_OUT_OF_MEMORY with the blocks left resident. */
+ * space, whichever tier (host memory full, the disk tier or its filesystem full):
+ * STRATA_OUT_OF_MEMORY with the blocks left resident. STRATA_TIER_DISK in a space without a
+ * disk tier: STRATA_INVALID_STATE. */
 int strata_kv_spill(strata_kv_t kv, strata_kv_request_t request, int tier);
 
 /* Spills every request not used for more than `idle_steps` steps; *blocks (if not NULL)
- * receives the blocks spilled. */
+ * receives the blocks spilled. Statuses as strata_kv_spill's. */
 int strata_kv_spill_idle(strata_kv_t kv, uint64_t idle_steps, int tier, uint64_t *blocks);
 
 /* Moves the scheduler's step clock to `step` (never back). Requests used in the current step

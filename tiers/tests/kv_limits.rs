@@ -147,3 +147,18 @@ fn tier_sizes_never_wrap_and_a_disk_tier_fits_its_filesystem() {
     assert_eq!(s.stats().disk_slots, 64);
     assert_eq!(s.stats().disk_used, 0);
 }
+
+#[test]
+fn the_step_clock_at_its_limit_still_orders_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(16, 64, 256, dir.path());
+    m.advance(u64::MAX);
+    let a = m.admit().unwrap();
+    let b = m.admit().unwrap();
+    grow(&m, a, 4, TPB).unwrap();
+    grow(&m, b, 5, TPB).unwrap();
+    m.pause(a, Tier::Host).unwrap();
+    m.make_resident(&[a, b]).unwrap().synchronize().unwrap();
+    assert_eq!(verify(&m, a, 4).unwrap(), (Tier::Hbm, 1));
+    m.check_invariants().unwrap();
+}

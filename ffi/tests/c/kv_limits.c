@@ -180,7 +180,9 @@ static void full_tiers(void) {
     CHECK_OK(strata_kv_create(&c, &kv));
     r = filled(kv, 2 * TPB, 20);
     CHECK(strata_kv_spill(kv, r, STRATA_TIER_HOST) == STRATA_OUT_OF_MEMORY);
-    CHECK(strata_kv_spill(kv, r, STRATA_TIER_DISK) == STRATA_OUT_OF_MEMORY); /* a disk tier of 0 */
+    CHECK(strata_kv_spill(kv, r, STRATA_TIER_DISK) == STRATA_INVALID_STATE); /* no disk tier */
+    CHECK_ERR("without a disk tier");
+    CHECK(strata_kv_spill_idle(kv, 0, STRATA_TIER_DISK, NULL) == STRATA_INVALID_STATE);
     CHECK(holds_tokens(kv, r, 2 * TPB, 20));
     CHECK_OK(strata_kv_check(kv));
     CHECK_OK(strata_kv_destroy(kv));
