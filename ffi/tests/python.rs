@@ -68,20 +68,51 @@ fn python_package_unittests() {
     // The ctypes tests really ran (not everything skipped).
     assert!(stderr.contains("test_tags_and_sleep_wake_keep_contents") && stderr.contains("... ok"));
     assert!(stderr.contains("test_lost_callback_fires_exactly_once_per_lost_block ("));
+    // With torch and CPU tensors (the host backend), the KV lifetime tests ran: DLPack after
+    // close, close racing an export.
+    if !unittest::on_cuda() && unittest::imports(&python, "torch") {
+        assert_passed(
+            &stderr,
+            "test_kv_lifetime.KvLifetimeTest",
+            &[
+                "test_a_descriptor_taken_before_close_is_refused_after_it",
+                "test_close_racing_an_export_never_frees_exported_memory",
+            ],
+        );
+    }
+    // With hypothesis (.ci/run's environment), the property tests of strata.kv ran, not skipped.
+    if unittest::imports(&python, "hypothesis") {
+        assert_passed(
+            &stderr,
+            "test_kv_properties.KvIntegerProperties",
+            &[
+                "test_kv_calls_with_integers_at_and_beyond_the_c_limits",
+                "test_kv_space_counts_beyond_their_c_types_are_refused",
+            ],
+        );
+    }
     // With torch and transformers (.ci/run's environment), "strata_sdpa"'s tests ran, not skipped.
     if unittest::imports(&python, "torch, transformers") {
-        for test in [
-            "test_decode_over_token_major_views_matches_sdpa",
-            "test_everything_else_is_sdpa_unchanged",
-            "test_short_contexts_are_sdpa_unchanged",
-        ] {
-            assert!(
-                stderr.contains(&format!(
-                    "{test} (test_row_attention.RowAttentionTest.{test}) ... ok"
-                )),
-                "{test} did not pass:\n{stderr}"
-            );
-        }
+        assert_passed(
+            &stderr,
+            "test_row_attention.RowAttentionTest",
+            &[
+                "test_decode_over_token_major_views_matches_sdpa",
+                "test_everything_else_is_sdpa_unchanged",
+                "test_short_contexts_are_sdpa_unchanged",
+            ],
+        );
+    }
+}
+
+/// Asserts that unittest's verbose output `stderr` shows each of `tests` of `class` (module.Class)
+/// passed, not skipped.
+fn assert_passed(stderr: &str, class: &str, tests: &[&str]) {
+    for test in tests {
+        assert!(
+            stderr.contains(&format!("{test} ({class}.{test}) ... ok")),
+            "{test} did not pass:\n{stderr}"
+        );
     }
 }
 
@@ -127,15 +158,14 @@ fn python_params_on_one_device() {
             .args(["-v", "test_params"]),
         "params tests",
     );
-    for test in [
-        "test_remap_prepare_and_revert_keep_every_layer",
-        "test_look_ahead_and_prefill_budget",
-        "test_reversion_comes_when_the_device_has_room_though_the_pool_let_its_pages_go",
-        "test_unregister_gives_the_pages_back_and_waits_for_idle",
-    ] {
-        assert!(
-            stderr.contains(&format!("{test} (test_params.ParamsTest.{test}) ... ok")),
-            "{test} did not pass:\n{stderr}"
-        );
-    }
+    assert_passed(
+        &stderr,
+        "test_params.ParamsTest",
+        &[
+            "test_remap_prepare_and_revert_keep_every_layer",
+            "test_look_ahead_and_prefill_budget",
+            "test_reversion_comes_when_the_device_has_room_though_the_pool_let_its_pages_go",
+            "test_unregister_gives_the_pages_back_and_waits_for_idle",
+        ],
+    );
 }
