@@ -115,6 +115,12 @@ static inline int second_device(const char *what) {
     return 0;
 }
 
+static inline strata_kv_stats_t kv_stats(strata_kv_t kv) {
+    strata_kv_stats_t s;
+    CHECK_OK(strata_kv_stats(kv, &s));
+    return s;
+}
+
 /* Small deterministic PRNG for the walks. */
 static inline uint64_t next_rand(uint64_t *state) {
     uint64_t x = *state;
