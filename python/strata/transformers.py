@@ -41,7 +41,9 @@ tokens (default one page's worth) mapped past the tokens held. `generate` calls 
 step through the attention mask it builds outside the compiled step (`get_mask_sizes`); a loop
 of one's own calls `cache.prepare(new_tokens)` before each compiled step. Positions past the
 mapped pages read the space's shared read-only zero page, so attention over `max_cache_len`
-never touches unmapped memory; a write there faults (host backend) rather than corrupt it.
+never touches unmapped memory; a write there faults (host backend) rather than corrupt it. So
+compile with a backend that writes mutated inputs in place, as inductor (the default) does:
+"aot_eager" writes every mutated tensor back whole, the tail included, and faults.
 Why this cannot race: on the CPU the steps run in order on the calling thread; on CUDA a
 `prepare` that maps pages first waits for the steps in flight (they read the tail whose backing
 changes), which happens once per `margin` tokens, and the steps queued after it see the new
