@@ -3,7 +3,9 @@ StrataCache gives exactly DynamicCache's tokens, the KV tensors never move, page
 tokens held, and bad use raises typed errors. Models are random-initialised from small configs
 (nothing downloaded). KV tensors must be CPU-readable, so ffi/tests/python_transformers.rs runs
 this module outside strict mode (STRATA_HOST_STRICT=0) and checks that the tests ran; in the
-strict run of the whole suite they skip."""
+strict run of the whole suite they skip. On a GPU the models and inputs are on `cuda` and the
+models' head and MLP widths grow with the page size (kv_device.page_scale), so that sequences
+cross pages as they do over the host runs' 64 KiB pages."""
 
 import contextlib
 import math
@@ -15,6 +17,7 @@ import unittest
 from unittest import mock
 
 import strata
+from kv_device import NO_DEVICE, page_scale, torch_device
 from strata import kv
 
 NEW_TOKENS = 512
@@ -22,14 +25,10 @@ PROMPTS = (24, 9, 16)  # tokens of each row; shorter rows are left-padded
 VOCAB = 96
 
 
-def cpu_readable_kv():
-    """KV tensors are CPU tensors torch can read (the host backend outside strict mode)."""
-    with kv.KvSpace(layers=1, kv_heads=1, head_dim=64, dtype="float32", max_requests=1, max_tokens=8) as s:
-        return s.tensor(0, "k").dlpack_device_type == 1
-
-
+# Where the models run: "cpu" or "cuda", as strata's KV memory; None where torch cannot use it.
+DEVICE = torch_device()
 # transformers is imported only where the tests can run (it takes seconds to import).
-if cpu_readable_kv():
+if DEVICE:
     try:
         import torch
         import transformers
@@ -58,9 +57,12 @@ def tiny(name, **extra):
         eos_token_id=2,
     )
     common.update(extra)
+    if page_scale() > 1:  # larger pages: as many tokens a page and pages a layer as at 64 KiB
+        common["head_dim"] = common.get("head_dim", common["hidden_size"] // common["num_attention_heads"]) * page_scale()
+        common["intermediate_size"] *= page_scale()
     config = getattr(transformers, f"{name}Config")(**common)
     torch.manual_seed(1234)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model = getattr(transformers, f"{name}ForCausalLM")(config).to(DEVICE).eval()
     return model
 
 
@@ -72,7 +74,7 @@ def batch(prompts=PROMPTS):
     for row, n in enumerate(prompts):
         ids[row, width - n :] = torch.randint(3, VOCAB, (n,))
         mask[row, width - n :] = 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 class Watch:
@@ -137,7 +139,7 @@ def mapped_bytes(cache):
     return len(PROMPTS) * math.ceil(s["tokens"] / s["tokens_per_block"]) * s["block_bytes"]
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class StrataCacheTest(unittest.TestCase):
     def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, attention=None, **extra):
         """`attention`: the StrataCache run's attn_implementation (DynamicCache's stays "sdpa")."""
@@ -210,7 +212,7 @@ class StrataCacheTest(unittest.TestCase):
 
         model = tiny("Llama")
         ids, mask = batch()
-        more = torch.randint(3, VOCAB, (len(PROMPTS), 6))
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 6)).to(DEVICE)
         full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
         logits = {}
         with StrataCache(model.config, max_cache_len=128) as cache, torch.no_grad():
@@ -303,14 +305,14 @@ class StrataCacheTest(unittest.TestCase):
 
         model = tiny("Llama")
         cfg = model.config
-        heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
         layers = cfg.num_hidden_layers
         torch.manual_seed(3)
         written = {layer: ([], []) for layer in range(layers)}
 
         def write(cache, tokens):
             for layer in range(layers):
-                k, v = torch.randn(2, 1, heads, tokens, dim)
+                k, v = torch.randn(2, 1, heads, tokens, dim).to(DEVICE)
                 written[layer][0].append(k)
                 written[layer][1].append(v)
                 cache.update(k, v, layer)
@@ -339,7 +341,7 @@ class StrataCacheTest(unittest.TestCase):
         from strata.transformers import StrataCache
 
         model = tiny("Llama")
-        ids = torch.randint(3, VOCAB, (len(PROMPTS), 600))
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 600)).to(DEVICE)
         with StrataCache(model.config, max_cache_len=1024) as cache, torch.no_grad():
             model(input_ids=ids, past_key_values=cache)
             per_page = cache.stats()["tokens_per_block"]
@@ -448,7 +450,7 @@ def offload_model(name, **extra):
     return tiny(name, **config)
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class OffloadTest(unittest.TestCase):
     """OffloadedStrataCache: layers' KV swapped to host memory (and disk) within a device budget."""
 
@@ -561,6 +563,7 @@ class OffloadTest(unittest.TestCase):
         self.assertGreater(off["swap_ins"], 0, off)
 
     @unittest.skipIf(os.environ.get("STRATA_HOST_LINK"), "already under a link model")
+    @unittest.skipIf(DEVICE == "cuda", "host backend only: STRATA_HOST_LINK models the host backend's link")
     def test_offload_under_host_link_matches_dynamic_cache(self):
         """The same in a process whose host backend pays a modelled link for every copy, so the
         swaps take time and overlap the layers' compute."""
@@ -613,7 +616,7 @@ class OffloadTest(unittest.TestCase):
         from strata.transformers import OffloadedStrataCache
 
         model = offload_model("Qwen2")
-        ids = torch.randint(3, VOCAB, (len(PROMPTS), 300))
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 300)).to(DEVICE)
         budget = final_kv_bytes(model, 300) // 2
         with OffloadedStrataCache(model.config, max_cache_len=400, device_budget=budget) as cache, torch.no_grad():
             dynamic = DynamicCache()
