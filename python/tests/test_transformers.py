@@ -233,8 +233,8 @@ class StrataCacheTest(unittest.TestCase):
         from strata.transformers import OffloadedStrataCache, StrataCache
 
         model = offload_model("Qwen2")
-        ids = torch.randint(3, VOCAB, (len(PROMPTS), 40))
-        more = torch.randint(3, VOCAB, (len(PROMPTS), 5))
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 40)).to(DEVICE)
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 5)).to(DEVICE)
         budget = final_kv_bytes(model, 64) // 2
         with torch.no_grad():
             dynamic = DynamicCache()
@@ -268,10 +268,10 @@ class StrataCacheTest(unittest.TestCase):
         heads, dim, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         torch.manual_seed(5)
         bad = {
-            "batch": torch.randn(1, heads, 1, dim),
-            "kv_heads": torch.randn(2, heads * 2, 1, dim),
-            "head_dim": torch.randn(2, heads, 1, dim * 2),
-            "dtype": torch.randn(2, heads, 1, dim, dtype=torch.float64),
+            "batch": torch.randn(1, heads, 1, dim).to(DEVICE),
+            "kv_heads": torch.randn(2, heads * 2, 1, dim).to(DEVICE),
+            "head_dim": torch.randn(2, heads, 1, dim * 2).to(DEVICE),
+            "dtype": torch.randn(2, heads, 1, dim, dtype=torch.float64).to(DEVICE),
         }
         for cache in (
             StrataCache(cfg, max_cache_len=64),
@@ -279,13 +279,13 @@ class StrataCacheTest(unittest.TestCase):
         ):
             with cache:
                 for layer in range(layers):
-                    k, v = torch.randn(2, 2, heads, 5, dim)
+                    k, v = torch.randn(2, 2, heads, 5, dim).to(DEVICE)
                     cache.update(k, v, layer)
                 before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
                 for what, t in bad.items():
                     with self.assertRaisesRegex(strata.InvalidArgument, what, msg=type(cache).__name__):
                         cache.update(t, t, 1)
-                ok = torch.randn(2, heads, 1, dim)
+                ok = torch.randn(2, heads, 1, dim).to(DEVICE)
                 with self.assertRaisesRegex(strata.InvalidArgument, "differ"):
                     cache.update(ok, ok.double(), 0)
                 with self.assertRaisesRegex(strata.InvalidArgument, "4-d"):

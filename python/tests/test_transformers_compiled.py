@@ -18,7 +18,8 @@ from unittest import mock
 import strata
 from strata import kv
 
-from test_transformers import PROMPTS, VOCAB, batch, generate, offload_model, transformers
+from kv_device import NO_DEVICE
+from test_transformers import DEVICE, PROMPTS, VOCAB, generate, offload_model, transformers
 
 if transformers:
     import torch
@@ -59,7 +60,7 @@ class MarginWatch:
         return scores
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class CompiledStrataCacheTest(unittest.TestCase):
     def assert_margin(self, cache):
         held = cache.get_seq_length()
@@ -114,7 +115,7 @@ class CompiledStrataCacheTest(unittest.TestCase):
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=BACKEND)
         rows = len(PROMPTS)
         torch.manual_seed(11)
-        prompt = torch.randint(3, VOCAB, (rows, 30))
+        prompt = torch.randint(3, VOCAB, (rows, 30)).to(DEVICE)
         calls = []
         real_c = kv._c
 
@@ -136,7 +137,7 @@ class CompiledStrataCacheTest(unittest.TestCase):
                 for _ in range(steps):
                     held = cache.get_seq_length()
                     cache.prepare(1)
-                    positions = torch.full((rows, 1), held)
+                    positions = torch.full((rows, 1), held, device=DEVICE)
                     with mock.patch.object(kv, "_c", counted):
                         got = step(input_ids=token, position_ids=positions, past_key_values=cache).logits
                     want = model(input_ids=token, position_ids=positions, past_key_values=dynamic).logits
@@ -167,7 +168,7 @@ class CompiledStrataCacheTest(unittest.TestCase):
             cache.space.check()
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers and DEVICE == "cpu", "the host backend outside strict mode (a fault there is a signal)")
 class ZeroPageTest(unittest.TestCase):
     def test_a_compiled_write_past_the_mapped_pages_faults_on_the_zero_page(self):
         """With `prepare` never called, compiled steps write until the mapped pages end, and the
