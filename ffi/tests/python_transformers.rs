@@ -29,6 +29,9 @@ fn python_transformers_generate_on_strata_kv() {
             "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
             "test_crop_returns_the_pages_past_the_tokens_kept",
             "test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills",
+            "test_crop_with_a_positive_count_keeps_that_many_tokens",
+            "test_every_update_checks_batch_heads_head_dim_and_dtype_and_keeps_the_cache",
+            "test_transformers_outside_the_supported_range_is_refused",
         ],
         &[],
     );
@@ -49,10 +52,31 @@ fn python_transformers_offload_layers_within_a_device_budget() {
             "test_adaptive_expansion_moves_layers_in_a_generate_run",
             "test_offload_under_host_link_matches_dynamic_cache",
             "test_budget_smaller_than_one_layer_is_a_clear_error",
+            "test_a_refused_close_leaves_the_cache_usable",
         ],
         &[(
             "test_offload_under_host_link_matches_dynamic_cache",
             "host backend only",
+        )],
+    );
+}
+
+/// `StrataCache(compileable=True)` under torch.compile (`python/tests/test_transformers_compiled.py`):
+/// the decode step compiled whole, DynamicCache's tokens, the mapped-ahead margin, the zero page.
+#[test]
+fn python_transformers_compiled_decode_steps() {
+    run_unittest(
+        "test_transformers_compiled",
+        &[
+            "test_llama_compiled_decode_matches_dynamic_cache",
+            "test_qwen2_compiled_decode_matches_dynamic_cache",
+            "test_mixtral_compiled_decode_matches_dynamic_cache",
+            "test_margin_holds_through_prefill_decode_crop_reset_and_a_refused_batch",
+            "test_a_compiled_write_past_the_mapped_pages_faults_on_the_zero_page",
+        ],
+        &[(
+            "test_a_compiled_write_past_the_mapped_pages_faults_on_the_zero_page",
+            "the host backend outside strict mode (a fault there is a signal)",
         )],
     );
 }

@@ -225,7 +225,77 @@ class StrataCacheTest(unittest.TestCase):
                 logits[name] = out.logits
             self.assertTrue(torch.equal(logits["strata"], logits["dynamic"]))
             with self.assertRaises(strata.InvalidArgument):
-                cache.crop(3)
+                cache.crop(2.5)
+
+    def test_crop_with_a_positive_count_keeps_that_many_tokens(self):
+        """transformers' caches before 5.23 and their assisted generation take crop(n > 0) as
+        "keep n tokens"; crop(-n) removes n; crop(0) keeps everything."""
+        from strata.transformers import OffloadedStrataCache, StrataCache
+
+        model = offload_model("Qwen2")
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 40)).to(DEVICE)
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 5)).to(DEVICE)
+        budget = final_kv_bytes(model, 64) // 2
+        with torch.no_grad():
+            dynamic = DynamicCache()
+            model(input_ids=ids, past_key_values=dynamic)
+            dynamic.crop(-10)
+            want = model(input_ids=more, past_key_values=dynamic).logits
+            for cache in (
+                StrataCache(model.config, max_cache_len=64),
+                OffloadedStrataCache(model.config, max_cache_len=64, device_budget=budget),
+            ):
+                with cache:
+                    model(input_ids=ids, past_key_values=cache)
+                    cache.crop(0)
+                    cache.crop(100)  # more than held: keeps everything
+                    self.assertEqual(cache.get_seq_length(), 40)
+                    cache.crop(30)
+                    self.assertEqual(cache.get_seq_length(), 30)
+                    got = model(input_ids=more, past_key_values=cache).logits
+                    self.assertTrue(torch.equal(got, want), type(cache).__name__)
+                    with self.assertRaises(strata.InvalidArgument):
+                        cache.crop("3")
+                    self.assertEqual(cache.get_seq_length(), 35)
+
+    def test_every_update_checks_batch_heads_head_dim_and_dtype_and_keeps_the_cache(self):
+        """Not only the first update: a batch-1 step into a batch-2 cache must not broadcast into
+        both rows, and another dtype must not be cast silently."""
+        from strata.transformers import OffloadedStrataCache, StrataCache
+
+        model = tiny("Llama")
+        cfg = model.config
+        heads, dim, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        torch.manual_seed(5)
+        bad = {
+            "batch": torch.randn(1, heads, 1, dim).to(DEVICE),
+            "kv_heads": torch.randn(2, heads * 2, 1, dim).to(DEVICE),
+            "head_dim": torch.randn(2, heads, 1, dim * 2).to(DEVICE),
+            "dtype": torch.randn(2, heads, 1, dim, dtype=torch.float64).to(DEVICE),
+        }
+        for cache in (
+            StrataCache(cfg, max_cache_len=64),
+            OffloadedStrataCache(cfg, max_cache_len=64, device_budget=1 << 20),
+        ):
+            with cache:
+                for layer in range(layers):
+                    k, v = torch.randn(2, 2, heads, 5, dim).to(DEVICE)
+                    cache.update(k, v, layer)
+                before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
+                for what, t in bad.items():
+                    with self.assertRaisesRegex(strata.InvalidArgument, what, msg=type(cache).__name__):
+                        cache.update(t, t, 1)
+                ok = torch.randn(2, heads, 1, dim).to(DEVICE)
+                with self.assertRaisesRegex(strata.InvalidArgument, "differ"):
+                    cache.update(ok, ok.double(), 0)
+                with self.assertRaisesRegex(strata.InvalidArgument, "4-d"):
+                    cache.update(ok[0], ok[0], 0)
+                self.assertEqual(cache.get_seq_length(), 5)
+                for layer, (k, v) in zip(cache.layers, before):
+                    self.assertTrue(torch.equal(layer.keys, k) and torch.equal(layer.values, v))
+                del before
+                cache.update(ok, ok, 0)  # the cache still takes a good update
+                self.assertEqual(cache.layers[0].get_seq_length(), 6)
 
     def test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills(self):
         """With a host tier, a partly written page must not count as full: a page counted full
@@ -337,6 +407,19 @@ class StrataCacheTest(unittest.TestCase):
             generate(model, cache, new_tokens=4)
         with self.assertRaisesRegex(strata.InvalidState, "closed"):
             cache.reset()
+
+    def test_transformers_outside_the_supported_range_is_refused(self):
+        from strata import transformers as st
+
+        st._check_version(transformers.__version__)  # this one is in the range
+        for version in (f"{st.OLDEST.major}.{st.OLDEST.minor - 1}.9" if st.OLDEST.minor else "4.57.6", "6.0.0"):
+            with self.assertRaisesRegex(strata.Unsupported, f"transformers {st.TRANSFORMERS_VERSIONS}.*{version}"):
+                st._check_version(version)
+        # The check runs on import, before anything of transformers' cache interface is used.
+        code = "import transformers; transformers.__version__ = '4.57.6'; import strata.transformers"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+        self.assertNotEqual(run.returncode, 0)
+        self.assertIn(f"Unsupported: strata.transformers supports transformers {st.TRANSFORMERS_VERSIONS}", run.stderr)
 
     def test_unsupported_configs_are_refused(self):
         from strata.transformers import StrataCache
@@ -495,6 +578,27 @@ class OffloadTest(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertIn("Ran 1 test", run.stderr)
         self.assertNotIn("skipped", run.stderr)
+
+    def test_a_refused_close_leaves_the_cache_usable(self):
+        """close() with a view still held is refused (InvalidState); the cache is then empty and
+        usable, transfer threads included, and closes once the view is gone."""
+        from strata.transformers import OffloadedStrataCache
+
+        model = offload_model("Qwen2")
+        expected = generate(model, DynamicCache(), new_tokens=40)
+        budget = final_kv_bytes(model, max(PROMPTS) + 40) // 2
+        cache = OffloadedStrataCache(model.config, max_cache_len=128, device_budget=budget)
+        generate(model, cache, new_tokens=40)
+        held = cache.layers[0].keys
+        with self.assertRaises(strata.InvalidState):
+            cache.close()
+        self.assertEqual(cache.get_seq_length(), 0)
+        del held
+        got = generate(model, cache, new_tokens=40)
+        self.assertTrue(torch.equal(got, expected))
+        self.assertGreater(cache.stats()["offload"]["swap_ins"], 0)
+        cache.close()
+        self.assertIsNone(cache.space)
 
     def test_budget_smaller_than_one_layer_is_a_clear_error(self):
         from strata.transformers import OffloadedStrataCache
