@@ -27,6 +27,14 @@ fn unittest(python: &str, strict: &str) -> Command {
     cmd
 }
 
+/// Whether `python` can import `modules` (a comma-separated list).
+fn imports(python: &str, modules: &str) -> bool {
+    Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 #[test]
 fn python_package_unittests() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
@@ -51,24 +59,51 @@ fn python_package_unittests() {
     // The ctypes tests really ran (not everything skipped).
     assert!(stderr.contains("test_tags_and_sleep_wake_keep_contents") && stderr.contains("... ok"));
     assert!(stderr.contains("test_lost_callback_fires_exactly_once_per_lost_block ("));
+    // With torch and CPU tensors (the host backend), the KV lifetime tests ran: DLPack after
+    // close, close racing an export.
+    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") && imports(&python, "torch") {
+        assert_passed(
+            &stderr,
+            "test_kv_lifetime.KvLifetimeTest",
+            &[
+                "test_a_descriptor_taken_before_close_is_refused_after_it",
+                "test_close_racing_an_export_never_frees_exported_memory",
+            ],
+        );
+    }
+    // With hypothesis (.ci/run's environment), the property tests of strata.kv ran, not skipped.
+    if imports(&python, "hypothesis") {
+        assert_passed(
+            &stderr,
+            "test_kv_properties.KvIntegerProperties",
+            &[
+                "test_kv_calls_with_integers_at_and_beyond_the_c_limits",
+                "test_kv_space_counts_beyond_their_c_types_are_refused",
+            ],
+        );
+    }
     // With torch and transformers (.ci/run's environment), "strata_sdpa"'s tests ran, not skipped.
-    let has_transformers = Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if has_transformers {
-        for test in [
-            "test_decode_over_token_major_views_matches_sdpa",
-            "test_everything_else_is_sdpa_unchanged",
-            "test_short_contexts_are_sdpa_unchanged",
-        ] {
-            assert!(
-                stderr.contains(&format!(
-                    "{test} (test_row_attention.RowAttentionTest.{test}) ... ok"
-                )),
-                "{test} did not pass:\n{stderr}"
-            );
-        }
+    if imports(&python, "torch, transformers") {
+        assert_passed(
+            &stderr,
+            "test_row_attention.RowAttentionTest",
+            &[
+                "test_decode_over_token_major_views_matches_sdpa",
+                "test_everything_else_is_sdpa_unchanged",
+                "test_short_contexts_are_sdpa_unchanged",
+            ],
+        );
+    }
+}
+
+/// Asserts that unittest's verbose output `stderr` shows each of `tests` of `class` (module.Class)
+/// passed, not skipped.
+fn assert_passed(stderr: &str, class: &str, tests: &[&str]) {
+    for test in tests {
+        assert!(
+            stderr.contains(&format!("{test} ({class}.{test}) ... ok")),
+            "{test} did not pass:\n{stderr}"
+        );
     }
 }
 
@@ -76,11 +111,7 @@ fn python_package_unittests() {
 #[test]
 fn python_kv_tensors_through_dlpack() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_torch {
+    if !imports(&python, "torch") {
         eprintln!("skipping the DLPack tests: {python} cannot import torch (.ci/run installs it)");
         return;
     }

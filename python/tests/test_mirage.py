@@ -168,7 +168,11 @@ class MirageTest(unittest.TestCase):
 
     def test_bad_use_is_a_typed_error(self):
         serving = tiny("Llama")
-        mirage.ModelParams(serving, cap=0)
+        params = mirage.ModelParams(serving, cap=0)
+        for name in ("compute_per_layer", "prefill"):
+            with self.assertRaisesRegex(strata.InvalidArgument, name):
+                setattr(params, name, float("nan"))
+            self.assertIsNone(getattr(params, name))
         with self.assertRaisesRegex(strata.InvalidState, "already"):
             mirage.ModelParams(serving)
         with self.assertRaisesRegex(strata.InvalidArgument, "layers"):

@@ -111,6 +111,30 @@ class ParamsTest(unittest.TestCase):
         with self.assertRaises(strata.InvalidArgument):
             model.read(3, 0, 10)
 
+    def test_integers_and_durations_beyond_the_c_types_are_refused(self):
+        # ctypes wraps them silently: layer 2**32 would be layer 0, -1 pages 2**64 - 1.
+        model = params.register([layer_bytes(i) for i in range(2)], cap=1)
+        before = model.stats()
+        calls = [
+            (model.layer_ptr, 2**32), (model.prepare_layer, 2**32), (model.layer_done, 2**32 + 1),
+            (model.prepare_next, -1), (model.read, 2**32, 0, 16), (model.read, 0, -1, 16),
+            (model.read, 0, 0, -1), (model.read, 0, 0, 2**62), (model.report_compute, float("nan")),
+            (model.report_compute, float("inf")), (model.report_compute, -1.0),
+            (model.report_prefill, float("nan")), (params.step, 0, -1), (params.step, 2**32, 1),
+            (params.revert_all, -(2**31) - 1), (params.register, [b"x" * 4096], 2**32),
+            (params.register, [b"x" * 4096], 1, 2**31),
+        ]
+        for fn, *args in calls:
+            with self.assertRaises(strata.InvalidArgument, msg=(fn.__name__, args)):
+                fn(*args)
+        with self.assertRaisesRegex(strata.InvalidArgument, r"layer is 4294967296: expected 0\.\.4294967295"):
+            model.layer_ptr(2**32)
+        with self.assertRaisesRegex(strata.InvalidArgument, "per_layer_seconds"):
+            model.report_compute(float("nan"))
+        self.assertEqual(model.stats(), before)  # nothing remapped, nothing reported
+        self.assertEqual(model.read(1, 0, LAYER), layer_bytes(1))
+        model.unregister()
+
 
 class MirageStrictTest(unittest.TestCase):
     @unittest.skipUnless(importlib.util.find_spec("torch"), "needs torch")
@@ -126,6 +150,24 @@ class MirageStrictTest(unittest.TestCase):
         model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
         with self.assertRaisesRegex(strata.Unsupported, "STRATA_HOST_STRICT"):
             mirage.ModelParams(model)
+
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "needs torch")
+    def test_bad_times_and_counts_are_refused_before_anything_moves(self):
+        import torch
+
+        from strata import mirage
+
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        for kw, name in ((dict(compute_per_layer=float("nan")), "compute_per_layer"),
+                         (dict(prefill=float("inf")), "prefill"), (dict(cap=-1), "cap"),
+                         (dict(device=2**31), "device")):
+            with self.assertRaisesRegex(strata.InvalidArgument, name, msg=kw):
+                mirage.ModelParams(model, **kw)
+        self.assertIsNone(getattr(model, "_strata_params", None))
+        for pages in (-1, 2**64):
+            with self.assertRaisesRegex(strata.InvalidArgument, "pages_short"):
+                mirage.reclaim(pages)
 
 
 if __name__ == "__main__":
