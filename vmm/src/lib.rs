@@ -23,7 +23,7 @@ mod types;
 mod vatable;
 mod work;
 
-pub use backend::Backend;
+pub use backend::{device_work, Backend};
 pub use cuda::CudaBackend;
 pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
@@ -41,4 +41,4 @@ pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,
 };
-pub use work::{device_work, DeviceWork, GemmF32};
+pub use work::{DeviceWork, GemmF32};
