@@ -3,7 +3,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
@@ -178,4 +178,12 @@ pub trait Backend: Send + Sync + 'static {
         unsafe { self.copy_async(StreamHandle::DEFAULT, &[copy])? };
         self.stream_synchronize(StreamHandle::DEFAULT)
     }
+}
+
+/// The device work of `backend`; [`Error::Unsupported`] for a backend without one.
+pub fn device_work(backend: &Arc<dyn Backend>) -> Result<Arc<dyn DeviceWork>> {
+    let kind = backend.kind();
+    Arc::clone(backend)
+        .device_work()
+        .ok_or_else(|| Error::Unsupported(format!("no device work on the {kind} backend")))
 }

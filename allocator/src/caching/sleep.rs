@@ -14,8 +14,8 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use rustc_hash::FxHashMap;
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
-use super::grow::DriverCalls;
 use super::quiet::Quiet;
+use super::stats::DriverCalls;
 use super::{BlockState, CachingAllocator, MappedPage, Mode, State, TagId};
 use crate::pool::Page;
 

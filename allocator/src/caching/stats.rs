@@ -448,3 +448,19 @@ mod tests {
         assert_eq!((t.mapped_pages, t.peak_mapped_pages), (1, 3));
     }
 }
+
+/// Driver calls made with the lock dropped, added to the counts once it is held again.
+#[derive(Default)]
+pub(super) struct DriverCalls {
+    pub(super) map: u64,
+    pub(super) unmap: u64,
+    pub(super) set_access: u64,
+}
+
+impl DriverCalls {
+    pub(super) fn add_to(&self, counts: &mut AllocatorCounts) {
+        counts.map_calls += self.map;
+        counts.unmap_calls += self.unmap;
+        counts.set_access_calls += self.set_access;
+    }
+}

@@ -58,6 +58,7 @@ use strata_vmm::{
     Location, Mapping, PhysicalMemory, Reservation, Result, Stream,
 };
 
+use crate::mapped::unmap_pages;
 use crate::pool::{Page, PagePool};
 
 mod check;
@@ -205,10 +206,43 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())
 }
 
+/// Address space one space's tensors may not reach together: x86-64's whole user address space,
+/// which CUDA's unified addresses share (beyond it, reserving tensor after tensor would only
+/// fail late, after bookkeeping for every page).
+const MAX_SPACE_BYTES: u64 = 1 << 47;
+
+/// Most pages of one space's tensors together: each has an entry in the space's tables (and,
+/// with the zero page, a mapping from creation on). 2^24 covers a 405B-parameter model's KV of
+/// 256 requests of 128K tokens at 2 MiB pages (8.3M) with room to spare.
+const MAX_SPACE_PAGES: u64 = 1 << 24;
+
+/// An empty vector with room for `n` entries of bookkeeping sized by the caller's counts: out
+/// of host memory is an error, never an abort.
+fn with_room<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        location: Location::Host,
+        requested: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+        available: 0,
+    })?;
+    Ok(v)
+}
+
+/// `n` copies of `value`, in a vector from [`with_room`].
+fn try_vec<T: Clone>(n: usize, value: T) -> Result<Vec<T>> {
+    let mut v = with_room(n)?;
+    v.resize(n, value);
+    Ok(v)
+}
+
 impl KvSpace {
     /// Reserves the `2 × layers` tensors (and, with [`KvConfig::zero_page`], creates the zero
     /// page, fills it with zeros and maps it read-only behind every page of every tensor: one map
-    /// call per page and one `set_access` per tensor). No pool page is taken until a grow.
+    /// call per page and one `set_access` per tensor). No pool page is taken until a grow. Sizes
+    /// that overflow are [`Error::Overflow`]; tensors of 2^47 bytes or more together (x86-64's
+    /// whole user address space) are [`Error::OutOfAddressSpace`] before anything is reserved;
+    /// more than 2^24 pages in all tensors (each has an entry in the space's tables) are
+    /// [`Error::InvalidArgument`]; tables the host cannot hold are [`Error::OutOfMemory`].
     pub fn new(pool: Arc<PagePool>, config: KvConfig) -> Result<KvSpace> {
         if config.layers == 0
             || config.max_slots == 0
@@ -237,6 +271,21 @@ impl KvSpace {
         let n_tensors = (config.layers as usize)
             .checked_mul(2)
             .ok_or(Error::Overflow("kv tensors"))?;
+        let space_bytes = tensor_bytes
+            .checked_mul(n_tensors as u64)
+            .ok_or(Error::Overflow("kv space bytes"))?;
+        if space_bytes >= MAX_SPACE_BYTES {
+            // Refused before reserving tensor after tensor until the address space runs out.
+            return Err(Error::OutOfAddressSpace {
+                requested: space_bytes,
+            });
+        }
+        let space_pages = (tensor_pages as u64).saturating_mul(n_tensors as u64);
+        if space_pages > MAX_SPACE_PAGES {
+            return Err(invalid(format!(
+                "a kv space of {space_pages} pages in all its tensors (at most {MAX_SPACE_PAGES})"
+            )));
+        }
         let pool_in_use_base = pool.stats().in_use as u64;
 
         let mut space = KvSpace {
@@ -247,19 +296,19 @@ impl KvSpace {
             page,
             slot_stride,
             pages_per_slot,
-            tensors: Vec::with_capacity(n_tensors),
+            tensors: with_room(n_tensors)?,
             zero: None,
-            slots: vec![
+            slots: try_vec(
+                config.max_slots as usize,
                 Slot {
                     generation: 0,
                     state: SlotState::Free,
                     tokens: 0,
                     mapped: 0,
                     reused: false,
-                };
-                config.max_slots as usize
-            ],
-            holes: vec![BTreeSet::new(); config.max_slots as usize],
+                },
+            )?,
+            holes: try_vec(config.max_slots as usize, BTreeSet::new())?,
             free: (0..config.max_slots).rev().collect(),
             deferred: VecDeque::new(),
             counters: Counters::default(),
@@ -267,28 +316,22 @@ impl KvSpace {
         };
         for _ in 0..n_tensors {
             let reservation = Arc::new(Reservation::new(&space.backend, tensor_bytes, page)?);
-            let mut pages = Vec::new();
+            let mut pages = with_room(tensor_pages)?;
             pages.resize_with(tensor_pages, || Backing::Unmapped);
             space.tensors.push(Tensor { reservation, pages });
         }
         if config.zero_page {
             space.zero = Some(space.make_zero_page()?);
             let env = Env {
+                pool: &space.pool,
                 backend: &space.backend,
                 location,
                 page,
                 zero: space.zero.as_ref(),
             };
-            let (mut returned, mut lost) = (Vec::new(), Vec::new());
+            let mut returned = Vec::new();
             for tensor in &mut space.tensors {
-                tensor.unback(
-                    0,
-                    tensor_pages,
-                    &mut returned,
-                    &mut lost,
-                    &env,
-                    &mut space.counters,
-                )?;
+                tensor.unback(0, tensor_pages, &mut returned, &env, &mut space.counters)?;
             }
         }
         Ok(space)
@@ -504,6 +547,7 @@ impl KvSpace {
         let mut spare = self.take_pages(total)?;
         let base = index * self.pages_per_slot;
         let env = Env {
+            pool: &self.pool,
             backend: &self.backend,
             location: self.location,
             page: self.page,
@@ -525,23 +569,14 @@ impl KvSpace {
             return Ok(());
         };
         // Roll back every tensor touched so far, the failed one included.
-        let mut lost = Vec::new();
         for tensor in &mut self.tensors[..=failed] {
-            if let Err(e) = tensor.unback(
-                base + from,
-                base + to,
-                &mut spare,
-                &mut lost,
-                &env,
-                &mut self.counters,
-            ) {
+            if let Err(e) =
+                tensor.unback(base + from, base + to, &mut spare, &env, &mut self.counters)
+            {
                 record_deferred(e);
             }
         }
         self.pool.give(spare);
-        if !lost.is_empty() {
-            self.pool.release(lost);
-        }
         Err(error)
     }
 
@@ -587,8 +622,9 @@ impl KvSpace {
         given
     }
 
-    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool.
-    /// Returns the number of pages given back (with the first error, if any).
+    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool (a
+    /// page whose unmap failed is quarantined instead). Returns the number of pages given back
+    /// (with the first error, if any).
     fn unback_slot(
         &mut self,
         index: usize,
@@ -600,19 +636,19 @@ impl KvSpace {
         }
         let base = index * self.pages_per_slot;
         let env = Env {
+            pool: &self.pool,
             backend: &self.backend,
             location: self.location,
             page: self.page,
             zero: self.zero.as_ref(),
         };
-        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut returned = Vec::new();
         let mut first_err = None;
         for tensor in &mut self.tensors {
             if let Err(e) = tensor.unback(
                 base + from,
                 base + to,
                 &mut returned,
-                &mut lost,
                 &env,
                 &mut self.counters,
             ) {
@@ -622,9 +658,6 @@ impl KvSpace {
         let given = returned.len();
         if !returned.is_empty() {
             self.pool.give(returned);
-        }
-        if !lost.is_empty() {
-            self.pool.release(lost);
         }
         match first_err {
             None => Ok(given),
@@ -660,7 +693,7 @@ impl KvSpace {
     /// A slot with holes is first truncated to its first hole: the pages past it are unmapped and
     /// given back (with the zero page behind them again), so a deferred slot has none. The id is
     /// stale even when that unmapping reports an error (returned; the pages whose unmap failed
-    /// are released, never reused).
+    /// are quarantined: never reused, never released).
     pub fn free(&mut self, slot: SlotId) -> Result<()> {
         let index = self.active(slot)?;
         let mut result = Ok(());
@@ -716,7 +749,7 @@ impl KvSpace {
     /// A run that is empty, reaches past the extent or holds a hole is
     /// [`Error::InvalidArgument`] and changes nothing. A backend error is returned after the
     /// whole run was processed; the pages are holes then too (a page whose unmap failed is
-    /// released, never reused).
+    /// quarantined: never reused, never released).
     pub fn evict_pages(&mut self, slot: SlotId, pages: Range<usize>) -> Result<()> {
         let index = self.check_run(slot, &pages, false)?;
         let result = self.unback_slot(index, pages.start, pages.end);
@@ -784,37 +817,24 @@ impl KvSpace {
 }
 
 impl Drop for KvSpace {
-    /// Unmaps every pool page and gives it back to the pool; zero-page mappings, the zero page
+    /// Unmaps every pool page and gives it back to the pool (a page whose unmap failed is
+    /// quarantined); zero-page mappings, the zero page
     /// and the reservations then go, in that order, through their owners. Once the process is
     /// exiting nothing calls the backend (the owners leak instead).
     fn drop(&mut self) {
         if process_is_exiting() {
             return;
         }
-        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut returned = Vec::new();
         let mut first_err = None;
         for tensor in &mut self.tensors {
-            for backing in &mut tensor.pages {
-                if let Backing::Real(..) = backing {
-                    if let Backing::Real(mapping, page) =
-                        std::mem::replace(backing, Backing::Unmapped)
-                    {
-                        match mapping.unmap() {
-                            Ok(_) => returned.push(page),
-                            Err(e) => {
-                                lost.push(page);
-                                first_err.get_or_insert(e);
-                            }
-                        }
-                    }
-                }
+            let n = tensor.pages.len();
+            if let Err(stuck) = unmap_pages(&self.pool, tensor.take_real(0, n), &mut returned) {
+                first_err.get_or_insert(stuck.first);
             }
         }
         if !returned.is_empty() {
             self.pool.give(returned);
-        }
-        if !lost.is_empty() {
-            self.pool.release(lost);
         }
         if let Some(e) = first_err {
             record_deferred(e);
