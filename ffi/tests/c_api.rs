@@ -255,6 +255,11 @@ fn c_kv_random_walk() {
 }
 
 #[test]
+fn c_kv_at_the_limits_of_their_types() {
+    c_test("kv_limits");
+}
+
+#[test]
 fn c_dlopen_like_pytorch() {
     c_test("dlopen");
 }
@@ -280,6 +285,28 @@ fn c_fuzz_call_sequences() {
         &[("STRATA_FUZZ_ARTIFACTS", &artifacts)],
         &["STRATA_FUZZ_DRIVER"],
         &[&corpus, &seconds, &seed],
+    );
+}
+
+/// The KV fuzz target `kv_fuzz.c` (random shapes, sizes at the type limits, random, stale and
+/// foreign handles, against a model), driven as [`c_fuzz_call_sequences`] drives `fuzz.c`: the
+/// corpus `ffi/tests/fuzz/kv-corpus/`, then mutations for `STRATA_FUZZ_SECONDS` (default 20)
+/// per build, plain and under ASan; `STRATA_FUZZ_SEED` repeats a run; a failing input is saved
+/// as `kv_fuzz-failure.bin` in the test's output folder.
+#[test]
+fn c_kv_fuzz_call_sequences() {
+    let seconds = std::env::var("STRATA_FUZZ_SECONDS").unwrap_or_else(|_| "20".into());
+    let seed = std::env::var("STRATA_FUZZ_SEED").unwrap_or_else(|_| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(1, |d| d.as_secs()).to_string()
+    });
+    let corpus = repo().join("ffi/tests/fuzz/kv-corpus");
+    let artifacts = profile_dir().join("strata-c-tests");
+    c_program(
+        "kv_fuzz",
+        &[("STRATA_FUZZ_ARTIFACTS", &artifacts.to_string_lossy())],
+        &["STRATA_FUZZ_DRIVER"],
+        &[&corpus.to_string_lossy(), &seconds, &seed],
     );
 }
 

@@ -13,7 +13,8 @@ PyTorch integration lives in `strata.torch` (imports torch lazily): `strata.torc
 (the MemPool route) and `strata.torch.use_globally()` (the global route). Engines reach the rest
 through `strata.kv` (KV spaces: tensors at fixed addresses, exported by DLPack, spilled to host
 memory and disk), `strata.params` (MIRAGE parameter remapping) and `strata.harvest` (peer
-memory). Failures raise subclasses of StrataError (OutOfMemory, StaleHandle, InvalidArgument, ...).
+memory). Failures raise subclasses of StrataError (OutOfMemory, StaleHandle, InvalidArgument, ...);
+a device number or count outside its C type is InvalidArgument before it reaches the library.
 
 The library is found through $STRATA_LIB, next to this package, or in a source checkout's
 target/release or target/debug.
@@ -23,7 +24,7 @@ import contextlib
 import ctypes
 import os
 
-from . import _lib
+from . import _args, _lib
 from ._lib import (
     DoubleFree,
     InvalidArgument,
@@ -87,18 +88,19 @@ def device_count():
 
 def stats(device=None):
     """Per-device figures: {device: {field: value}} (strata_stats_t), or one device's dict."""
-    devices = range(device_count()) if device is None else [device]
+    devices = range(device_count()) if device is None else [_args.integer(device, "device", _args.I32)]
     out = {}
     for d in devices:
         s = _lib.Stats()
         _lib.check(_lib.lib().strata_stats(d, s))
         out[d] = _lib.as_dict(s)
-    return out if device is None else out[device]
+    return out if device is None else out[devices[0]]
 
 
 def tag_stats(name, device=0):
     """Figures of tag `name` on `device` (strata_tag_stats_t) as a dict."""
     s = _lib.TagStats()
+    device = _args.integer(device, "device", _args.I32)
     _lib.check(_lib.lib().strata_tag_stats(_lib.encode(name), device, s))
     return _lib.as_dict(s)
 
@@ -167,6 +169,7 @@ class Stream:
 
     def __init__(self, device=0):
         handle = ctypes.c_void_p()
+        device = _args.integer(device, "device", _args.I32)
         _lib.check(_lib.lib().strata_stream_create(device, ctypes.byref(handle)))
         self.cuda_stream = handle.value
 
@@ -224,6 +227,7 @@ def set_overflow_peer(tags, lender):
     """Lets each tag's allocations on every device in use but `lender` overflow onto
     `lender`'s pages (borrowed memory) when their device is out of memory. `set_overflow(tag,
     None)` or a `revoke_peer(lender)` turns it off."""
+    lender = _args.integer(lender, "lender", _args.I32)
     for n in _names(tags):
         _lib.check(_lib.lib().strata_set_overflow_peer(_lib.encode(n), lender))
 
@@ -232,6 +236,7 @@ def revoke_peer(lender, stream=None):
     """Device `lender` takes its pages back: allocations on them move to their own device's
     memory (or host memory when it is full) at the same addresses, contents kept (copies
     ordered on `stream`). Returns the moves, as `take_revoked` would."""
+    lender = _args.integer(lender, "lender", _args.I32)
     _lib.check(_lib.lib().strata_revoke_peer(lender, _stream(stream)))
     return take_revoked()
 
@@ -258,6 +263,7 @@ def spill_stats(name=None, device=0):
     whole device when `name` is None (strata_spill_stats_t) as a dict."""
     s = _lib.SpillStats()
     tag = None if name is None else _lib.encode(name)
+    device = _args.integer(device, "device", _args.I32)
     _lib.check(_lib.lib().strata_spill_stats(tag, device, s))
     return _lib.as_dict(s)
 
@@ -278,6 +284,7 @@ def set_memory_fraction(fraction, device=0):
     Host memory and peer pages behind strata's addresses (offload, overflow) do not count.
     Past it, mapping more raises `LimitExceeded` (an `OutOfMemory`), except for a tag set to
     overflow, which goes on there."""
+    device = _args.integer(device, "device", _args.I32)
     l = _lib.lib()
     l.strata_clear_error()
     l.strata_set_memory_fraction(fraction, device)

@@ -8,14 +8,16 @@ it back (`strata_harvest_*` in include/strata.h).
     harvest.reclaim(peer=a.device, nbytes=64 << 20)   # the owner takes it back: callback runs
 
 No room on any peer raises strata.OutOfMemory (a normal outcome: use host memory). A freed or
-revoked allocation is stale: every later use raises strata.StaleHandle. Revocation callbacks run
+revoked allocation is stale: every later use raises strata.StaleHandle. Sizes, offsets and
+devices are checked against their C types first: out of range raises strata.InvalidArgument. Revocation callbacks run
 once, on the thread whose call revoked the allocation, with no strata lock held.
 """
 
 import ctypes
 import threading
 
-from . import _lib
+from . import _args, _lib
+from ._args import I32, SIZE, U64
 
 BACKED, LOSSY = 0, 1
 
@@ -126,18 +128,27 @@ class Allocation:
             _lib.check(status)
 
     def write(self, offset, data):
+        """Copies the bytes-like `data` in at `offset`. Raises InvalidArgument for a range
+        outside the allocation, StaleHandle once it was freed or revoked."""
+        offset = _args.integer(offset, "offset", U64)
         buf = (ctypes.c_char * len(data)).from_buffer_copy(data)
         _lib.check(_c().strata_harvest_write(ctypes.byref(self._handle), offset, buf, len(data)))
 
     def read(self, offset, length):
-        buf = ctypes.create_string_buffer(length)
-        _lib.check(_c().strata_harvest_read(ctypes.byref(self._handle), offset, buf, length))
+        """`length` bytes at `offset`. Raises InvalidArgument for a range outside the
+        allocation, StaleHandle once it was freed or revoked."""
+        offset = _args.integer(offset, "offset", U64)
+        buf = _args.buffer(length, "length", high=self.size)
+        _lib.check(_c().strata_harvest_read(ctypes.byref(self._handle), offset, buf, len(buf)))
         return buf.raw
 
 
 def alloc(size, requester=0, durability="backed", direct_only=False, preferred=()):
-    """Allocates `size` bytes on the best-fit peer of `requester`."""
-    preferred = list(preferred)
+    """Allocates `size` bytes on the best-fit peer of `requester`. Raises OutOfMemory when no
+    peer has room, InvalidArgument for a size or device outside its C type."""
+    size = _args.integer(size, "size", SIZE)
+    requester = _args.integer(requester, "requester", I32)
+    preferred = [_args.integer(d, "preferred device", I32) for d in preferred]
     arr = (ctypes.c_int32 * max(len(preferred), 1))(*preferred)
     hints = Hints(requester, _durability(durability), 1 if direct_only else 0, len(preferred), arr)
     handle = Handle()
@@ -146,7 +157,10 @@ def alloc(size, requester=0, durability="backed", direct_only=False, preferred=(
 
 
 def reclaim(peer, nbytes):
-    """The owner of device `peer` takes at least `nbytes` back; returns the bytes revoked."""
+    """The owner of device `peer` takes at least `nbytes` back; returns the bytes revoked.
+    Raises InvalidArgument for a device or byte count outside its C type."""
+    peer = _args.integer(peer, "peer", I32)
+    nbytes = _args.integer(nbytes, "nbytes", U64)
     revoked = ctypes.c_uint64()
     _lib.check(_c().strata_harvest_reclaim(peer, nbytes, ctypes.byref(revoked)))
     return revoked.value

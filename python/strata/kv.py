@@ -14,20 +14,27 @@
 Tensors are DLPack exports of the space's memory (no copy): CUDA tensors on the CUDA backend,
 CPU tensors on the host backend outside strict mode. Their addresses never change while the
 space lives, spilled or not (spilled blocks read as zeros with the zero page). A space with
-exported tensors alive cannot be closed.
+exported tensors alive cannot be closed (InvalidState), and a tensor descriptor (`KvTensor`) of
+a closed space cannot be exported (StaleHandle): no framework tensor ever outlives the memory.
 
 Errors raise typed exceptions (strata.OutOfMemory, strata.StaleHandle, strata.InvalidState, ...).
+Every integer argument is checked against its C type (and token counts against `max_tokens`)
+before it reaches the library: out of range raises strata.InvalidArgument naming it, a
+non-integer TypeError.
 Lost-block callbacks run on the thread that called `revoke`, after strata released its locks.
 """
 
+import copy
 import ctypes
 import os
 import threading
 
-from . import _dlpack, _lib
+from . import _args, _dlpack, _lib
+from ._args import I32, U32, U64
 
 BACKED, LOSSY = 0, 1
 _KINDS = {"k": 0, "v": 1, 0: 0, 1: 1}
+_DURABILITY = {"backed": BACKED, "lossy": LOSSY, BACKED: BACKED, LOSSY: LOSSY}
 _TIERS = {"host": 1, "disk": 2}
 _DIRECTIONS = {"in": 0, "out": 1}
 _RESIDENCY = {0: "device", 1: "host", 2: "disk", 3: "lost"}
@@ -155,7 +162,7 @@ def _choice(table, value, what):
     try:
         return table[value]
     except (KeyError, TypeError):
-        raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"{what} {value!r}: one of {', '.join(map(repr, table))}") from None
+        raise _args.invalid(f"{what} {value!r}: one of {', '.join(map(repr, table))}") from None
 
 
 def _kind(kind):
@@ -195,6 +202,17 @@ class KvTensor:
     def __repr__(self):
         return f"KvTensor(shape={self.shape}, dtype={self.dtype}, data={self.data_ptr:#x})"
 
+    def flat(self):
+        """The same memory as one 1-D KvTensor over every element the strides reach. torch sizes a
+        DLPack tensor's storage by its element count, which the extent of a padded layout
+        exceeds, and the compiler's checks then refuse writes through it:
+        `torch.from_dlpack(t.flat()).as_strided(t.shape, element strides)` has a storage that
+        covers the view."""
+        flat = copy.copy(self)
+        flat.shape = (1 + sum((n - 1) * s for n, s in zip(self.shape, self.byte_strides)) // self.elem_size,)
+        flat.byte_strides = (self.elem_size,)
+        return flat
+
     def __dlpack_device__(self):
         if self.dlpack_device_type == 0:
             raise _lib.error(
@@ -207,7 +225,8 @@ class KvTensor:
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         """A "dltensor" capsule (DLPack 0.x). `copy=True` is refused (the point is no copy);
         the stream argument needs no synchronization: make_resident already ordered its
-        copies on the stream the caller named."""
+        copies on the stream the caller named. Raises StaleHandle once the space is closed,
+        Unsupported on the strict host backend."""
         device = self.__dlpack_device__()
         if copy:
             raise BufferError("strata KV tensors are exported without a copy (copy=True)")
@@ -245,18 +264,15 @@ class Request:
         _lib.check(getattr(_c(), name)(self.space.handle, self.handle, *args))
 
     def append(self, tokens):
-        """Maps the pages `tokens` more tokens need in every tensor."""
-        self._call("strata_kv_append", tokens)
+        """Maps the pages `tokens` more tokens need in every tensor. Raises InvalidArgument
+        beyond `max_tokens` (nothing mapped), OutOfMemory when the device has no pages left."""
+        self._call("strata_kv_append", _args.integer(tokens, "tokens", U32))
 
     def truncate(self, tokens):
         """Keeps the first `tokens` tokens: the pages past them go back to the pool (the
         addresses stay). A negative count, or more tokens than the request holds, raises
-        InvalidArgument."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int):
-            raise TypeError(f"truncate takes a token count (int), not {type(tokens).__name__}")
-        if tokens < 0:
-            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"truncate to {tokens} tokens (negative)")
-        self._call("strata_kv_truncate", tokens)
+        InvalidArgument (nothing changes); a non-integer TypeError."""
+        self._call("strata_kv_truncate", _args.integer(tokens, "tokens", U32))
 
     def release(self):
         self._call("strata_kv_release")
@@ -299,14 +315,21 @@ class Request:
         return self.space.tensor(layer, kind, request=self)
 
     def write(self, layer, kind, first_token, data):
-        """Copies whole tokens of `data` (bytes-like) in with a backend copy (strict mode too)."""
+        """Copies whole tokens of `data` (bytes-like) in with a backend copy (strict mode too).
+        Raises InvalidArgument for a layer, kind or token range outside the request."""
+        layer = _args.integer(layer, "layer", U32)
+        first_token = _args.integer(first_token, "first_token", U32)
         buf = (ctypes.c_char * len(data)).from_buffer_copy(data)
         self._call("strata_kv_write", layer, _kind(kind), first_token, buf, len(data))
 
     def read(self, layer, kind, first_token, tokens):
-        """`tokens` tokens from wherever they are, as bytes."""
+        """`tokens` tokens from wherever they are, as bytes. Raises InvalidArgument for a layer,
+        kind or token range outside the request."""
+        layer = _args.integer(layer, "layer", U32)
+        first_token = _args.integer(first_token, "first_token", U32)
+        tokens = _args.integer(tokens, "tokens", U32, high=self.space.max_tokens)
         n = tokens * self.space.bytes_per_token
-        buf = ctypes.create_string_buffer(n)
+        buf = _args.buffer(n, "read")
         self._call("strata_kv_read", layer, _kind(kind), first_token, buf, n, None)
         return buf.raw
 
@@ -332,19 +355,24 @@ class KvSpace:
     ):
         name = str(dtype).rsplit(".", 1)[-1]
         if name not in _dlpack.DTYPES:
-            raise _lib.error(_lib.Status.INVALID_ARGUMENT, f"dtype {dtype!r}: one of {', '.join(_dlpack.DTYPES)}")
+            raise _args.invalid(f"dtype {dtype!r}: one of {', '.join(_dlpack.DTYPES)}")
         elem_size = _dlpack.DTYPES[name][1] // 8
-        self.dtype = name
-        self.bytes_per_token = kv_heads * head_dim * elem_size
         c = Config()
-        c.device = device
-        c.durability = {"backed": BACKED, "lossy": LOSSY}.get(durability, durability)
-        c.layers, c.kv_heads, c.head_dim, c.elem_size = layers, kv_heads, head_dim, elem_size
-        c.max_requests, c.max_tokens = max_requests, max_tokens
+        c.device = _args.integer(device, "device", I32)
+        c.durability = _choice(_DURABILITY, durability, "durability")
+        counts = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, max_requests=max_requests,
+                      max_tokens=max_tokens)
+        for field, value in counts.items():
+            setattr(c, field, _args.integer(value, field, U32))
+        c.elem_size = elem_size
         c.zero_page = 1 if zero_page else 0
-        c.host_bytes, c.disk_bytes = host_bytes, disk_bytes
+        c.host_bytes = _args.integer(host_bytes, "host_bytes", U64)
+        c.disk_bytes = _args.integer(disk_bytes, "disk_bytes", U64)
         c.disk_dir = os.fsencode(disk_dir) if disk_dir is not None else None
-        c.step_time_ns = int(step_time * 1e9) if step_time else 0
+        c.step_time_ns = _args.nanoseconds(step_time, "step_time") if step_time is not None else 0
+        self.dtype = name
+        self.max_tokens = c.max_tokens
+        self.bytes_per_token = c.kv_heads * c.head_dim * elem_size
         handle = _u64()
         _lib.check(_c().strata_kv_create(ctypes.byref(c), ctypes.byref(handle)))
         self.handle = handle.value
@@ -361,7 +389,12 @@ class KvSpace:
         self.close()
 
     def _dlpack_exported(self):
+        """Counts an export about to be handed out. Raises StaleHandle once the space is closed:
+        the check and the count share the lock `close` destroys the space under, so no export
+        of a destroyed space ever exists."""
         with self._exports_lock:
+            if self.handle is None:
+                raise _lib.error(_lib.Status.INVALID_HANDLE, "the KV space is closed: no DLPack export")
             self._exports += 1
 
     def _dlpack_released(self):
@@ -369,7 +402,7 @@ class KvSpace:
             self._exports -= 1
             due = self._exports == 0 and self._close_pending
         if due:
-            self.close()
+            self.close_when_released()
 
     def close_when_released(self):
         """Destroys the space now, or, while DLPack tensors of it are alive, as soon as the last
@@ -378,17 +411,22 @@ class KvSpace:
             if self._exports:
                 self._close_pending = True
                 return
-        self.close()
+            self._destroy()
 
     def close(self):
-        """Destroys the space. Refused (InvalidState) while DLPack tensors of it are alive."""
-        if self.handle is None:
-            return
+        """Destroys the space (again: nothing). Raises InvalidState while DLPack tensors of it
+        are alive; once closed, exporting a tensor taken before raises StaleHandle."""
         with self._exports_lock:
             if self._exports:
                 raise _lib.error(
                     _lib.Status.INVALID_STATE, f"{self._exports} DLPack tensors of this KV space are still alive"
                 )
+            self._destroy()
+
+    def _destroy(self):
+        # Under _exports_lock: an export in another thread waits, then finds the space closed.
+        if self.handle is None:
+            return
         _lib.check(_c().strata_kv_destroy(self.handle))
         self.handle = None
         self._on_lost = None
@@ -405,7 +443,8 @@ class KvSpace:
 
     def admit_many(self, count):
         """`count` requests, by ascending slot; all or none (the ones admitted are released when
-        one fails)."""
+        one fails). Raises InvalidArgument for a negative count."""
+        count = _args.integer(count, "count", U32)
         requests = []
         try:
             for _ in range(count):
@@ -422,6 +461,9 @@ class KvSpace:
         return Request(self, handle)
 
     def tensor(self, layer, kind, request=None):
+        """The (layer, kind) tensor's descriptor (a `KvTensor`), whole or `request`'s rows.
+        Raises InvalidArgument for a layer or kind the space does not have."""
+        layer = _args.integer(layer, "layer", U32)
         d = TensorDesc()
         _lib.check(_c().strata_kv_tensor(self._space(), layer, _kind(kind), ctypes.byref(d)))
         return KvTensor(self, d, self.dtype, request)
@@ -439,16 +481,20 @@ class KvSpace:
         or touching the outside memory. `direction`: "in" (into the requests) or "out".
         `copies`: (request, layer, kind, first_token, address) tuples, or a ctypes array of
         `TokenCopy` (bulk callers fill one themselves). Spills, reads and releases of those
-        requests wait for the copies; "in" drops the clean copies of the blocks it writes."""
+        requests wait for the copies; "in" drops the clean copies of the blocks it writes.
+        Raises InvalidArgument (nothing queued) for a count, layer, token range or address
+        outside what the requests and C types hold, InvalidState for a spilled request."""
         code = _choice(_DIRECTIONS, direction, "direction")
+        tokens = _args.integer(tokens, "tokens", U32)
         if isinstance(copies, ctypes.Array) and copies._type_ is TokenCopy:
             arr, n = copies, len(copies)
         else:
             copies = list(copies)
             arr, n = (TokenCopy * max(len(copies), 1))(), len(copies)
             for c, (r, layer, kind, first, address) in zip(arr, copies):
-                c.request, c.layer, c.kind = r.handle, layer, _kind(kind)
-                c.first_token, c.address = first, address
+                c.request, c.layer, c.kind = r.handle, _args.integer(layer, "layer", U32), _kind(kind)
+                c.first_token = _args.integer(first, "first_token", U32)
+                c.address = _args.integer(address, "address", U64)
         _lib.check(
             _c().strata_kv_copy_tokens(self._space(), code, tokens, arr, n, _lib.stream_handle(stream))
         )
@@ -476,9 +522,14 @@ class KvSpace:
         _lib.check(_c().strata_kv_queue(self._space(), arr, n))
 
     def advance(self, step):
-        _lib.check(_c().strata_kv_advance(self._space(), step))
+        """Moves the scheduler's step clock to `step` (a uint64_t; InvalidArgument outside)."""
+        _lib.check(_c().strata_kv_advance(self._space(), _args.integer(step, "step", U64)))
 
     def spill_idle(self, idle_steps, tier="host"):
+        """Spills every request not used for more than `idle_steps` steps (a uint64_t) to
+        `tier`; returns the blocks spilled. Raises InvalidArgument for a count outside a
+        uint64_t or an unknown tier."""
+        idle_steps = _args.integer(idle_steps, "idle_steps", U64)
         n = _u64()
         _lib.check(
             _c().strata_kv_spill_idle(self._space(), idle_steps, _tier(tier), ctypes.byref(n))
@@ -505,7 +556,9 @@ class KvSpace:
         self._on_lost = (fn, callback)
 
     def revoke(self, pages):
-        """Takes `pages` pages back to the device's pool; returns the blocks lost."""
+        """Takes `pages` pages (a uint64_t; InvalidArgument outside) back to the device's pool;
+        returns the blocks lost."""
+        pages = _args.integer(pages, "pages", U64)
         lost = _u64()
         status = _c().strata_kv_revoke(self._space(), pages, ctypes.byref(lost))
         errors, self._callback_errors = self._callback_errors, []

@@ -60,7 +60,8 @@ import weakref
 
 import torch
 
-from . import _dlpack, _lib, kv, params
+from . import _args, _dlpack, _lib, kv, params
+from ._args import I32, U32, U64
 
 __all__ = ["ModelParams", "reclaim", "revert"]
 
@@ -110,6 +111,21 @@ def _current_stream(kind):
     return torch.cuda.current_stream(kind[1]) if kind[0] == 2 else None
 
 
+class _Seconds:
+    """An attribute holding seconds or None: NaN, infinities and negatives raise InvalidArgument."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj.__dict__.get(self.name)
+
+    def __set__(self, obj, seconds):
+        if seconds is not None:
+            _args.nanoseconds(seconds, self.name)
+        obj.__dict__[self.name] = seconds
+
+
 class ModelParams:
     """The decoder layers of a torch `model` in strata parameter memory on `device`, with
     forward hooks that make each layer's parameters ready before it runs (`prepare_layer`),
@@ -119,11 +135,20 @@ class ModelParams:
     forward step, and of one prefill, to report to the controller instead of the times
     measured between the hooks (CPU only); with `compute_per_layer` given and `prefill` not, no
     prefill is reported (the idle budget is then `layers · compute_per_layer`). The three are
-    attributes of the same names, read again at every controller step."""
+    attributes of the same names, read again at every controller step. Raises InvalidArgument
+    (nothing moved) for a time that is NaN, infinite or negative (also when set later), or a
+    `cap` or `device` outside its C type; InvalidState when the model is already in strata
+    memory; Unsupported when torch cannot read strata memory here."""
+
+    compute_per_layer = _Seconds()
+    prefill = _Seconds()
 
     def __init__(self, model, cap=None, device=0, compute_per_layer=None, prefill=None, look_ahead=True):
         if getattr(model, "_strata_params", None) is not None:
             raise _lib.error(_lib.Status.INVALID_STATE, "this model's parameters are already in strata memory")
+        self.compute_per_layer, self.prefill = compute_per_layer, prefill
+        device = _args.integer(device, "device", I32)
+        cap = None if cap is None else _args.integer(cap, "cap", U32)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
@@ -158,7 +183,6 @@ class ModelParams:
         self._bound = [None] * n  # address each layer's Parameters point at
         self._views = {}  # (layer, address) -> the Parameters' data there
         self._running = None  # layer between its pre-hook and its hook
-        self.compute_per_layer, self.prefill = compute_per_layer, prefill
         self._spent, self._runs, self._started = 0.0, 0, None
         self._forward_started, self._measured_prefill = None, None
         self.look_ahead = look_ahead
@@ -345,12 +369,17 @@ def reclaim(pages_short, device=0):
     (idle models' layer pages become KV pages), or 0 (dynamic reversion: remapped layers come
     back, serving models first, while the pool's free pages and the room left on the device
     cover them). Returns True when a model's layers moved. A `StrataCache`'s
-    `on_out_of_memory` callback: `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`."""
+    `on_out_of_memory` callback: `StrataCache(config, n, on_out_of_memory=strata.mirage.reclaim)`.
+    Raises InvalidArgument (nothing moves) for a page count or device outside its C type."""
+    pages_short = _args.integer(pages_short, "pages_short", U64)
+    device = _args.integer(device, "device", I32)
     return _controller_step(device, lambda: params.step(device=device, pages_short=pages_short)) > 0
 
 
 def revert(device=0):
     """Every remapped layer of every model on `device` back at its own address (pages from the
     pool, created if needed: `strata.OutOfMemory` when the device has none left); every
-    `Parameter` is valid again outside a forward (as after any step that brought them back)."""
+    `Parameter` is valid again outside a forward (as after any step that brought them back).
+    Raises InvalidArgument for a device outside an int32_t."""
+    device = _args.integer(device, "device", I32)
     _controller_step(device, lambda: params.revert_all(device=device))

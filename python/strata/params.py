@@ -11,11 +11,16 @@ when pressure falls; streamed layers are reloaded into slots by `prepare_layer`.
     m.prepare_layer(3, stream); ...; m.layer_done(3, stream)
     m.prepare_next(3)                         # look-ahead: the next streamed layer loads now
     params.step(device=0, pages_short=0)      # revert what the device has room for
+
+Every integer is checked against its C type before it reaches the library, and durations must
+be finite and >= 0: out of range raises strata.InvalidArgument naming the argument, a
+non-number TypeError.
 """
 
 import ctypes
 
-from . import _lib
+from . import _args, _lib
+from ._args import I32, U32, U64
 
 _u64 = ctypes.c_uint64
 _int = ctypes.c_int
@@ -80,40 +85,56 @@ class Model:
         return f"params.Model({self.handle:#x})"
 
     def layer_ptr(self, layer):
+        """The address `layer`'s parameters are at now. Raises InvalidArgument for a layer the
+        model does not have, InvalidState for a streamed layer in no slot."""
         out = _u64()
-        _lib.check(_c().strata_params_layer_ptr(self.handle, layer, ctypes.byref(out)))
+        _lib.check(_c().strata_params_layer_ptr(self.handle, _args.integer(layer, "layer", U32), ctypes.byref(out)))
         return out.value
 
     def set_active(self, active=True):
         _lib.check(_c().strata_params_set_active(self.handle, 1 if active else 0))
 
     def report_compute(self, per_layer_seconds):
-        _lib.check(_c().strata_params_report_compute(self.handle, int(per_layer_seconds * 1e9)))
+        """T_c, the compute time of one layer. Raises InvalidArgument for NaN, an infinity or a
+        negative time."""
+        ns = _args.nanoseconds(per_layer_seconds, "per_layer_seconds")
+        _lib.check(_c().strata_params_report_compute(self.handle, ns))
 
     def report_prefill(self, seconds):
-        """The model's prefill time: its compute budget while idle (without it, layers x T_c)."""
-        _lib.check(_c().strata_params_report_prefill(self.handle, int(seconds * 1e9)))
+        """The model's prefill time: its compute budget while idle (without it, layers x T_c).
+        Raises InvalidArgument for NaN, an infinity or a negative time."""
+        _lib.check(_c().strata_params_report_prefill(self.handle, _args.nanoseconds(seconds, "seconds")))
 
     def prepare_next(self, after):
         """The look-ahead: queues the load of the next streamed layer after `after` (ring order)
         into a slot that can take it now, and returns that layer (also when it is in a slot
         already); None when nothing streams or no slot is free of running layers. Nothing
-        waits for the load until `prepare_layer` asks for the layer."""
+        waits for the load until `prepare_layer` asks for the layer. Raises InvalidArgument for
+        a layer the model does not have."""
         out = ctypes.c_uint32()
+        after = _args.integer(after, "after", U32)
         _lib.check(_c().strata_params_prepare_next(self.handle, after, ctypes.byref(out)))
         return None if out.value == NO_LAYER else out.value
 
     def prepare_layer(self, layer, stream=None):
-        """Makes `layer` ready; `stream` waits for its reload (None: the default stream)."""
+        """Makes `layer` ready; `stream` waits for its reload (None: the default stream). Raises
+        InvalidArgument for a layer the model does not have."""
+        layer = _args.integer(layer, "layer", U32)
         _lib.check(_c().strata_params_prepare_layer(self.handle, layer, _lib.stream_handle(stream)))
 
     def layer_done(self, layer, stream=None):
+        """Reports `layer`'s kernels queued on `stream`: its slot may take another layer once
+        they ran. Raises InvalidArgument for a layer the model does not have."""
+        layer = _args.integer(layer, "layer", U32)
         _lib.check(_c().strata_params_layer_done(self.handle, layer, _lib.stream_handle(stream)))
 
     def read(self, layer, offset, length):
-        """`length` bytes of `layer` at `offset`, wherever it is now (a backend copy)."""
-        buf = ctypes.create_string_buffer(length)
-        _lib.check(_c().strata_params_read(self.handle, layer, offset, buf, length))
+        """`length` bytes of `layer` at `offset`, wherever it is now (a backend copy). Raises
+        InvalidArgument for a range outside the layer."""
+        layer = _args.integer(layer, "layer", U32)
+        offset = _args.integer(offset, "offset", U64)
+        buf = _args.buffer(length, "length", high=self.stats()["layer_bytes"])
+        _lib.check(_c().strata_params_read(self.handle, layer, offset, buf, len(buf)))
         return buf.raw
 
     def stats(self):
@@ -132,10 +153,15 @@ class Model:
 
 def register(layers, cap, device=0):
     """Registers a model whose layer i holds the bytes-like `layers[i]` (all the same length);
-    the bytes are copied into strata's host copy, the authority. Idle until `set_active`."""
+    the bytes are copied into strata's host copy, the authority. Idle until `set_active`. Raises
+    InvalidArgument for layers of different lengths or a count, `cap` or `device` outside its C
+    type, NoDevice for a device that does not exist."""
+    cap = _args.integer(cap, "cap", U32)
+    device = _args.integer(device, "device", I32)
     layers = [bytes(layer) for layer in layers]
     if not layers or len({len(layer) for layer in layers}) != 1:
-        raise _lib.error(_lib.Status.INVALID_ARGUMENT, "layers must be a non-empty list of equal-length byte strings")
+        raise _args.invalid("layers must be a non-empty list of equal-length byte strings")
+    _args.integer(len(layers), "len(layers)", U32)
     keep = [ctypes.create_string_buffer(layer, len(layer)) for layer in layers]
     ptrs = (_vp * len(keep))(*[ctypes.cast(b, _vp) for b in keep])
     out = _u64()
@@ -150,11 +176,16 @@ def register(layers, cap, device=0):
 def step(device=0, pages_short=0):
     """One controller step; returns the number of models changed. `pages_short` > 0: remap idle
     models' layers until that many pages are free; 0: dynamic reversion, remapped layers come
-    back while the pool's free pages and the room left on the device cover them."""
+    back while the pool's free pages and the room left on the device cover them. Raises
+    InvalidArgument for a device or page count outside its C type (nothing moves)."""
+    device = _args.integer(device, "device", I32)
+    pages_short = _args.integer(pages_short, "pages_short", U64)
     n = ctypes.c_uint32()
     _lib.check(_c().strata_params_step(device, pages_short, ctypes.byref(n)))
     return n.value
 
 
 def revert_all(device=0):
-    _lib.check(_c().strata_params_revert_all(device))
+    """Every remapped layer of every model on `device` back at its own address. Raises
+    InvalidArgument for a device outside an int32_t, OutOfMemory when the pages cannot be had."""
+    _lib.check(_c().strata_params_revert_all(_args.integer(device, "device", I32)))

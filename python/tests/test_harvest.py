@@ -38,6 +38,23 @@ class HarvestTest(unittest.TestCase):
         with self.assertRaises(strata.InvalidArgument):
             harvest.alloc(1 << 20, durability="sometimes")
 
+    def test_integers_beyond_the_c_types_are_refused(self):
+        a = harvest.alloc(1 << 20, durability="lossy")
+        data = bytes(range(256)) * 16
+        a.write(0, data)
+        calls = [
+            (a.read, 0, -1), (a.read, 0, 2**62), (a.read, -1, 16), (a.read, 2**64, 16),
+            (a.write, -1, b"x"), (a.write, 2**64, b"x"), (harvest.alloc, -1), (harvest.alloc, 2**64),
+            (harvest.alloc, 1 << 20, 2**31), (harvest.reclaim, 0, -1), (harvest.reclaim, 2**32, 1),
+        ]
+        for fn, *args in calls:
+            with self.assertRaises(strata.InvalidArgument, msg=(fn.__name__, args)):
+                fn(*args)
+        with self.assertRaisesRegex(strata.InvalidArgument, "length"):
+            a.read(0, 2**62)
+        self.assertEqual(a.read(0, len(data)), data)
+        a.free()
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -181,6 +181,39 @@ class KvSpaceTest(unittest.TestCase):
             s.admit()
         self.assertTrue(issubclass(strata.StaleHandle, strata.StrataError))
 
+    def test_integers_beyond_the_c_types_are_refused_and_lose_nothing(self):
+        # ctypes wraps them silently: 2**32 as a uint32_t is 0, 2**32 + 5 is 5.
+        for kw, name in ((dict(layers=2**32 + 2), "layers"), (dict(max_tokens=-1), "max_tokens"),
+                         (dict(host_bytes=2**64), "host_bytes"), (dict(device=2**31), "device"),
+                         (dict(step_time=float("nan")), "step_time"), (dict(durability=7), "durability")):
+            with self.assertRaisesRegex(strata.InvalidArgument, name, msg=kw):
+                space(**kw)
+        with space() as s:
+            r = s.admit()
+            r.append(100)
+            want = pattern(5, 100 * BPT)
+            r.write(0, "k", 0, want)
+            other = pattern(6, 10 * BPT)
+            calls = [
+                (r.truncate, 2**32), (r.append, 2**32 + 5), (r.append, -1), (s.tensor, 2**32, "k"),
+                (r.write, 2**32, "k", 0, other), (r.write, 0, "k", 2**32, other),
+                (r.read, 2**32, "k", 0, 10), (r.read, 0, "k", 2**32, 10), (r.read, 0, "k", 0, -1),
+                (r.read, 0, "k", 0, 2**31), (s.advance, -1), (s.spill_idle, 2**64), (s.revoke, -1),
+                (s.copy_tokens, "out", 2**32 + 1, [(r, 0, "k", 0, 0)]),
+                (s.copy_tokens, "out", 1, [(r, 2**32, "k", 0, 0)]),
+                (s.copy_tokens, "out", 1, [(r, 0, "k", 0, -1)]),
+            ]
+            for fn, *args in calls:
+                with self.assertRaises(strata.InvalidArgument, msg=(fn.__name__, args)):
+                    fn(*args)
+            with self.assertRaisesRegex(strata.InvalidArgument, r"tokens is 4294967296: expected 0\.\.4294967295"):
+                r.truncate(2**32)
+            with self.assertRaises(TypeError):
+                r.append(1.5)
+            self.assertEqual(r.tokens, 100)
+            self.assertEqual(r.read(0, "k", 0, 100), want)
+            s.check()
+
     def test_lost_callback_fires_exactly_once_per_lost_block(self):
         with space(max_requests=4, host_bytes=64 << 20) as s:
             reqs = [s.admit() for _ in range(3)]

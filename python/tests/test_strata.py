@@ -210,6 +210,21 @@ class TagSleepWakeTest(unittest.TestCase):
         self.assertEqual(ctx.exception.status_name, "STRATA_INVALID_STATE")
         _lib.free(p)
 
+    def test_device_numbers_beyond_a_c_int_are_refused(self):
+        # ctypes wraps them: device 2**32 was device 0, and its figures came back as another's.
+        for call in (
+            lambda: strata.stats(2**32),
+            lambda: strata.tag_stats("py-any", 2**32 + 1),
+            lambda: strata.spill_stats(device=-(2**31) - 1),
+            lambda: strata.set_memory_fraction(0.5, 2**32),
+            lambda: strata.revoke_peer(2**32 + 1),
+            lambda: strata.set_overflow_peer("py-any", 2**31),
+            lambda: strata.Stream(2**32),
+        ):
+            with self.assertRaisesRegex(strata.InvalidArgument, "device|lender"):
+                call()
+        self.assertEqual(strata.stats(0)["limit_set"], strata.stats()[0]["limit_set"])
+
     def test_tag_names_with_nul_are_refused(self):
         # Issue 15, item 11: "weights\0x" used to put "weights" to sleep.
         with strata.tag("py-nul"):

@@ -85,7 +85,7 @@ fn prefetching_more_than_a_full_tier_holds_is_out_of_memory() {
 }
 
 #[test]
-fn a_full_disk_is_a_limit_error_and_loses_nothing() {
+fn a_full_disk_is_out_of_tier_space_and_loses_nothing() {
     let b = backend(None);
     let dir = tempfile::tempdir().unwrap();
     // 32 HBM, 4 host, 4 disk blocks.
@@ -94,7 +94,10 @@ fn a_full_disk_is_a_limit_error_and_loses_nothing() {
         .map(|i| s.put(&block(i), Durability::Lossy, i).unwrap())
         .collect();
     let err = s.spill(&ids, Tier::Disk).unwrap_err();
-    assert!(matches!(err, Error::LimitExceeded { .. }), "{err}");
+    assert!(
+        matches!(err, Error::OutOfTierSpace { tier: "disk", .. }),
+        "{err}"
+    );
     s.check_invariants().unwrap();
     for (i, &id) in ids.iter().enumerate() {
         check(&s, id, i as u64);

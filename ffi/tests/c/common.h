@@ -101,6 +101,12 @@ static inline void free_all(int device, void **blocks, int n) {
     strata_empty_cache();
 }
 
+static inline strata_kv_stats_t kv_stats(strata_kv_t kv) {
+    strata_kv_stats_t s;
+    CHECK_OK(strata_kv_stats(kv, &s));
+    return s;
+}
+
 /* Small deterministic PRNG for the walks. */
 static inline uint64_t next_rand(uint64_t *state) {
     uint64_t x = *state;

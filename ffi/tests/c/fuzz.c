@@ -9,13 +9,14 @@
  *   clang -g -O1 -fsanitize=fuzzer,address -Iinclude ffi/tests/c/fuzz.c \
  *         -Ltarget/debug -lstrata -Wl,-rpath,$PWD/target/debug -o fuzz
  *   STRATA_BACKEND=host STRATA_HOST_DEVICES=2x512MiB ./fuzz ffi/tests/fuzz/corpus
- * Without clang (CI builds with gcc), STRATA_FUZZ_DRIVER compiles the small driver at the end:
+ * Without clang (CI builds with gcc), STRATA_FUZZ_DRIVER compiles the small driver (fuzz_driver.h):
  * it replays the committed corpus, then runs random mutations of it for a time budget. */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
 #include <time.h>
 
-#include "common.h"
+#define FUZZ_NAME "fuzz"
+#include "fuzz.h"
 
 #define SLOTS 32
 #define HANDLES 8
@@ -47,43 +48,6 @@ static int pushed_ever[TAGS];
 /* 0 awake, 1 asleep, 2 partly (a wake failed after waking some devices). */
 static int asleep[TAGS];
 static cudaStream_t streams[2];
-static const uint8_t *cur_data;
-static size_t cur_size;
-
-/* A failed check saves the input that caused it before exiting. */
-#define FCHECK(cond)                                                                        \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            fprintf(stderr, "%s:%d: FCHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, \
-                    #cond, strata_last_error());                                            \
-            save_input();                                                                   \
-            abort();                                                                        \
-        }                                                                                   \
-    } while (0)
-
-static void save_input(void) {
-    const char *dir = getenv("STRATA_FUZZ_ARTIFACTS");
-    char path[512];
-    snprintf(path, sizeof path, "%s/fuzz-failure.bin", dir ? dir : ".");
-    FILE *f = fopen(path, "wb");
-    if (f) {
-        fwrite(cur_data, 1, cur_size, f);
-        fclose(f);
-        fprintf(stderr, "input saved to %s\n", path);
-    }
-}
-
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} bytes_t;
-
-static unsigned take(bytes_t *b) {
-    if (b->n == 0) return 0;
-    b->n--;
-    return *b->p++;
-}
-
 static int current_tag(void) { return depth ? tag_stack[depth - 1] : -1; }
 
 static int last_error_is(const char *name) { return strstr(strata_last_error(), name) != NULL; }
@@ -394,84 +358,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef STRATA_FUZZ_DRIVER
-/* The driver when libFuzzer is not available: the corpus, then random mutations of it. */
-
-#define MAX_INPUT 4096
-#define MAX_CORPUS 256
-
-static uint8_t *corpus[MAX_CORPUS];
-static size_t corpus_len[MAX_CORPUS];
-static int corpus_n;
-
-static void load_corpus(const char *dir) {
-    DIR *d = opendir(dir);
-    CHECK(d != NULL);
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL && corpus_n < MAX_CORPUS) {
-        if (e->d_name[0] == '.') continue;
-        char path[1024];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "rb");
-        if (!f) continue;
-        uint8_t *buf = malloc(MAX_INPUT);
-        CHECK(buf != NULL);
-        size_t n = fread(buf, 1, MAX_INPUT, f);
-        fclose(f);
-        corpus[corpus_n] = buf;
-        corpus_len[corpus_n++] = n;
-    }
-    closedir(d);
-    CHECK(corpus_n > 0);
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-int main(int argc, char **argv) {
-    CHECK(argc >= 3);
-    load_corpus(argv[1]);
-    double budget = atof(argv[2]);
-    uint64_t rng = argc > 3 ? strtoull(argv[3], NULL, 10) : (uint64_t)time(NULL);
-    printf("fuzz: seed %llu, %d corpus inputs, %.0f s\n", (unsigned long long)rng, corpus_n, budget);
-    rng = rng * 2 + 1;
-    for (int i = 0; i < corpus_n; i++) LLVMFuzzerTestOneInput(corpus[i], corpus_len[i]);
-    static uint8_t input[MAX_INPUT];
-    double start = now();
-    long runs = 0;
-    while (now() - start < budget) {
-        int from = (int)(next_rand(&rng) % (uint64_t)corpus_n);
-        size_t n = corpus_len[from];
-        memcpy(input, corpus[from], n);
-        int edits = 1 + (int)(next_rand(&rng) % 16);
-        for (int e = 0; e < edits; e++) {
-            uint64_t r = next_rand(&rng);
-            switch (r % 4) {
-            case 0: /* overwrite a byte */
-                if (n) input[(r >> 8) % n] = (uint8_t)(r >> 32);
-                break;
-            case 1: /* append random bytes */
-                for (int k = 0; k < 8 && n < MAX_INPUT; k++) input[n++] = (uint8_t)next_rand(&rng);
-                break;
-            case 2: /* splice in part of another input */ {
-                int other = (int)((r >> 8) % (uint64_t)corpus_n);
-                size_t len = corpus_len[other] / 2, at = n ? (r >> 24) % n : 0;
-                if (at + len > MAX_INPUT) len = MAX_INPUT - at;
-                memcpy(input + at, corpus[other], len);
-                if (at + len > n) n = at + len;
-                break;
-            }
-            default: /* truncate */
-                if (n > 1) n = 1 + (r >> 8) % n;
-            }
-        }
-        LLVMFuzzerTestOneInput(input, n);
-        runs++;
-    }
-    printf("fuzz: %ld mutated inputs in %.1f s\n", runs, now() - start);
-    printf("fuzz: ok\n");
-    return 0;
-}
+#include "fuzz_driver.h"
 #endif

@@ -162,8 +162,15 @@ class ElasticKv:
         self._last_log = None  # the first allocation logs at once
         self._ranges = []  # (first, end) addresses of the layer tensors handed out
         self._pool_stats = _lib.Stats()
+        self._control = None
         directory = control.folder()
-        self._control = control.Endpoint(directory, self.label) if directory else None
+        if directory:
+            try:
+                self._control = control.Endpoint(directory, self.label)
+            except (control.ControlError, OSError) as e:
+                log.error(
+                    "strata.vllm: KV space %s runs without a control folder: %s", self.label, e
+                )
         _SPACES.append(weakref.ref(self))
         if self._control is not None:
             self.poll_control()
