@@ -37,6 +37,8 @@ pub use raii::{
 pub use select::{
     from_env, from_env_explained, global, host_or_cuda, open, open_explained, open_with, Choice,
 };
+/// Driver-call and copy costs (`STRATA_HOST_LATENCY`), re-exported for benches and tests.
+pub use strata_latency as latency;
 pub use types::{
     overlaps, round_up, Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr,
     EventHandle, LiveCounts, Location, MemInfo, PhysHandle, StreamHandle,
