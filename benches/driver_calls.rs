@@ -4,7 +4,8 @@
 //! map, set_access, unmap, release and free; streams and events; pinned host memory.
 //!
 //! Run: `cargo bench --bench driver_calls` (options: `-- --ops N`, samples per call, default
-//! 200, at most 2000). On a GPU machine `.ci/gpu-run bench` runs it from the bundle.
+//! 200, at most 2000; `--quick`: 50). On a GPU machine `.ci/gpu-run bench` runs it from the
+//! bundle (every bench executable is in it; plain benches get `--quick` there).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,9 +60,11 @@ fn main() {
     let mut samples = 200usize;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        if arg == "--ops" {
-            samples = args.next().and_then(|v| v.parse().ok()).expect("--ops N");
-        } // cargo bench passes --bench
+        match arg.as_str() {
+            "--ops" => samples = args.next().and_then(|v| v.parse().ok()).expect("--ops N"),
+            "--quick" => samples = 50,
+            _ => {} // cargo bench passes --bench
+        }
     }
     let samples = samples.clamp(5, 2000);
     let backend = vmm::from_env().expect("backend");

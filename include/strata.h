@@ -46,7 +46,7 @@ typedef struct CUstream_st *cudaStream_t;
  * ffi/src/status.rs; its tests check this enum and python/strata/_status.py against it. */
 typedef enum strata_status_t {
     STRATA_OK = 0,
-    STRATA_OUT_OF_MEMORY = 1,     /* physical memory or address space exhausted (recoverable) */
+    STRATA_OUT_OF_MEMORY = 1,     /* physical memory, address space or tier space exhausted (recoverable) */
     STRATA_LIMIT_EXCEEDED = 2,    /* the memory-fraction cap would be exceeded */
     STRATA_INVALID_ARGUMENT = 3,  /* NULL, bad UTF-8, absurd size, pointer of another device... */
     STRATA_UNKNOWN_POINTER = 4,   /* not from strata_malloc (or an interior pointer) */
@@ -157,7 +157,9 @@ void strata_empty_cache(void);
  * memory and peer pages behind strata's addresses (strata_offload, overflow) do not count.
  * Beyond it strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED), except for a tag set to
  * overflow, which goes on onto its overflow memory; strata_onload and revocations stay under
- * it. A cap of 0 bytes is a cap (limit_set in strata_stats_t tells it from none). */
+ * it. A cap of 0 bytes is a cap (limit_set in strata_stats_t tells it from none). An operator
+ * sets the same cap from outside the process with `strata limit PID[:DEVICE] SIZE|none`
+ * (README, "Operators"); the last one set wins. */
 void strata_set_memory_fraction(double fraction, int device);
 
 /* `ptr` is also used on `stream`: after its free, its memory is reused only once the work
@@ -390,12 +392,14 @@ typedef struct strata_kv_config_t {
     uint32_t max_requests;
     uint32_t max_tokens;    /* per request */
     int32_t zero_page;      /* nonzero: holes are backed by one shared read-only zero page */
-    int32_t reserved;       /* zero */
+    int32_t reserved;       /* zero (else STRATA_INVALID_ARGUMENT) */
     uint64_t host_bytes;    /* host tier (pinned host memory allocated at creation); 0: none */
-    uint64_t disk_bytes;    /* disk tier; 0: none (then disk_dir must be NULL) */
+    uint64_t disk_bytes;    /* disk tier; 0: none (then disk_dir must be NULL); at most what
+                               disk_dir's filesystem has available at creation (its file grows
+                               as blocks land, its bookkeeping with the blocks held) */
     const char *disk_dir;   /* existing writable directory for the disk tier's file, or NULL */
     uint64_t step_time_ns;  /* one engine step, for the lookahead window (0: 20 ms) */
-    uint64_t spare[4];      /* zero */
+    uint64_t spare[4];      /* zero (else STRATA_INVALID_ARGUMENT) */
 } strata_kv_config_t;
 
 /* One (layer, K/V) tensor: element [r][t][h][d] is at data + r*strides[0] + t*strides[1] +
@@ -454,7 +458,8 @@ typedef struct strata_kv_stats_t {
     uint64_t stalls;             /* strata_kv_make_resident calls that copied blocks */
     uint64_t evictions;          /* requests spilled to make room, ever */
     uint64_t lost_blocks;        /* ever */
-    uint64_t pages_revoked;      /* ever */
+    uint64_t pages_revoked;      /* pages revocations took from the space, ever (those the pool
+                                    or the device had free take nothing from it) */
     uint64_t staged_objects;     /* store objects strata_kv_stage moved up, ever */
     uint64_t staged_evicted;     /* of those, dropped before a restore read them */
     uint64_t spare[6];           /* zero */
@@ -467,10 +472,16 @@ typedef struct strata_kv_stats_t {
 typedef void (*strata_kv_lost_fn)(strata_kv_t kv, strata_kv_request_t request, uint32_t block,
                                   void *user_data);
 
-/* Creates a KV space (the device's pool and backend are created on first use). Bad shapes,
- * NULL, elem_size or durability out of range, disk_bytes without disk_dir:
- * STRATA_INVALID_ARGUMENT; bytes per token not dividing the page: STRATA_INVALID_ARGUMENT; no
- * such device: STRATA_NO_DEVICE. */
+/* Creates a KV space (the device's pool and backend are created on first use). Every count and
+ * product of counts is checked. STRATA_INVALID_ARGUMENT: bad shapes, NULL, elem_size or
+ * durability out of range, disk_bytes without disk_dir, reserved or spare not zero, bytes per
+ * token not dividing the page, sizes that overflow 64 bits, more than 2^24 pages in all the
+ * tensors together (each page has an entry in the space's tables; with zero_page, a mapping
+ * from creation on), a host or disk tier of more than 2^32 - 1 store blocks.
+ * STRATA_OUT_OF_MEMORY: tensors of 2^47 bytes or more together (x86-64's whole user address
+ * space), address space running out while reserving or mapping them, disk_bytes beyond what
+ * disk_dir's filesystem has available, host memory for the host tier or the tables. No such
+ * device: STRATA_NO_DEVICE. */
 int strata_kv_create(const strata_kv_config_t *config, strata_kv_t *out);
 
 /* Waits for the space's copies and releases everything it holds; its handle and its requests'
@@ -486,12 +497,16 @@ int strata_kv_admit(strata_kv_t kv, strata_kv_request_t *out);
 /* Appends `tokens` (> 0) tokens to a request: maps the pages they need in every tensor,
  * spilling requests that run furthest away while the pool is short. Past max_tokens:
  * STRATA_INVALID_ARGUMENT; out of memory: STRATA_OUT_OF_MEMORY; the request's last block
- * spilled or blocks lost and not yet reported: STRATA_INVALID_STATE. On error nothing changed. */
+ * spilled or blocks lost and not yet reported: STRATA_INVALID_STATE. On error nothing changed.
+ * The new tokens hold undefined bytes until the engine writes them: pages are recycled as
+ * they come from the pool (a truncated or released request's, or strata_malloc's), not zeroed,
+ * as cudaMalloc's are not; so are tokens past a truncation within its last page. */
 int strata_kv_append(strata_kv_t kv, strata_kv_request_t request, uint32_t tokens);
 
 /* Truncates a request to its first `tokens` tokens (a crop), after its copies: the pages past
- * them are unmapped and go back to the pool, and their spilled copies are released; the
- * addresses stay. `tokens` above the request's length: STRATA_INVALID_ARGUMENT, nothing changed. */
+ * them are unmapped and go back to the pool, and their spilled copies are released (a spilled
+ * last block keeps the copies of the chunks its remaining tokens use); the addresses stay.
+ * `tokens` above the request's length: STRATA_INVALID_ARGUMENT, nothing changed. */
 int strata_kv_truncate(strata_kv_t kv, strata_kv_request_t request, uint32_t tokens);
 
 /* Releases a request after its copies (its pages go to the next request; its handle is stale). */
@@ -549,11 +564,13 @@ int strata_kv_copy_tokens(strata_kv_t kv, int direction, uint32_t tokens,
 
 /* Spills the request's resident blocks to STRATA_TIER_HOST or STRATA_TIER_DISK (blocks already
  * in host memory move to disk too). Full blocks with a clean copy copy nothing. Out of tier
- * space: STRATA_OUT_OF_MEMORY with the blocks left resident. */
+ * space, whichever tier (host memory full, the disk tier or its filesystem full):
+ * STRATA_OUT_OF_MEMORY with the blocks left resident. STRATA_TIER_DISK in a space without a
+ * disk tier: STRATA_INVALID_STATE. */
 int strata_kv_spill(strata_kv_t kv, strata_kv_request_t request, int tier);
 
 /* Spills every request not used for more than `idle_steps` steps; *blocks (if not NULL)
- * receives the blocks spilled. */
+ * receives the blocks spilled. Statuses as strata_kv_spill's. */
 int strata_kv_spill_idle(strata_kv_t kv, uint64_t idle_steps, int tier, uint64_t *blocks);
 
 /* Moves the scheduler's step clock to `step` (never back). Requests used in the current step
@@ -562,7 +579,7 @@ int strata_kv_advance(strata_kv_t kv, uint64_t step);
 
 /* The scheduler's waiting queue beyond the hinted window, in the order the requests will run
  * (eviction, from the pool and from a full host tier to disk, takes the last first). Replaces
- * the previous queue. */
+ * the previous queue. A released request: STRATA_INVALID_HANDLE, the previous queue kept. */
 int strata_kv_queue(strata_kv_t kv, const strata_kv_request_t *waiting, size_t count);
 
 /* TierKV lookahead: the batches of the next `steps` steps (`step_counts[i]` handles each, one
@@ -606,7 +623,9 @@ int strata_kv_on_lost(strata_kv_t kv, strata_kv_lost_fn callback, void *user_dat
  * STRATA_KV_LOSSY: blocks with a clean copy become spilled, others are lost (reported once:
  * the callback runs before this call returns, else strata_kv_take_lost). STRATA_KV_BACKED: the
  * victims are spilled to host memory first, nothing is lost. *lost_blocks (if not NULL)
- * receives the blocks lost. Not enough pages even then: STRATA_OUT_OF_MEMORY. */
+ * receives the blocks this call lost, also when it fails. Not enough pages even then (any
+ * `pages` beyond the device, UINT64_MAX included): STRATA_OUT_OF_MEMORY, the pages taken on
+ * the way back in the pool, the blocks lost on the way lost and reported. */
 int strata_kv_revoke(strata_kv_t kv, uint64_t pages, uint64_t *lost_blocks);
 
 /* Fills *out with the space's figures. */
@@ -786,7 +805,8 @@ int strata_params_prepare_layer(strata_model_t model, uint32_t layer, cudaStream
  * slot to the layer strata_params_prepare_layer asks for. */
 int strata_params_prepare_next(strata_model_t model, uint32_t after, uint32_t *prepared);
 
-/* The layer's kernels were queued on `stream`: its slot may be reloaded after them. */
+/* The layer's kernels were queued on `stream`: its slot may be reloaded after them. A layer
+ * the model does not have: STRATA_INVALID_ARGUMENT. */
 int strata_params_layer_done(strata_model_t model, uint32_t layer, cudaStream_t stream);
 
 /* Copies `len` bytes of `layer` at `offset` (where it is now) into host memory (test support). */

@@ -288,8 +288,16 @@ impl PagePool {
         &self.inner.config
     }
 
-    /// Takes `n` pages: all of them, or none with the error (out of memory, limit).
+    /// Takes `n` pages: all of them, or none with the error (out of memory, limit; `n` pages of
+    /// more bytes than a `u64` counts are out of memory at once).
     pub fn take(&self, n: usize) -> Result<Vec<Page>> {
+        if (n as u64).checked_mul(self.inner.page_size).is_none() {
+            return Err(Error::OutOfMemory {
+                location: self.inner.location,
+                requested: u64::MAX,
+                available: 0,
+            });
+        }
         let mut state = self.inner.state.lock();
         state.last_activity = Instant::now();
         state.refill_after_demand = false;
@@ -606,7 +614,7 @@ impl Inner {
             return Ok(());
         };
         let held = (state.free.len() + state.in_use + state.pending) as u64 * self.page_size;
-        let requested = extra as u64 * self.page_size;
+        let requested = (extra as u64).saturating_mul(self.page_size);
         if held.saturating_add(requested) > limit {
             return Err(Error::LimitExceeded {
                 requested,
@@ -619,7 +627,8 @@ impl Inner {
 
     fn create_pages(self: &Arc<Self>, n: usize) -> Result<Vec<Page>> {
         let location = self.location;
-        let mut pages = Vec::with_capacity(n);
+        // Grown page by page: `n` may be far more than the device holds (it refuses first).
+        let mut pages = Vec::new();
         for _ in 0..n {
             // On failure the pages created so far drop here and are released.
             let phys = PhysicalMemory::create(

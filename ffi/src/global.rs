@@ -6,16 +6,20 @@ use strata_allocator::{CachingAllocator, CachingConfig, PoolConfig};
 use strata_runtime::{Runtime, RuntimeConfig};
 use strata_vmm::Result;
 
-/// The process's runtime, opening the backend on first use.
+/// The process's runtime, opening the backend on first use; its creation starts publishing
+/// the figures for `strata ps` (`ops.rs`), off the allocation path.
 #[inline]
 pub fn global() -> Result<&'static Runtime> {
-    strata_runtime::global(|| RuntimeConfig {
-        pool: PoolConfig::default(),
-        caching: CachingConfig {
-            // A library inside someone else's process: no leak report at teardown.
-            report_leaks: false,
-            ..CachingConfig::default()
-        },
+    strata_runtime::global(|| {
+        crate::ops::start();
+        RuntimeConfig {
+            pool: PoolConfig::default(),
+            caching: CachingConfig {
+                // A library inside someone else's process: no leak report at teardown.
+                report_leaks: false,
+                ..CachingConfig::default()
+            },
+        }
     })
 }
 

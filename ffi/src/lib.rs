@@ -26,6 +26,7 @@ mod handles;
 mod harvest;
 mod kv;
 mod offload;
+mod ops;
 mod params;
 mod pie;
 mod sleep;
@@ -230,10 +231,7 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
         let a = global::allocator(g, device)?;
         let total = g.backend().device_info(device as u32)?.total_memory;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        a.set_limit(limit)?;
-        // The cap covers the pool's free pages too: all that strata holds on the device.
-        a.pool().set_limit(limit);
-        Ok(())
+        strata_runtime::set_limit(a, limit)
     })
 }
 

@@ -51,7 +51,9 @@ impl Status {
     /// The status of an error. Exhaustive: a new error variant must choose its status here.
     pub fn of(error: &Error) -> Status {
         match error {
-            Error::OutOfMemory { .. } | Error::OutOfAddressSpace { .. } => Status::OutOfMemory,
+            Error::OutOfMemory { .. }
+            | Error::OutOfAddressSpace { .. }
+            | Error::OutOfTierSpace { .. } => Status::OutOfMemory,
             Error::LimitExceeded { .. } => Status::LimitExceeded,
             Error::InvalidArgument(_) | Error::Overflow(_) | Error::Misaligned { .. } => {
                 Status::InvalidArgument
@@ -146,6 +148,14 @@ mod tests {
             (
                 Error::OutOfMemory {
                     location: Location::Device(0),
+                    requested: 1,
+                    available: 0,
+                },
+                Status::OutOfMemory,
+            ),
+            (
+                Error::OutOfTierSpace {
+                    tier: "disk",
                     requested: 1,
                     available: 0,
                 },

@@ -189,6 +189,16 @@ impl DeviceRuntime {
     }
 }
 
+/// Caps the device memory `allocator` holds at `limit` (`None`: no cap), pool pages included:
+/// live allocations stay, growth beyond the cap is out of memory, and cached memory above it is
+/// given back (`strata_set_memory_fraction`, `strata limit`).
+pub fn set_limit(allocator: &CachingAllocator, limit: Option<u64>) -> Result<()> {
+    allocator.set_limit(limit)?;
+    // The cap covers the pool's free pages too: all that strata holds on the device.
+    allocator.pool().set_limit(limit);
+    Ok(())
+}
+
 /// `cell`'s value, made by `make` under `lock` by the first caller (one `make` at a time; a
 /// failure is returned and the next call tries again).
 #[cold]

@@ -385,9 +385,27 @@ impl DiskFile {
         file_offset: u64,
         len: u64,
     ) -> Result<()> {
-        self.with_fallback(|f| buf.write_to_file(f, file_offset, offset, len))?;
+        self.with_fallback(|f| buf.write_to_file(f, file_offset, offset, len))
+            .map_err(|e| disk_full(e, len))?;
         self.bytes_written.fetch_add(len, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// A write the filesystem had no room for (ENOSPC, EDQUOT) is the disk tier out of space, as a
+/// full tier is; other errors stay as they are.
+fn disk_full(e: Error, len: u64) -> Error {
+    match &e {
+        Error::Os { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+        {
+            Error::OutOfTierSpace {
+                tier: "disk",
+                requested: len,
+                available: 0,
+            }
+        }
+        _ => e,
     }
 }
 
@@ -400,6 +418,37 @@ impl Drop for DiskFile {
 #[cfg(test)]
 mod tests {
     use std::sync::mpsc;
+
+    /// A full filesystem (`/dev/full` answers every write with ENOSPC) is the disk tier out of
+    /// space: STRATA_OUT_OF_MEMORY through the C ABI, as a full tier.
+    #[test]
+    fn a_full_filesystem_is_out_of_tier_space() {
+        let Ok(full) = OpenOptions::new().write(true).open("/dev/full") else {
+            eprintln!("skipping: no /dev/full");
+            return;
+        };
+        let backend = strata_vmm::host_or_cuda(strata_vmm::HostConfig {
+            devices: vec![64 << 20],
+            ..strata_vmm::HostConfig::default()
+        })
+        .unwrap();
+        let buf = HostBuffer::new(&backend, 4096).unwrap();
+        let err = buf.write_to_file(&full, 0, 0, 4096).unwrap_err();
+        let err = disk_full(err, 4096);
+        assert!(
+            matches!(
+                err,
+                Error::OutOfTierSpace {
+                    tier: "disk",
+                    requested: 4096,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let other = disk_full(Error::InvalidState("x".into()), 1);
+        assert!(matches!(other, Error::InvalidState(_)));
+    }
 
     use super::*;
 

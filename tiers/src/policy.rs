@@ -74,7 +74,10 @@ pub struct Lru {
 impl Lru {
     fn stamp(&mut self, now: u64) -> u64 {
         // A tie-breaking clock inside a step keeps the order total and deterministic.
-        self.clock = self.clock.max(now.saturating_mul(1 << 20)) + 1;
+        self.clock = self
+            .clock
+            .max(now.saturating_mul(1 << 20))
+            .saturating_add(1);
         self.clock
     }
 }
@@ -113,7 +116,10 @@ impl EvictionPolicy for Frequency {
         "frequency"
     }
     fn touch(&mut self, key: u64, _owner: u64, now: u64) {
-        self.clock = self.clock.max(now.saturating_mul(1 << 20)) + 1;
+        self.clock = self
+            .clock
+            .max(now.saturating_mul(1 << 20))
+            .saturating_add(1);
         let (count, _) = match self.meta.get(&key) {
             Some(&(c, t)) => {
                 self.order.remove(&(c, t, key));

@@ -231,7 +231,7 @@ fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     // Nothing in the window; r[0] is least recently used, so without the queue it would go.
     // The queue says r[0] runs next and r[1] last: r[1] spills.
     assert!(m.hint(&[vec![]]).unwrap().is_none());
-    m.queue(&[r[0], r[2], r[1]]);
+    m.queue(&[r[0], r[2], r[1]]).unwrap();
     let d = m.admit().unwrap();
     grow(&m, d, 40, 50).unwrap();
     assert_eq!(m.blocks(r[1]).unwrap(), vec![Some(Tier::Host)]);
@@ -239,7 +239,7 @@ fn the_queue_makes_pressure_spill_its_tail_not_its_head() {
     assert_eq!(m.blocks(r[2]).unwrap(), vec![Some(Tier::Hbm)]);
     // A request in neither the window nor the queue goes before any queued one.
     m.advance(2);
-    m.queue(&[r[0], r[2]]);
+    m.queue(&[r[0], r[2]]).unwrap();
     let e = m.admit().unwrap();
     grow(&m, e, 50, 50).unwrap();
     assert_eq!(m.blocks(d).unwrap(), vec![Some(Tier::Host)]);
@@ -650,7 +650,8 @@ fn engine_threads_and_a_revoker() {
     // Every lost block was reported by the revocation and once by take_lost.
     assert_eq!(stats.lost_blocks as usize, reported);
     assert_eq!(lost_seen, reported);
-    assert_eq!(stats.pages_revoked as usize, held.len());
+    // Counted are the pages taken from the space; free pool pages and new ones are not.
+    assert!(stats.pages_revoked as usize <= held.len());
     m.store().pool().give(held);
     m.check_invariants().unwrap();
     assert_eq!(m.store().stats().objects, 0);

@@ -25,7 +25,7 @@ fn host_room_follows_the_queue_and_stage_never_displaces_a_request() {
     for (i, &q) in r.iter().enumerate() {
         grow(&m, q, 60 + i as u64, TPB).unwrap();
     }
-    m.queue(&[r[0], r[1], r[2]]);
+    m.queue(&[r[0], r[1], r[2]]).unwrap();
     m.pause(r[0], Tier::Host).unwrap();
     // r[2] and r[1] run after r[0]: they go to disk rather than push r[0] there.
     m.pause(r[2], Tier::Host).unwrap();
@@ -35,7 +35,7 @@ fn host_room_follows_the_queue_and_stage_never_displaces_a_request() {
     assert_eq!(tiers(&m, &r), [[host], [disk], [disk]]);
     // r[0] ran; now r[1] runs next and r[0] last. Staging r[1] would have to push r[0] to disk,
     // which would only trade r[1]'s disk read for one of r[0]'s: nothing moves.
-    m.queue(&[r[1], r[2], r[0]]);
+    m.queue(&[r[1], r[2], r[0]]).unwrap();
     let before = store(&m);
     assert_eq!(m.stage(&[r[1]]).unwrap(), 0);
     assert_eq!(tiers(&m, &r), [[host], [disk], [disk]]);
@@ -76,7 +76,7 @@ fn stage_leaves_the_room_that_resident_requests_spills_need() {
     for (i, &q) in r.iter().enumerate() {
         grow(&m, q, 70 + i as u64, TPB).unwrap();
     }
-    m.queue(&[r[1], r[0], r[2]]);
+    m.queue(&[r[1], r[0], r[2]]).unwrap();
     m.pause(r[1], Tier::Disk).unwrap();
     m.pause(r[2], Tier::Host).unwrap();
     // 24 chunks free, but r[0] is resident with no clean copy: its spill needs 16 of them.
@@ -115,7 +115,7 @@ fn a_staged_copy_goes_only_for_a_request_that_runs_sooner() {
     for (q, seed) in [(r0, 80), (r2, 82), (r3, 83)] {
         grow(&m, q, seed, TPB).unwrap();
     }
-    m.queue(&[r3, r0, r1, r2]);
+    m.queue(&[r3, r0, r1, r2]).unwrap();
     m.pause(r2, Tier::Host).unwrap();
     let written = store(&m).disk_write_bytes;
     // r[0] runs before r[1], r[2] after it: r[2] is written to disk to make room, not r[1].
@@ -147,7 +147,7 @@ fn cyclic(n: usize, host_chunks: u64, rounds: usize, lookahead: bool) -> StoreSt
     let m = manager(16, host_chunks, 1024, dir.path());
     let r: Vec<RequestId> = (0..n).map(|_| m.admit().unwrap()).collect();
     let order = |i: usize| -> Vec<RequestId> { (0..n).map(|d| r[(i + d) % n]).collect() };
-    m.queue(&order(0));
+    m.queue(&order(0)).unwrap();
     for (i, &q) in r.iter().enumerate() {
         grow(&m, q, 90 + i as u64, TPB + TPB / 2).unwrap();
         m.pause(q, Tier::Host).unwrap();
@@ -156,7 +156,7 @@ fn cyclic(n: usize, host_chunks: u64, rounds: usize, lookahead: bool) -> StoreSt
     let start = store(&m);
     for step in 0..rounds * n {
         let i = step % n;
-        m.queue(&order(i));
+        m.queue(&order(i)).unwrap();
         m.pause(r[(i + n - 1) % n], Tier::Host).unwrap();
         m.make_resident(&[r[(i + 1) % n]])
             .unwrap()

@@ -22,6 +22,14 @@ pub enum Error {
     /// No virtual address range of the requested size is left (CUDA: reserve out of memory).
     #[error("out of virtual address space: {requested} bytes requested")]
     OutOfAddressSpace { requested: u64 },
+    /// A storage tier (a tier store's host or disk tier, or the filesystem under its disk
+    /// tier) has no room left. As recoverable as [`Error::OutOfMemory`].
+    #[error("out of {tier} tier space: {requested} bytes requested, {available} available")]
+    OutOfTierSpace {
+        tier: &'static str,
+        requested: u64,
+        available: u64,
+    },
     /// A size, address or offset is not a multiple of the allocation granularity.
     #[error("{what} {value:#x} is not a multiple of the granularity {granularity:#x}")]
     Misaligned {
@@ -138,6 +146,7 @@ impl Error {
         match self {
             Error::OutOfMemory { .. }
             | Error::OutOfAddressSpace { .. }
+            | Error::OutOfTierSpace { .. }
             | Error::LimitExceeded { .. } => true,
             Error::Deferred(inner) => inner.is_out_of_memory(),
             _ => false,
@@ -162,6 +171,15 @@ impl Clone for Error {
             },
             Error::OutOfAddressSpace { requested } => Error::OutOfAddressSpace {
                 requested: *requested,
+            },
+            Error::OutOfTierSpace {
+                tier,
+                requested,
+                available,
+            } => Error::OutOfTierSpace {
+                tier,
+                requested: *requested,
+                available: *available,
             },
             Error::Misaligned {
                 what,

@@ -3,12 +3,16 @@
 //! mappings, streams and events. Kernels and library calls on a backend's streams (block copy,
 //! GEMM) are a separate trait, [`DeviceWork`].
 //!
+//! [`FaultyBackend`] wraps any backend with fault injection, gates and slow streams, for tests
+//! that must also run on the CUDA backend.
+//!
 //! Only this crate (and `ffi`) touches raw driver or C pointers.
 
 mod backend;
 pub mod cuda;
 mod devbuf;
 mod error;
+mod faulty;
 pub mod fork;
 pub mod host;
 mod hostbuf;
@@ -23,6 +27,7 @@ pub use backend::{device_work, Backend};
 pub use cuda::CudaBackend;
 pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
+pub use faulty::FaultyBackend;
 pub use host::{HostBackend, HostConfig};
 pub use hostbuf::{copy_async_in, try_host_vec, CopyKind, CopyScope, HostBuffer, MAX_HOST_CHUNK};
 pub use raii::{

@@ -41,6 +41,13 @@ impl SleepData {
         self.copies.values().map(|c| c.len() as u64).sum()
     }
 
+    /// Bytes of the disk copies.
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk
+            .as_ref()
+            .map_or(0, |d| d.blocks.values().map(|&(_, len)| len).sum())
+    }
+
     /// A sleeping allocation was freed: its copy goes.
     pub fn forget(&mut self, id: u32) {
         self.copies.remove(&id);

@@ -62,6 +62,8 @@ pub struct TagStats {
     pub asleep: bool,
     /// Bytes held in host copies while asleep.
     pub host_copy_bytes: u64,
+    /// Bytes held in a disk file while asleep (`sleep_to_disk`).
+    pub disk_copy_bytes: u64,
 }
 
 /// A snapshot of the allocator's accounting.
@@ -227,6 +229,7 @@ impl CachingAllocator {
                 frees: t.totals.frees,
                 asleep: t.asleep(),
                 host_copy_bytes: t.sleep.copy_bytes(),
+                disk_copy_bytes: t.sleep.disk_bytes(),
             })
             .collect();
         tags.sort_by_key(|t| t.tag);

@@ -217,10 +217,43 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())
 }
 
+/// Address space one space's tensors may not reach together: x86-64's whole user address space,
+/// which CUDA's unified addresses share (beyond it, reserving tensor after tensor would only
+/// fail late, after bookkeeping for every page).
+const MAX_SPACE_BYTES: u64 = 1 << 47;
+
+/// Most pages of one space's tensors together: each has an entry in the space's tables (and,
+/// with the zero page, a mapping from creation on). 2^24 covers a 405B-parameter model's KV of
+/// 256 requests of 128K tokens at 2 MiB pages (8.3M) with room to spare.
+const MAX_SPACE_PAGES: u64 = 1 << 24;
+
+/// An empty vector with room for `n` entries of bookkeeping sized by the caller's counts: out
+/// of host memory is an error, never an abort.
+fn with_room<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        location: Location::Host,
+        requested: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+        available: 0,
+    })?;
+    Ok(v)
+}
+
+/// `n` copies of `value`, in a vector from [`with_room`].
+fn try_vec<T: Clone>(n: usize, value: T) -> Result<Vec<T>> {
+    let mut v = with_room(n)?;
+    v.resize(n, value);
+    Ok(v)
+}
+
 impl KvSpace {
     /// Reserves the `2 × layers` tensors (and, with [`KvConfig::zero_page`], creates the zero
     /// page, fills it with zeros and maps it read-only behind every page of every tensor: one map
-    /// call per page and one `set_access` per tensor). No pool page is taken until a grow.
+    /// call per page and one `set_access` per tensor). No pool page is taken until a grow. Sizes
+    /// that overflow are [`Error::Overflow`]; tensors of 2^47 bytes or more together (x86-64's
+    /// whole user address space) are [`Error::OutOfAddressSpace`] before anything is reserved;
+    /// more than 2^24 pages in all tensors (each has an entry in the space's tables) are
+    /// [`Error::InvalidArgument`]; tables the host cannot hold are [`Error::OutOfMemory`].
     pub fn new(pool: Arc<PagePool>, config: KvConfig) -> Result<KvSpace> {
         if config.layers == 0
             || config.max_slots == 0
@@ -249,6 +282,21 @@ impl KvSpace {
         let n_tensors = (config.layers as usize)
             .checked_mul(2)
             .ok_or(Error::Overflow("kv tensors"))?;
+        let space_bytes = tensor_bytes
+            .checked_mul(n_tensors as u64)
+            .ok_or(Error::Overflow("kv space bytes"))?;
+        if space_bytes >= MAX_SPACE_BYTES {
+            // Refused before reserving tensor after tensor until the address space runs out.
+            return Err(Error::OutOfAddressSpace {
+                requested: space_bytes,
+            });
+        }
+        let space_pages = (tensor_pages as u64).saturating_mul(n_tensors as u64);
+        if space_pages > MAX_SPACE_PAGES {
+            return Err(invalid(format!(
+                "a kv space of {space_pages} pages in all its tensors (at most {MAX_SPACE_PAGES})"
+            )));
+        }
         let pool_in_use_base = pool.stats().in_use as u64;
 
         let mut space = KvSpace {
@@ -259,19 +307,19 @@ impl KvSpace {
             page,
             slot_stride,
             pages_per_slot,
-            tensors: Vec::with_capacity(n_tensors),
+            tensors: with_room(n_tensors)?,
             zero: None,
-            slots: vec![
+            slots: try_vec(
+                config.max_slots as usize,
                 Slot {
                     generation: 0,
                     state: SlotState::Free,
                     tokens: 0,
                     mapped: 0,
                     reused: false,
-                };
-                config.max_slots as usize
-            ],
-            holes: vec![BTreeSet::new(); config.max_slots as usize],
+                },
+            )?,
+            holes: try_vec(config.max_slots as usize, BTreeSet::new())?,
             free: (0..config.max_slots).rev().collect(),
             deferred: VecDeque::new(),
             counters: Counters::default(),
@@ -280,7 +328,7 @@ impl KvSpace {
         };
         for _ in 0..n_tensors {
             let reservation = Arc::new(Reservation::new(&space.backend, tensor_bytes, page)?);
-            let mut pages = Vec::new();
+            let mut pages = with_room(tensor_pages)?;
             pages.resize_with(tensor_pages, || Backing::Unmapped);
             space.tensors.push(Tensor { reservation, pages });
         }

@@ -70,6 +70,7 @@ fn shim() -> Option<&'static Runtime> {
             Ok(runtime) => {
                 let n = runtime.device_count();
                 log!("backend {} with {n} device(s)", runtime.backend().kind());
+                crate::ops::start();
                 Some(runtime)
             }
             Err(e) => {
@@ -99,8 +100,13 @@ fn runtime_config() -> RuntimeConfig {
     }
 }
 
+/// The process's runtime, if the shim opened it (figures).
+pub fn runtime() -> Option<&'static Runtime> {
+    initialized().then(shim).flatten()
+}
+
 /// The allocator of `device`, created on first use; `None` when strata cannot serve it.
-fn allocator(device: u32) -> Option<&'static CachingAllocator> {
+pub fn allocator(device: u32) -> Option<&'static CachingAllocator> {
     let d = shim()?.devices().get(device as usize)?;
     if let Some(a) = d.existing_allocator() {
         return Some(a);
@@ -210,8 +216,11 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
     let info = backend.device_info(device).ok()?;
     let device_free = backend.mem_info(device).ok()?.free;
     let total = info.total_memory;
-    let existing = runtime.devices().get(device as usize);
-    let (takeable, held) = match existing.and_then(DeviceRuntime::existing_allocator) {
+    let allocator = runtime
+        .devices()
+        .get(device as usize)
+        .and_then(DeviceRuntime::existing_allocator);
+    let (takeable, held) = match allocator {
         Some(a) => {
             let s = a.stats();
             let pool = a.pool().stats();
@@ -223,7 +232,12 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
         _ => (0, 0),
     };
     let mut free = device_free.saturating_add(takeable);
-    if let Some(limit) = config::get().limit {
+    // The allocator's cap once it exists (`strata limit` changes it), else the configured one.
+    let limit = match allocator {
+        Some(a) => a.limit(),
+        None => config::get().limit,
+    };
+    if let Some(limit) = limit {
         free = free.min(limit.saturating_sub(held).saturating_add(takeable));
     }
     Some((free.min(total), total))

@@ -67,6 +67,11 @@ pub struct strata_kv_tensor_t {
 ///
 /// `c.disk_dir` is NULL or a NUL-terminated string.
 unsafe fn create(c: &strata_kv_config_t) -> Result<KvEntry> {
+    if c.reserved != 0 || c.spare.iter().any(|&x| x != 0) {
+        return Err(Error::InvalidArgument(
+            "strata_kv_config_t.reserved and .spare must be zero".into(),
+        ));
+    }
     let durability = match c.durability {
         0 => Durability::Backed,
         1 => Durability::Lossy,

@@ -30,6 +30,8 @@ mod requests;
 mod stats;
 mod tiering;
 
+pub use stats::figures_on;
+
 /// Request ids take the low 40 bits of a request handle; the space's serial the rest.
 const SERIAL_SHIFT: u32 = 40;
 /// Most KV spaces created in one process (serials are never reused).
@@ -109,7 +111,8 @@ impl KvEntry {
     }
 }
 
-/// Borrows a C array; NULL is allowed only with `n == 0`.
+/// Borrows a C array; NULL is allowed only with `n == 0`, and no array spans more than
+/// `isize::MAX` bytes (no object can).
 ///
 /// # Safety
 ///
@@ -123,8 +126,21 @@ unsafe fn slice<'a, T>(what: &str, ptr: *const T, n: usize) -> Result<&'a [T]> {
             "{what} is NULL with {n} entries"
         )));
     }
-    // SAFETY: non-NULL and valid for `n` reads by this function's contract.
+    fits_one_object(what, n, std::mem::size_of::<T>())?;
+    // SAFETY: non-NULL and valid for `n` reads by this function's contract; at most
+    // `isize::MAX` bytes (checked).
     Ok(unsafe { std::slice::from_raw_parts(ptr, n) })
+}
+
+/// `n` elements of `size` bytes fit in one object (at most `isize::MAX` bytes), as a Rust slice
+/// requires: more is a length no caller's memory can have.
+fn fits_one_object(what: &str, n: usize, size: usize) -> Result<()> {
+    if n.checked_mul(size).is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {n} entries of {size} bytes are more than any memory holds"
+        )));
+    }
+    Ok(())
 }
 
 fn kind_of(kind: c_int) -> Result<Kind> {

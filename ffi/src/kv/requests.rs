@@ -7,7 +7,7 @@ use strata_vmm::Error;
 
 use crate::boundary;
 
-use super::{kind_of, out_ptr, slice, space};
+use super::{fits_one_object, kind_of, out_ptr, slice, space};
 
 /// `strata_kv_request_info_t`.
 #[repr(C)]
@@ -197,6 +197,7 @@ pub unsafe extern "C" fn strata_kv_read(
         if len > 0 && dst.is_null() {
             return Err(Error::InvalidArgument("dst is NULL".into()));
         }
+        fits_one_object("dst", len, 1)?;
         let out: &mut [u8] = if len == 0 {
             &mut []
         } else {

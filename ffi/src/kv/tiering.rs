@@ -63,8 +63,7 @@ pub extern "C" fn strata_kv_advance(kv: u64, step: u64) -> c_int {
 pub unsafe extern "C" fn strata_kv_queue(kv: u64, waiting: *const u64, count: usize) -> c_int {
     boundary::status("strata_kv_queue", || {
         let s = space(kv)?;
-        s.manager.queue(&s.requests(waiting, count)?);
-        Ok(())
+        s.manager.queue(&s.requests(waiting, count)?)
     })
 }
 
@@ -222,35 +221,25 @@ pub unsafe extern "C" fn strata_kv_revoke(kv: u64, pages: u64, lost_blocks: *mut
         let s = space(kv)?;
         let pages = usize::try_from(pages).map_err(|_| Error::Overflow("pages"))?;
         let pool = Arc::clone(s.manager.store().pool());
-        let lost = match s.durability {
-            Durability::Backed => {
-                pool.give(s.manager.revoke_spilling(pages)?);
-                Vec::new()
+        let (lost, result) = match s.durability {
+            Durability::Backed => (
+                Vec::new(),
+                s.manager.revoke_spilling(pages).map(|p| pool.give(p)),
+            ),
+            Durability::Lossy => {
+                // Blocks lost before the pool ran dry stay lost: reported all the same.
+                let (rev, result) = s.manager.revoke_reporting(pages);
+                pool.give(rev.pages);
+                (rev.lost, result)
             }
-            Durability::Lossy => match s.manager.revoke(pages) {
-                Ok(rev) => {
-                    pool.give(rev.pages);
-                    rev.lost
-                }
-                Err(e) => {
-                    // Blocks lost before the pool ran dry stay lost: report them all the same.
-                    let lost: Vec<_> = s
-                        .manager
-                        .requests_with_lost()
-                        .into_iter()
-                        .map(|r| (r, Vec::new()))
-                        .collect();
-                    deliver_lost(kv, &s, &lost)?;
-                    return Err(e);
-                }
-            },
         };
         if !lost_blocks.is_null() {
             let n: usize = lost.iter().map(|(_, b)| b.len()).sum();
             // SAFETY: non-NULL and writable by this function's contract.
             unsafe { lost_blocks.write(n as u64) };
         }
-        deliver_lost(kv, &s, &lost)
+        let delivered = deliver_lost(kv, &s, &lost);
+        result.and(delivered)
     })
 }
 

@@ -1,5 +1,6 @@
 /* A fuzz target for the C ABI: each input is a byte-coded sequence of calls (valid and
- * invalid: allocations on two devices and streams, frees, double and foreign frees, tags,
+ * invalid: allocations on two devices (one on a one-device machine) and streams, frees,
+ * double and foreign frees, tags,
  * sleep/wake with and without host copies, copies in and out of range, memory-fraction caps,
  * empty_cache, Harvest with reclaim and revocation callbacks), run against a model that
  * predicts every status and the bytes of every live allocation. An input ends by undoing what
@@ -9,13 +10,14 @@
  *   clang -g -O1 -fsanitize=fuzzer,address -Iinclude ffi/tests/c/fuzz.c \
  *         -Ltarget/debug -lstrata -Wl,-rpath,$PWD/target/debug -o fuzz
  *   STRATA_BACKEND=host STRATA_HOST_DEVICES=2x512MiB ./fuzz ffi/tests/fuzz/corpus
- * Without clang (CI builds with gcc), STRATA_FUZZ_DRIVER compiles the small driver at the end:
+ * Without clang (CI builds with gcc), STRATA_FUZZ_DRIVER compiles the small driver (fuzz_driver.h):
  * it replays the committed corpus, then runs random mutations of it for a time budget. */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
 #include <time.h>
 
-#include "common.h"
+#define FUZZ_NAME "fuzz"
+#include "fuzz.h"
 
 #define SLOTS 32
 #define HANDLES 8
@@ -47,43 +49,10 @@ static int pushed_ever[TAGS];
 /* 0 awake, 1 asleep, 2 partly (a wake failed after waking some devices). */
 static int asleep[TAGS];
 static cudaStream_t streams[2];
-static const uint8_t *cur_data;
-static size_t cur_size;
-
-/* A failed check saves the input that caused it before exiting. */
-#define FCHECK(cond)                                                                        \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            fprintf(stderr, "%s:%d: FCHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, \
-                    #cond, strata_last_error());                                            \
-            save_input();                                                                   \
-            abort();                                                                        \
-        }                                                                                   \
-    } while (0)
-
-static void save_input(void) {
-    const char *dir = getenv("STRATA_FUZZ_ARTIFACTS");
-    char path[512];
-    snprintf(path, sizeof path, "%s/fuzz-failure.bin", dir ? dir : ".");
-    FILE *f = fopen(path, "wb");
-    if (f) {
-        fwrite(cur_data, 1, cur_size, f);
-        fclose(f);
-        fprintf(stderr, "input saved to %s\n", path);
-    }
-}
-
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} bytes_t;
-
-static unsigned take(bytes_t *b) {
-    if (b->n == 0) return 0;
-    b->n--;
-    return *b->p++;
-}
-
+/* Devices the calls use: 0 and 1, or 0 alone on a one-device machine (a device byte picks
+ * DEV(byte)); `devices` is how many the library reports. */
+static int used, devices;
+#define DEV(x) ((int)((x) & 1) % used)
 static int current_tag(void) { return depth ? tag_stack[depth - 1] : -1; }
 
 static int last_error_is(const char *name) { return strstr(strata_last_error(), name) != NULL; }
@@ -99,7 +68,7 @@ static void op_malloc(bytes_t *b, uint64_t *seq) {
     unsigned a = take(b), c = take(b);
     static const size_t scale[4] = {1, 256, 4096, 65536}; /* up to 4 MiB: large blocks too */
     size_t size = (size_t)(a % 64) * scale[c % 4] + (c >> 2);
-    int device = (a >> 6) & 1;
+    int device = DEV(a >> 6);
     cudaStream_t stream = (a >> 7) ? streams[device] : NULL;
     int i = 0;
     while (i < SLOTS && slots[i].ptr) i++;
@@ -220,7 +189,7 @@ static void op_sleep_wake(bytes_t *b) {
 
 static void op_limit(bytes_t *b) {
     unsigned a = take(b);
-    int device = a & 1;
+    int device = DEV(a);
     double fraction = (a >> 1) >= 120 ? 1.0 : (double)(a >> 1) / 120.0;
     strata_clear_error();
     strata_set_memory_fraction(fraction, device);
@@ -247,7 +216,7 @@ static void op_harvest(bytes_t *b, uint64_t *seq) {
     case 0:
     case 1: {
         if (x->live) return;
-        strata_harvest_hints_t hints = {(int)(a >> 6) & 1, STRATA_HARVEST_BACKED, 0, 0, NULL};
+        strata_harvest_hints_t hints = {DEV(a >> 6), STRATA_HARVEST_BACKED, 0, 0, NULL};
         size_t size = (size_t)(take(b) % 8 + 1) << 20;
         int st = strata_harvest_alloc(size, &hints, &x->h);
         if (st != STRATA_OK) {
@@ -287,7 +256,7 @@ static void op_harvest(bytes_t *b, uint64_t *seq) {
     }
     case 5: {
         uint64_t got = 0;
-        FCHECK(strata_harvest_reclaim((int)(a >> 6) & 1, (uint64_t)take(b) << 20, &got) == STRATA_OK);
+        FCHECK(strata_harvest_reclaim(DEV(a >> 6), (uint64_t)take(b) << 20, &got) == STRATA_OK);
         for (int i = 0; i < HANDLES; i++) FCHECK(handles[i].revoked <= 1);
         return;
     }
@@ -306,10 +275,10 @@ static void op_misc(bytes_t *b) {
     strata_stats_t s;
     switch (a % 6) {
     case 0: strata_empty_cache(); break;
-    case 1: FCHECK(strata_stream_synchronize(streams[a >> 7]) == STRATA_OK); break;
+    case 1: FCHECK(strata_stream_synchronize(streams[DEV(a >> 7)]) == STRATA_OK); break;
     case 2: {
         int device = (int)(a >> 3) - 8;
-        FCHECK(strata_stats(device, &s) == (device >= 0 && device < 2 ? STRATA_OK : STRATA_NO_DEVICE));
+        FCHECK(strata_stats(device, &s) == (device >= 0 && device < devices ? STRATA_OK : STRATA_NO_DEVICE));
         break;
     }
     case 3: FCHECK(strata_tag_push(NULL) == STRATA_INVALID_ARGUMENT && strata_tag_push("") == STRATA_INVALID_ARGUMENT); break;
@@ -336,6 +305,7 @@ static void free_slot(slot_t *s) {
 /* Undoes the input's state (awake memory first, so the sleeping tags' pages are available to
  * wake them); the accounting must match where it started. */
 static void finish(const strata_stats_t before[2]) {
+    int d;
     for (int i = 0; i < SLOTS; i++)
         if (slots[i].ptr && (slots[i].tag < 0 || !asleep[slots[i].tag])) free_slot(&slots[i]);
     for (int i = 0; i < HANDLES; i++)
@@ -343,7 +313,7 @@ static void finish(const strata_stats_t before[2]) {
             strata_harvest_free(&handles[i].h);
             handles[i].live = 0;
         }
-    for (int d = 0; d < 2; d++) strata_set_memory_fraction(1.0, d);
+    for (d = 0; d < used; d++) strata_set_memory_fraction(1.0, d);
     strata_empty_cache();
     for (int t = 0; t < TAGS; t++)
         if (asleep[t]) {
@@ -353,7 +323,7 @@ static void finish(const strata_stats_t before[2]) {
     for (int i = 0; i < SLOTS; i++)
         if (slots[i].ptr) free_slot(&slots[i]);
     for (; depth > 0; depth--) FCHECK(strata_tag_pop() == STRATA_OK);
-    for (int d = 0; d < 2; d++) {
+    for (d = 0; d < used; d++) {
         strata_set_memory_fraction(1.0, d);
         FCHECK(strata_stream_synchronize(streams[d]) == STRATA_OK);
         strata_stats_t s = stats_of(d);
@@ -366,13 +336,16 @@ static void finish(const strata_stats_t before[2]) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static uint64_t seq;
     if (!streams[0]) {
-        FCHECK(strata_device_count() == 2);
-        for (int d = 0; d < 2; d++) FCHECK(strata_stream_create(d, &streams[d]) == STRATA_OK);
-        strata_init(2);
+        devices = strata_device_count();
+        FCHECK(devices == test_devices());
+        used = devices < 2 ? devices : 2;
+        for (int d = 0; d < used; d++) FCHECK(strata_stream_create(d, &streams[d]) == STRATA_OK);
+        strata_init(devices);
     }
     cur_data = data;
     cur_size = size;
-    strata_stats_t before[2] = {stats_of(0), stats_of(1)};
+    strata_stats_t before[2];
+    for (int d = 0; d < used; d++) before[d] = stats_of(d);
     bytes_t b = {data, size};
     static int trace = -1;
     if (trace < 0) trace = getenv("STRATA_FUZZ_TRACE") != NULL;
@@ -394,84 +367,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef STRATA_FUZZ_DRIVER
-/* The driver when libFuzzer is not available: the corpus, then random mutations of it. */
-
-#define MAX_INPUT 4096
-#define MAX_CORPUS 256
-
-static uint8_t *corpus[MAX_CORPUS];
-static size_t corpus_len[MAX_CORPUS];
-static int corpus_n;
-
-static void load_corpus(const char *dir) {
-    DIR *d = opendir(dir);
-    CHECK(d != NULL);
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL && corpus_n < MAX_CORPUS) {
-        if (e->d_name[0] == '.') continue;
-        char path[1024];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "rb");
-        if (!f) continue;
-        uint8_t *buf = malloc(MAX_INPUT);
-        CHECK(buf != NULL);
-        size_t n = fread(buf, 1, MAX_INPUT, f);
-        fclose(f);
-        corpus[corpus_n] = buf;
-        corpus_len[corpus_n++] = n;
-    }
-    closedir(d);
-    CHECK(corpus_n > 0);
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-int main(int argc, char **argv) {
-    CHECK(argc >= 3);
-    load_corpus(argv[1]);
-    double budget = atof(argv[2]);
-    uint64_t rng = argc > 3 ? strtoull(argv[3], NULL, 10) : (uint64_t)time(NULL);
-    printf("fuzz: seed %llu, %d corpus inputs, %.0f s\n", (unsigned long long)rng, corpus_n, budget);
-    rng = rng * 2 + 1;
-    for (int i = 0; i < corpus_n; i++) LLVMFuzzerTestOneInput(corpus[i], corpus_len[i]);
-    static uint8_t input[MAX_INPUT];
-    double start = now();
-    long runs = 0;
-    while (now() - start < budget) {
-        int from = (int)(next_rand(&rng) % (uint64_t)corpus_n);
-        size_t n = corpus_len[from];
-        memcpy(input, corpus[from], n);
-        int edits = 1 + (int)(next_rand(&rng) % 16);
-        for (int e = 0; e < edits; e++) {
-            uint64_t r = next_rand(&rng);
-            switch (r % 4) {
-            case 0: /* overwrite a byte */
-                if (n) input[(r >> 8) % n] = (uint8_t)(r >> 32);
-                break;
-            case 1: /* append random bytes */
-                for (int k = 0; k < 8 && n < MAX_INPUT; k++) input[n++] = (uint8_t)next_rand(&rng);
-                break;
-            case 2: /* splice in part of another input */ {
-                int other = (int)((r >> 8) % (uint64_t)corpus_n);
-                size_t len = corpus_len[other] / 2, at = n ? (r >> 24) % n : 0;
-                if (at + len > MAX_INPUT) len = MAX_INPUT - at;
-                memcpy(input + at, corpus[other], len);
-                if (at + len > n) n = at + len;
-                break;
-            }
-            default: /* truncate */
-                if (n > 1) n = 1 + (r >> 8) % n;
-            }
-        }
-        LLVMFuzzerTestOneInput(input, n);
-        runs++;
-    }
-    printf("fuzz: %ld mutated inputs in %.1f s\n", runs, now() - start);
-    printf("fuzz: ok\n");
-    return 0;
-}
+#include "fuzz_driver.h"
 #endif

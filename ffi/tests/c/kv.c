@@ -252,7 +252,8 @@ int main(void) {
     CHECK_OK(strata_kv_residency(kv, r1, res, 8, &n));
     CHECK(n == 2 && res[0] == STRATA_KV_ON_DISK && res[1] == STRATA_KV_ON_DISK);
     CHECK(holds_all(kv, r1, 1500, 100, &tier) && tier == 2);
-    CHECK(strata_kv_spill(other, q, STRATA_TIER_DISK) == STRATA_OK); /* nothing to spill */
+    /* No disk tier: refused, whether there is anything to spill or not. */
+    CHECK(strata_kv_spill(other, q, STRATA_TIER_DISK) == STRATA_INVALID_STATE);
     /* Up to host memory ahead of need (the first hop), then one hop back. */
     uint64_t staged = 0;
     CHECK(strata_kv_stage(kv, NULL, 1, &staged) == STRATA_INVALID_ARGUMENT);

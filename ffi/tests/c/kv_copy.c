@@ -90,12 +90,6 @@ static int host_holds(const unsigned char *base, uint64_t seed) {
     return same;
 }
 
-static strata_kv_stats_t kv_stats(strata_kv_t kv) {
-    strata_kv_stats_t s;
-    CHECK_OK(strata_kv_stats(kv, &s));
-    return s;
-}
-
 int main(void) {
     strata_kv_config_t c = config();
     strata_kv_t kv = 0, other = 0;

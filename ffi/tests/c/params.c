@@ -109,6 +109,9 @@ int main(void) {
         }
     }
     CHECK(strata_params_prepare_layer(idle, LAYERS, st) == STRATA_INVALID_ARGUMENT);
+    CHECK(strata_params_layer_done(idle, LAYERS, st) == STRATA_INVALID_ARGUMENT);
+    CHECK_ERR("no layer");
+    CHECK(strata_params_layer_done(idle, UINT32_MAX, st) == STRATA_INVALID_ARGUMENT);
     s = stats_of_model(idle);
     uint64_t m = s.streamed_layers;
     CHECK(s.streamed_runs == 2 * m && s.slot_loads == 2 * m);

@@ -271,7 +271,7 @@ pub fn run(
             .filter(|&i| seen.insert(i))
             .map(|i| live[i].id)
             .collect();
-        kv.queue(&rest);
+        kv.queue(&rest)?;
         cursor = (cursor + config.batch as usize) % n;
         let mut batch: Vec<RequestId> = now.iter().map(|&i| live[i].id).collect();
         for &i in &now {

@@ -17,7 +17,8 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The workspace root.
+/// The workspace root: the checkout this crate was compiled from (`CARGO_MANIFEST_DIR`), so a
+/// target folder copied from another checkout must rebuild this crate before its tests run.
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")

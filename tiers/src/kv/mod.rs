@@ -104,6 +104,9 @@ pub struct KvBlocksStats {
     pub requests: u64,
     /// Blocks of the live requests now (resident, spilled or lost).
     pub blocks: u64,
+    /// Requests live now, and their tokens.
+    pub live_requests: u64,
+    pub tokens: u64,
     /// Of those, blocks backed by pool pages now.
     pub blocks_resident: u64,
     /// Of those, blocks whose bytes live in the store now.
@@ -130,7 +133,9 @@ pub struct KvBlocksStats {
     pub evictions: u64,
     /// Blocks lost to revocations, ever.
     pub lost_blocks: u64,
-    /// Pool pages handed to lenders by [`KvBlockManager::revoke`], ever.
+    /// Pool pages that revocations ([`KvBlockManager::revoke`], `revoke_spilling`) took from
+    /// the space (unmapped), ever; free pool pages and pages the device still had take nothing
+    /// from it and count nothing.
     pub pages_revoked: u64,
 }
 
@@ -564,12 +569,32 @@ impl KvBlockManager {
         let kept = inner.space.pages_for(tokens);
         let full = (u64::from(tokens) * self.config.bytes_per_token / self.page) as usize;
         let q = inner.reqs.get_mut(&r.0).ok_or(unknown(r))?;
-        let spilled = q.spilled.split_off(&kept);
-        let clean = q.clean.split_off(&full);
+        let mut released: Vec<ObjectId> =
+            q.spilled.split_off(&kept).into_values().flatten().collect();
+        released.extend(q.clean.split_off(&full).into_values().flatten());
+        // A spilled last block keeps only the chunks its remaining tokens use, in every tensor.
+        if let Some(ids) = kept.checked_sub(1).and_then(|p| q.spilled.get_mut(&p)) {
+            let tensors = 2 * self.config.layers as usize;
+            let (had, keep) = (
+                ids.len() / tensors,
+                self.used_chunks(kept - 1, tokens) as usize,
+            );
+            if keep < had {
+                let mut chunk = 0;
+                ids.retain(|&id| {
+                    let stays = chunk % had < keep;
+                    chunk += 1;
+                    if !stays {
+                        released.push(id);
+                    }
+                    stays
+                });
+            }
+        }
         q.lost_unreported.split_off(&kept);
         q.lost_reported.split_off(&kept);
         let mut first = inner.space.shrink(slot, tokens).err();
-        for &id in spilled.values().chain(clean.values()).flatten() {
+        for id in released {
             if let Err(e) = self.store.release(id) {
                 first.get_or_insert(e);
             }

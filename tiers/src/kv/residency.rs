@@ -29,11 +29,17 @@ impl KvBlockManager {
     /// The scheduler's queue beyond the hinted window: requests in the order they will run after
     /// it (an FCFS waiting queue, or the rest of a round robin). Eviction then ranks them after
     /// the window, the last one first (TierKV §3.4: the longest time until next execution);
-    /// requests in neither go first. Replaces the previous queue.
-    pub fn queue(&self, waiting: &[RequestId]) {
+    /// requests in neither go first. Replaces the previous queue. An unknown or released
+    /// request is [`strata_vmm::Error::StaleId`], with the previous queue kept.
+    pub fn queue(&self, waiting: &[RequestId]) -> Result<()> {
+        let mut inner = self.inner.lock();
+        for &r in waiting {
+            get(&inner.reqs, r)?;
+        }
         let owners: Vec<u64> = waiting.iter().map(|r| r.0).collect();
         self.store.queue(&owners);
-        self.inner.lock().lookahead.queue(&owners);
+        inner.lookahead.queue(&owners);
+        Ok(())
     }
 
     /// Scheduler lookahead: the requests of each of the next K steps (unknown ids are ignored: a

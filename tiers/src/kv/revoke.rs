@@ -16,28 +16,51 @@ impl KvBlockManager {
     /// block, the requests running furthest away (those used in the current step last): copies
     /// into the block drain (events), its pages are unmapped without copying and return to the
     /// pool, which hands them out. A block with an intact clean copy goes first and becomes
-    /// spilled; any other is lost (reported once through [`KvBlockManager::take_lost`]). When even that is not enough the pool's error is returned; blocks lost on the way
-    /// stay lost and reported.
+    /// spilled; any other is lost (reported once through [`KvBlockManager::take_lost`]). When
+    /// even that is not enough the pool's error is returned; blocks lost on the way stay lost
+    /// ([`KvBlockManager::revoke_reporting`] names them).
     pub fn revoke(&self, pages: usize) -> Result<KvRevocation> {
+        let (rev, result) = self.revoke_reporting(pages);
+        result.map(|()| rev)
+    }
+
+    /// [`KvBlockManager::revoke`], with the blocks it lost also when it fails (then no pages:
+    /// those taken went back to the pool).
+    pub fn revoke_reporting(&self, pages: usize) -> (KvRevocation, Result<()>) {
         let mut inner = self.inner.lock();
         let mut lost: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        let unmapped = inner.space.stats().pages_unmapped_total;
         let taken = self.take_for_lender(&mut inner, pages, |m, inner, r| {
             if let Some(p) = m.lose_last_block(inner, r)? {
                 lost.entry(r).or_default().push(p);
             }
             Ok(())
-        })?;
-        inner.stats.pages_revoked += taken.len() as u64;
-        Ok(KvRevocation {
-            pages: taken,
-            lost: lost
-                .into_iter()
-                .map(|(r, mut ps)| {
-                    ps.sort_unstable();
-                    (RequestId(r), ps)
-                })
-                .collect(),
-        })
+        });
+        Self::count_revoked(&mut inner, unmapped);
+        let lost = lost
+            .into_iter()
+            .map(|(r, mut ps)| {
+                ps.sort_unstable();
+                (RequestId(r), ps)
+            })
+            .collect();
+        match taken {
+            Ok(pages) => (KvRevocation { pages, lost }, Ok(())),
+            Err(e) => (
+                KvRevocation {
+                    pages: Vec::new(),
+                    lost,
+                },
+                Err(e),
+            ),
+        }
+    }
+
+    /// Counts the pages a revocation took from the space: those unmapped since the space had
+    /// unmapped `unmapped_before` in all (free pool pages and new ones take nothing from it).
+    fn count_revoked(inner: &mut Inner, unmapped_before: u64) {
+        let now = inner.space.stats().pages_unmapped_total;
+        inner.stats.pages_revoked += now.saturating_sub(unmapped_before);
     }
 
     /// Takes `pages` pool pages back for a lender without losing any KV: as
@@ -47,13 +70,14 @@ impl KvBlockManager {
     /// error, with the requests spilled so far left spilled.
     pub fn revoke_spilling(&self, pages: usize) -> Result<Vec<Page>> {
         let mut inner = self.inner.lock();
+        let unmapped = inner.space.stats().pages_unmapped_total;
         let taken = self.take_for_lender(&mut inner, pages, |m, inner, r| {
             m.spill(inner, r, Tier::Host)?;
             inner.stats.evictions += 1;
             Ok(())
-        })?;
-        inner.stats.pages_revoked += taken.len() as u64;
-        Ok(taken)
+        });
+        Self::count_revoked(&mut inner, unmapped);
+        taken
     }
 
     /// Takes `pages` pool pages for a lender: free pool capacity first (pages the device can

@@ -10,6 +10,17 @@ use crate::Durability;
 use super::{get, resident_blocks, runs, unknown, Inner, KvBlockManager, RequestId};
 
 impl KvBlockManager {
+    /// A spill to disk needs a disk tier: without one it is [`Error::InvalidState`], whatever
+    /// the host tier holds (so the answer does not depend on which copies are where).
+    fn check_tier(&self, to: Tier) -> Result<()> {
+        if to == Tier::Disk && self.store.config().disk.is_none() {
+            return Err(Error::InvalidState(
+                "a spill to disk in a space without a disk tier (disk_bytes 0)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Moves the resident blocks of `r` down and evicts their pages: blocks with an intact clean
     /// copy copy nothing; the others are copied (all layers, K and V; only the chunks its tokens
     /// fill). With `to == Tier::Disk` its spilled objects then move to disk. Returns the blocks
@@ -134,6 +145,7 @@ impl KvBlockManager {
                 "pause spills down: to Host or Disk".into(),
             ));
         }
+        self.check_tier(to)?;
         let mut inner = self.inner.lock();
         get(&inner.reqs, r)?;
         self.spill(&mut inner, r.0, to).map(drop)
@@ -147,6 +159,7 @@ impl KvBlockManager {
                 "spill_idle goes down: to Host or Disk".into(),
             ));
         }
+        self.check_tier(to)?;
         let mut inner = self.inner.lock();
         let step = inner.step;
         let mut idle: Vec<u64> = inner

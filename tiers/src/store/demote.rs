@@ -25,13 +25,13 @@ impl TierStore {
         protect: &HashSet<u32>,
     ) -> Result<()> {
         op.settle();
-        if op.st.hbm.free.len() >= n {
+        if op.st.hbm.free_count() >= n {
             return Ok(());
         }
         let me = op.token();
         let st = &mut *op.st;
         let mut victims = Vec::new();
-        let need = n - st.hbm.free.len();
+        let need = n - st.hbm.free_count();
         let mut chosen: HashSet<u32> = HashSet::new();
         while victims.len() < need {
             let objs = &st.objs;
@@ -58,7 +58,7 @@ impl TierStore {
         }
         self.demote_hbm(op, &victims)?;
         op.settle();
-        if op.st.hbm.free.len() >= n {
+        if op.st.hbm.free_count() >= n {
             Ok(())
         } else {
             Err(self.hbm_oom(n as u64))
@@ -89,7 +89,7 @@ impl TierStore {
         if !to_host.is_empty() {
             let protect: HashSet<u32> = victims.iter().copied().collect();
             let _ = self.make_room_host(op, to_host.len(), &protect, 0);
-            let fit = op.st.host.free.len().min(to_host.len());
+            let fit = op.st.host.free_count().min(to_host.len());
             to_disk = to_host.split_off(fit);
         }
         if !to_host.is_empty() {
@@ -165,11 +165,11 @@ impl TierStore {
     /// slot first, then the disk copy of an object that has the same bytes in host memory too
     /// (the one whose owner runs soonest by the host policy: its host copy is the last to go).
     pub(super) fn take_disk<'s>(&'s self, op: &mut Op<'_>, index: u32) -> Result<SlotLease<'s>> {
-        let Some(cfg) = &self.config.disk else {
+        if self.config.disk.is_none() {
             return Err(Error::InvalidState("the store has no disk tier".into()));
-        };
+        }
         op.settle();
-        if op.st.disk.free.is_empty()
+        if op.st.disk.free_count() == 0
             && !self.drop_redundant(op, SlotTier::Disk, &HashSet::from([index]))
         {
             let me = op.token();
@@ -190,10 +190,10 @@ impl TierStore {
         }
         let st = &mut *op.st;
         st.lease(SlotTier::Disk, index, &self.returns)
-            .ok_or(Error::LimitExceeded {
+            .ok_or(Error::OutOfTierSpace {
+                tier: "disk",
                 requested: self.config.block_size,
-                used: st.disk.used() * self.config.block_size,
-                limit: cfg.spec.capacity,
+                available: 0,
             })
     }
 
@@ -264,7 +264,7 @@ impl TierStore {
         let mut tried: HashSet<u32> = HashSet::new();
         loop {
             op.settle();
-            if op.st.host.free.len() >= n {
+            if op.st.host.free_count() >= n {
                 return Ok(());
             }
             if self.drop_redundant(op, SlotTier::Host, protect) {
@@ -272,7 +272,7 @@ impl TierStore {
             }
             let me = op.token();
             let st = &mut *op.st;
-            let has_disk = self.disk.is_some() && !st.disk.free.is_empty();
+            let has_disk = self.disk.is_some() && st.disk.free_count() > 0;
             let objs = &st.objs;
             let v = st.host_policy.victim_running_after(after, &mut |k| {
                 let id = ObjectId::from_key(k);
@@ -293,7 +293,7 @@ impl TierStore {
                 return Err(Error::OutOfMemory {
                     location: Location::Host,
                     requested: n as u64 * self.config.block_size,
-                    available: st.host.free.len() as u64 * self.config.block_size,
+                    available: st.host.free_count() as u64 * self.config.block_size,
                 });
             };
             let i = ObjectId::from_key(k).index;

@@ -21,7 +21,7 @@ impl TierStore {
     /// caller's writes to it must be complete. The returned event completes once every byte has
     /// left the device: only then may the caller unmap the sources. The objects never get an
     /// HBM copy here. All or nothing: on error no new object remains (out of host and disk
-    /// space is [`Error::OutOfMemory`] or [`Error::LimitExceeded`]).
+    /// space is [`Error::OutOfMemory`] or [`Error::OutOfTierSpace`]).
     pub fn put_from_device(
         &self,
         srcs: &[DevicePtr],
@@ -61,7 +61,7 @@ impl TierStore {
         let owner = idx.first().map(|&i| op.st.objs[i as usize].owner);
         let after = owner.map_or(0, |o| op.st.host_policy.distance(o));
         let _ = self.make_room_host(op, idx.len(), &protect, after);
-        let fit = op.st.host.free.len().min(idx.len());
+        let fit = op.st.host.free_count().min(idx.len());
         let (to_host, to_disk) = idx.split_at(fit);
         if !to_host.is_empty() {
             let st = &mut *op.st;

@@ -214,7 +214,7 @@ impl TierStore {
                     let r = st.objs[i as usize].res;
                     r.disk.is_some() && r.host.is_none() && r.hbm.is_none() && seen.insert(i)
                 })
-                .take(st.host.free.len().saturating_sub(reserve))
+                .take(st.host.free_count().saturating_sub(reserve))
                 .collect())
         })?;
         if idx.is_empty() {

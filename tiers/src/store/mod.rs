@@ -76,6 +76,36 @@ use io::sync;
 use slots::{Returns, SlotTier, Slots};
 use state::{stale, Op, State};
 
+/// Blocks of `block` bytes in a `tier` of `bytes`: slot numbers are `u32`, so a tier of more
+/// blocks is [`Error::InvalidArgument`] (never a count that wraps).
+fn block_count(tier: &str, bytes: u64, block: u64) -> Result<u32> {
+    u32::try_from(bytes / block).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "a {tier} tier of {bytes} bytes is more than {} blocks of {block} bytes",
+            u32::MAX
+        ))
+    })
+}
+
+/// A disk tier of `capacity` bytes must fit in what `dir`'s filesystem has available now
+/// ([`Error::OutOfTierSpace`] otherwise), as host memory is allocated at creation: a spill
+/// then finds the room the tier promised, short of other writers filling the disk meanwhile.
+fn check_disk_room(dir: &std::path::Path, capacity: u64) -> Result<()> {
+    let fs = rustix::fs::statvfs(dir).map_err(|e| Error::Os {
+        call: "statvfs(disk tier directory)",
+        source: e.into(),
+    })?;
+    let available = fs.f_bavail.saturating_mul(fs.f_frsize);
+    if capacity > available {
+        return Err(Error::OutOfTierSpace {
+            tier: "disk",
+            requested: capacity,
+            available,
+        });
+    }
+    Ok(())
+}
+
 /// Capacity, bandwidth and latency of a tier: configured, or measured at start
 /// ([`crate::calibrate`], [`StoreConfig::with_measured_links`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -237,6 +267,15 @@ impl TierStore {
         }
         let slots_per_page = (page_size / b) as u32;
         let n_pages = config.hbm.capacity / page_size;
+        let host_blocks = block_count("host", config.host.capacity, b)?;
+        let disk_blocks = match &config.disk {
+            Some(d) => block_count("disk", d.spec.capacity, b)?,
+            None => 0,
+        };
+        let hbm_slots = block_count("hbm", n_pages * page_size, b)?;
+        if let Some(d) = &config.disk {
+            check_disk_room(&d.dir, d.spec.capacity)?;
+        }
         let reservation = Arc::new(Reservation::new(&backend, (n_pages.max(1)) * page_size, 0)?);
         // Until the state owns them page by page, an error returns every page to the pool.
         let hbm = MappedRun::take(
@@ -246,10 +285,9 @@ impl TierStore {
             n_pages as usize,
             &[(Location::Device(config.device), Access::ReadWrite)],
         )?;
-        let host_blocks = config.host.capacity / b;
         let blocks_per_chunk = (MAX_HOST_CHUNK / b).max(1);
         let mut host_chunks = Vec::new();
-        let mut left = host_blocks;
+        let mut left = u64::from(host_blocks);
         while left > 0 {
             let n = left.min(blocks_per_chunk);
             host_chunks.push(Arc::new(HostBuffer::new(&backend, n * b)?));
@@ -257,22 +295,20 @@ impl TierStore {
         }
         let staging_blocks = config.staging_blocks.max(2) & !1;
         let staging = Arc::new(HostBuffer::new(&backend, u64::from(staging_blocks) * b)?);
-        let (disk, io, disk_blocks) = match &config.disk {
+        let (disk, io) = match &config.disk {
             Some(d) => (
                 Some(Arc::new(DiskFile::create(&d.dir, d.direct)?)),
                 Some(IoPool::new(d.io_threads)?),
-                d.spec.capacity / b,
             ),
-            None => (None, None, 0),
+            None => (None, None),
         };
         let engine = TransferEngine::new(&backend, config.device)?;
-        let hbm_slots = (hbm.len() as u64 * u64::from(slots_per_page)) as u32;
         let state = State {
             objs: Vec::new(),
             free_objs: Vec::new(),
-            hbm: Slots::new(hbm_slots),
-            host: Slots::new(host_blocks as u32),
-            disk: Slots::new(disk_blocks as u32),
+            hbm: Slots::covered(hbm_slots),
+            host: Slots::new(host_blocks),
+            disk: Slots::new(disk_blocks),
             pages: hbm.into_mapped_pages().into_iter().map(Some).collect(),
             hbm_policy: config.hbm_policy.build(),
             host_policy: config.host_policy.build(),

@@ -193,7 +193,13 @@ impl CudaBackend {
         // SAFETY: the table confirms the target lies inside one of our reservations and is
         // unmapped, that `offset + size` fits the handle, and the handle is live (we hold it and
         // the state lock, so no release runs concurrently).
-        unsafe { result::map::map(va, size, offset, handle.0) }.map_err(not_supported)?;
+        match unsafe { result::map::map(va, size, offset, handle.0) } {
+            // The driver's mapping bookkeeping ran out: address space, as on the host backend.
+            Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
+                return Err(Error::OutOfAddressSpace { requested: size })
+            }
+            other => other.map_err(not_supported)?,
+        }
         state
             .table
             .insert_mapping(va, size, handle, offset, info.size, granularity)

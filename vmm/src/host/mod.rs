@@ -16,7 +16,7 @@
 mod config;
 mod copy;
 mod device;
-mod fault;
+pub(crate) mod fault;
 mod os;
 mod stream;
 mod work;

@@ -242,7 +242,15 @@ pub(crate) unsafe fn map_fixed(
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(Error::os("mmap(MAP_FIXED)"));
+        let err = Error::os("mmap(MAP_FIXED)");
+        // ENOMEM: the process's mappings are at their limit (`vm.max_map_count`), as CUDA's VA
+        // bookkeeping runs out: address space, not an OS failure.
+        return Err(match &err {
+            Error::Os { source, .. } if source.raw_os_error() == Some(libc::ENOMEM) => {
+                Error::OutOfAddressSpace { requested: size }
+            }
+            _ => err,
+        });
     }
     Ok(())
 }

@@ -167,9 +167,16 @@ impl ParamRegistry {
     }
 
     /// The layer's kernels were queued; `done` is recorded after them on the compute stream. Its
-    /// slot may be reloaded once `done` completes (a no-op for resident layers).
+    /// slot may be reloaded once `done` completes (a no-op for resident layers). A layer the
+    /// model does not have is [`Error::InvalidArgument`].
     pub fn layer_done(&mut self, model: ModelId, layer: u32, done: Arc<Event>) -> Result<()> {
         let mp = self.get_mut(model)?;
+        if layer as usize >= mp.layers.len() {
+            return Err(invalid(format!(
+                "no layer {layer} (the model has {})",
+                mp.layers.len()
+            )));
+        }
         if let Some(s) = mp.slots.iter_mut().find(|s| s.occupant == Some(layer)) {
             s.done = Some(done);
         }
