@@ -2,7 +2,8 @@
 //! of mixed sizes under a live-memory cap, on the caching allocator. Reports peak reserved ÷ peak
 //! allocated (the fragmentation overhead) and time per operation, for three size mixes.
 //!
-//! Run: `cargo bench --bench random_allocations` (options: `-- --ops N --seed S`).
+//! Run: `cargo bench --bench random_allocations` (options: `-- --ops N --seed S`; `--quick`:
+//! 5000 operations).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +32,8 @@ fn main() {
         match arg.as_str() {
             "--ops" => ops = args.next().and_then(|v| v.parse().ok()).expect("--ops N"),
             "--seed" => seed = args.next().and_then(|v| v.parse().ok()).expect("--seed S"),
-            _ => {} // cargo bench passes --bench
+            "--quick" => ops = 5000, // .ci/gpu-run --quick
+            _ => {}                  // cargo bench passes --bench
         }
     }
     let backend = vmm::from_env().expect("backend");

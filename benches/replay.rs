@@ -4,13 +4,13 @@
 //! reserved, where the pages were: large segments (and the free room inside them), cached runs,
 //! small pages.
 //!
-//! Run: `cargo bench --bench replay` (options: `-- FILE...` to replay other traces).
+//! Run: `cargo bench --bench replay` (options: `-- FILE...` to replay other traces, `--ops N`
+//! for the first N operations of each).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use strata::allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
-use strata::replay::{replay, standard_traces, Trace};
+use strata::replay::{replay, BenchArgs, Trace};
 use strata::vmm::{self, StreamHandle};
 
 fn mib(b: u64) -> f64 {
@@ -18,14 +18,8 @@ fn mib(b: u64) -> f64 {
 }
 
 fn main() {
-    let mut files: Vec<PathBuf> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .map(PathBuf::from)
-        .collect();
-    if files.is_empty() {
-        files = standard_traces(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
-    }
+    let args = BenchArgs::parse(std::env::args().skip(1)).unwrap_or_else(|e| panic!("{e}"));
+    let files = args.files_or_standard(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
     let backend = vmm::from_env().expect("backend");
     let fresh = || {
         let pool = PagePool::new(Arc::clone(&backend), 0, PoolConfig::default()).expect("pool");
@@ -35,7 +29,9 @@ fn main() {
     println!("| trace | ops | peak allocated | peak reserved | reserved ÷ allocated | ns per op | at the peak: large segments (free inside) / cached / small |");
     println!("|---|---|---|---|---|---|---|");
     for file in &files {
-        let trace = Trace::load(file, None).expect("trace");
+        let trace = args.cut(
+            Trace::load(file, None).unwrap_or_else(|e| panic!("trace {}: {e}", file.display())),
+        );
         let timed = replay(&fresh(), &trace, StreamHandle::DEFAULT, None).expect("replay");
         // Again, stopping where reserved first reaches its peak, to see where the pages are.
         let alloc = fresh();

@@ -157,7 +157,9 @@ void strata_empty_cache(void);
  * memory and peer pages behind strata's addresses (strata_offload, overflow) do not count.
  * Beyond it strata_malloc returns NULL (STRATA_LIMIT_EXCEEDED), except for a tag set to
  * overflow, which goes on onto its overflow memory; strata_onload and revocations stay under
- * it. A cap of 0 bytes is a cap (limit_set in strata_stats_t tells it from none). */
+ * it. A cap of 0 bytes is a cap (limit_set in strata_stats_t tells it from none). An operator
+ * sets the same cap from outside the process with `strata limit PID[:DEVICE] SIZE|none`
+ * (README, "Operators"); the last one set wins. */
 void strata_set_memory_fraction(double fraction, int device);
 
 /* `ptr` is also used on `stream`: after its free, its memory is reused only once the work

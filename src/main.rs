@@ -27,6 +27,14 @@ enum Command {
     /// The discrete-event simulator: `strata sim tierkv|kvpr|pie`.
     #[command(subcommand)]
     Sim(cli::sim::SimCommand),
+    /// Every strata process of this user: one line per process and device (`--json`).
+    Ps(cli::ops::ps::PsArgs),
+    /// A live view of the strata processes, devices, tiers and tags (`--once`: one frame).
+    Top(cli::ops::top::TopArgs),
+    /// Caps the device memory a running process holds: `strata limit PID[:DEVICE] SIZE|none`.
+    Limit(cli::ops::limit::LimitArgs),
+    /// The processes' figures in the Prometheus text format (`--listen ADDR`: served).
+    Metrics(cli::ops::metrics::MetricsArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +44,10 @@ fn main() -> ExitCode {
         Command::Demo(demo) => cli::demo::run(demo),
         Command::Bench(b) => cli::bench::run(b),
         Command::Sim(s) => cli::sim::run(s),
+        Command::Ps(a) => cli::ops::ps::run(a),
+        Command::Top(a) => cli::ops::top::run(a),
+        Command::Limit(a) => cli::ops::limit::run(a),
+        Command::Metrics(a) => cli::ops::metrics::run(a),
     };
     match outcome {
         Ok(code) => code,

@@ -18,7 +18,7 @@ pub use caching::{
 };
 pub use direct::DirectResource;
 pub use kv::{Kind, KvConfig, KvSpace, KvStats, SlotId};
-pub use mapped::{MappedPage, MappedRun, Migrated, PageLease, Return};
+pub use mapped::{unmap_pages, MappedPage, MappedRun, Migrated, PageLease, Return, StillMapped};
 pub use pool::{Page, PagePool, PageSource, PoolConfig, PoolStats};
 pub use resource::MemoryResource;
 pub use strata_vmm::{Error, Result};

@@ -12,8 +12,10 @@
 //!   neither reused nor released).
 //!
 //! Callers that keep pages in tables of their own (the caching allocator recycles pages one by
-//! one) build a run and take its pages out with [`MappedRun::into_mapped_pages`]; from then on
-//! the pool counters are theirs to keep.
+//! one, a KV space maps pages per slot, the tier store per object) build a run and take its
+//! pages out with [`MappedRun::into_mapped_pages`], or map [`MappedPage`]s themselves; from
+//! then on the pool counters are theirs to keep, and they unmap with [`unmap_pages`] (or
+//! [`MappedPage::unmap_or_quarantine`]), which quarantines a page whose unmap failed.
 
 use std::sync::Arc;
 
@@ -22,8 +24,10 @@ use strata_vmm::{Access, DevicePtr, Error, Location, Mapping, Reservation, Resul
 use crate::pool::{Page, PagePool};
 
 mod migrate;
+mod unmap;
 
 pub use migrate::Migrated;
+pub use unmap::{unmap_pages, StillMapped};
 
 /// Where leased pages go when their owner drops them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -3,14 +3,14 @@
 //! (dlopen + dlsym), then `strata_stats` for the peaks. One process holds one runtime, so each
 //! trace runs in a child process of this bench (a fresh allocator each).
 //!
-//! Run: `cargo bench -p strata-ffi --bench replay_c_abi` (options: `-- FILE...`).
+//! Run: `cargo bench -p strata-ffi --bench replay_c_abi` (options: `-- FILE...`, `--ops N`).
 
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::ptr::null_mut;
 use std::time::Instant;
 
-use strata_replay::{Op, Trace};
+use strata_replay::{BenchArgs, Op, Trace};
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -41,23 +41,18 @@ struct StatsOut {
 const CHILD: &str = "STRATA_REPLAY_CHILD";
 
 fn main() {
-    let mut files: Vec<PathBuf> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .map(PathBuf::from)
-        .collect();
+    let args = BenchArgs::parse(std::env::args().skip(1)).unwrap_or_else(|e| panic!("{e}"));
     if let Some(file) = std::env::var_os(CHILD) {
-        return child(PathBuf::from(file));
+        return child(PathBuf::from(file), &args);
     }
-    if files.is_empty() {
-        files = strata_replay::standard_traces(&support::repo());
-    }
+    let files = args.files_or_standard(&support::repo());
     support::library();
     println!("| trace | ops | peak allocated | peak reserved | reserved ÷ allocated | ns per op |");
     println!("|---|---|---|---|---|---|");
     for file in files {
         let exe = std::env::current_exe().expect("current exe");
         let status = std::process::Command::new(exe)
+            .args(std::env::args().skip(1))
             .env(CHILD, &file)
             .status()
             .expect("run the replay child");
@@ -65,8 +60,9 @@ fn main() {
     }
 }
 
-fn child(file: PathBuf) {
-    let trace = Trace::load(&file, None).expect("trace");
+fn child(file: PathBuf, args: &BenchArgs) {
+    let trace = args
+        .cut(Trace::load(&file, None).unwrap_or_else(|e| panic!("trace {}: {e}", file.display())));
     let path = support::library();
     // SAFETY: loading our own library runs no initializers with preconditions.
     let lib = unsafe { libloading::Library::new(&path) }

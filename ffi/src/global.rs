@@ -1,26 +1,30 @@
 //! Process-wide state behind the C ABI: the process's [`Runtime`] (backend, and per device one
 //! page pool, the caching allocator over it, Harvest's lending over the same pools), created
-//! lazily on first use. Tags live in `tags.rs`, sleeping tags in `sleeping.rs`.
+//! lazily on first use. Tags, sleeping and overflowing ones among them, live in `tags/`.
 
 use strata_allocator::{CachingAllocator, CachingConfig, PoolConfig};
 use strata_runtime::{Runtime, RuntimeConfig};
 use strata_vmm::Result;
 
-/// The process's runtime, opening the backend on first use.
+/// The process's runtime, opening the backend on first use; its creation starts publishing
+/// the figures for `strata ps` (`ops.rs`), off the allocation path.
 #[inline]
 pub fn global() -> Result<&'static Runtime> {
-    strata_runtime::global(|| RuntimeConfig {
-        pool: PoolConfig::default(),
-        caching: CachingConfig {
-            // A library inside someone else's process: no leak report at teardown.
-            report_leaks: false,
-            ..CachingConfig::default()
-        },
+    strata_runtime::global(|| {
+        crate::ops::start();
+        RuntimeConfig {
+            pool: PoolConfig::default(),
+            caching: CachingConfig {
+                // A library inside someone else's process: no leak report at teardown.
+                report_leaks: false,
+                ..CachingConfig::default()
+            },
+        }
     })
 }
 
 /// The caching allocator of `device`, created on first use; a device first used while tags
-/// sleep starts with them asleep (`sleeping.rs`). Every allocator the C ABI creates comes
+/// sleep starts with them asleep (the tag table, `tags/`). Every allocator the C ABI creates comes
 /// through here, under the sleeping set's lock.
 #[inline]
 pub fn allocator(rt: &Runtime, device: i32) -> Result<&CachingAllocator> {
@@ -37,10 +41,7 @@ pub fn allocator(rt: &Runtime, device: i32) -> Result<&CachingAllocator> {
 #[cold]
 #[inline(never)]
 fn create_allocator(rt: &Runtime, device: usize) -> Result<&CachingAllocator> {
-    let sleeping = crate::sleeping::lock();
+    let sleeping = crate::tags::sleeping();
     let d = &rt.devices()[device];
-    d.allocator_with(|a| {
-        crate::sleeping::apply_to_new_device(&sleeping, a)?;
-        crate::offload::apply_to_new_device(d, a)
-    })
+    d.allocator_with(|a| crate::tags::apply_to_new_device(&sleeping, d, a))
 }

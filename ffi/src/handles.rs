@@ -79,6 +79,12 @@ impl<T> HandleTable<T> {
             .ok_or_else(|| self.stale(handle))
     }
 
+    /// Every live entry (figures of all of them; each lives on while the caller holds it).
+    pub fn values(&self) -> Vec<Arc<T>> {
+        let slots = self.slots.lock();
+        slots.iter().filter_map(|s| s.value.clone()).collect()
+    }
+
     /// Removes the entry of `handle` (its handle becomes stale) and returns it.
     pub fn remove(&self, handle: u64) -> Result<Arc<T>> {
         let (index, generation) = split(handle);
@@ -111,6 +117,7 @@ mod tests {
         ));
         assert!(t.remove(a).is_err());
         assert_eq!(*t.get(b).unwrap(), 2);
+        assert_eq!(t.values().iter().map(|v| **v).collect::<Vec<_>>(), [2]);
         for bad in [0, u64::MAX, b + 1, b ^ (1 << 32)] {
             assert!(t.get(bad).is_err(), "{bad:#x}");
         }

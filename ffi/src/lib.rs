@@ -26,10 +26,10 @@ mod handles;
 mod harvest;
 mod kv;
 mod offload;
+mod ops;
 mod params;
 mod pie;
 mod sleep;
-mod sleeping;
 mod stats;
 mod status;
 mod streams;
@@ -42,6 +42,8 @@ use std::ffi::{c_char, c_double, c_int, c_void};
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
 use global::global;
+#[cfg(test)]
+use sleep::{strata_sleep, strata_wake};
 pub use status::Status;
 
 /// `cudaStream_t`: an opaque pointer whose value is the backend's stream handle.
@@ -229,10 +231,7 @@ pub extern "C" fn strata_set_memory_fraction(fraction: c_double, device: c_int) 
         let a = global::allocator(g, device)?;
         let total = g.backend().device_info(device as u32)?.total_memory;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        a.set_limit(limit)?;
-        // The cap covers the pool's free pages too: all that strata holds on the device.
-        a.pool().set_limit(limit);
-        Ok(())
+        strata_runtime::set_limit(a, limit)
     })
 }
 
@@ -251,7 +250,7 @@ pub extern "C" fn strata_record_stream(ptr: *mut c_void, stream: CudaStream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tags, sleep and wake
+// Tags (sleep and wake: `sleep.rs`)
 
 /// Pushes tag `name` on the calling thread's tag stack: this thread's allocations get it until
 /// the matching `strata_tag_pop`. Names are registered on first push (ids 1, 2, ...); with
@@ -281,125 +280,4 @@ pub extern "C" fn strata_tag_depth() -> c_int {
     boundary::value("strata_tag_depth", 0, || {
         Ok(c_int::try_from(tags::depth()).unwrap_or(c_int::MAX))
     })
-}
-
-/// Puts tag `tag` to sleep on every device: waits for the streams using its memory, copies its
-/// live allocations to host memory when `keep_host_copy` is non-zero, then unmaps and releases
-/// its pages; pointers keep their addresses. Allocating under a sleeping tag fails
-/// (`STRATA_INVALID_STATE`); freeing its pointers works. A device first used while the tag
-/// sleeps starts with it asleep. All or nothing: a tag already asleep on some device is
-/// refused before anything changes, and if one device fails, those already put to sleep by
-/// this call are woken again; should that wake fail too, the status is
-/// `STRATA_INVALID_STATE` and the message names the devices left asleep (`strata_wake` wakes
-/// them).
-///
-/// # Safety
-///
-/// `tag` is NULL (an error) or a NUL-terminated string.
-#[no_mangle]
-pub unsafe extern "C" fn strata_sleep(tag: *const c_char, keep_host_copy: c_int) -> c_int {
-    boundary::status("strata_sleep", || {
-        // SAFETY: forwarded from this function's contract.
-        let name = unsafe { boundary::c_str("tag", tag) }?;
-        sleep_tag(name, |a, id| a.sleep(id, keep_host_copy != 0))
-    })
-}
-
-/// Puts tag `name` to sleep on every device with `put` (host copies, none, or a file), all or
-/// nothing: a tag already asleep anywhere is refused before anything changes, and a device's
-/// failure wakes the devices this call put to sleep (see [`roll_back_sleep`]).
-pub(crate) fn sleep_tag(
-    name: &str,
-    put: impl Fn(&strata_allocator::CachingAllocator, strata_allocator::TagId) -> Result<()>,
-) -> Result<()> {
-    let lease = tags::lease(name)?;
-    let id = lease.id();
-    let g = global()?;
-    let mut sleeping = sleeping::lock();
-    let asleep_on: Vec<String> = g
-        .existing_all()
-        .filter(|(_, a)| a.is_asleep(id))
-        .map(|(d, _)| d.to_string())
-        .collect();
-    if sleeping.contains(&id) || !asleep_on.is_empty() {
-        let place = match asleep_on.len() {
-            0 => String::new(),
-            1 => format!(" on device {}", asleep_on[0]),
-            _ => format!(" on devices {}", asleep_on.join(", ")),
-        };
-        return Err(Error::InvalidState(format!(
-            "tag {name:?} is already asleep{place}"
-        )));
-    }
-    let mut slept: Vec<(usize, &strata_allocator::CachingAllocator)> = Vec::new();
-    for (d, a) in g.existing_all() {
-        if let Err(e) = put(a, id) {
-            return Err(roll_back_sleep(name, id, d, e, &slept));
-        }
-        slept.push((d, a));
-    }
-    sleeping.insert(id);
-    Ok(())
-}
-
-/// Wakes the devices a failed `strata_sleep` already put to sleep. The sleep's error is what
-/// the caller sees, unless a wake fails too: then the state no longer matches that error, and
-/// the caller is told which devices stay asleep.
-#[cold]
-#[inline(never)]
-fn roll_back_sleep(
-    name: &str,
-    id: strata_allocator::TagId,
-    failed_on: usize,
-    error: Error,
-    slept: &[(usize, &strata_allocator::CachingAllocator)],
-) -> Error {
-    let stuck: Vec<String> = slept
-        .iter()
-        .filter_map(|(d, a)| a.wake(id).err().map(|e| format!("device {d} ({e})")))
-        .collect();
-    if stuck.is_empty() {
-        return error;
-    }
-    Error::InvalidState(format!(
-        "putting tag {name:?} to sleep failed on device {failed_on} ({error}), and waking it \
-         back failed on {}: the tag stays asleep there; strata_wake wakes it",
-        stuck.join(", ")
-    ))
-}
-
-/// Wakes tag `tag` on every device where it sleeps: maps fresh pages at the same addresses and
-/// restores the host copies (or zeros). A tag asleep nowhere is `STRATA_INVALID_STATE`. On
-/// failure (out of memory included) the devices not yet woken stay asleep; call again.
-///
-/// # Safety
-///
-/// `tag` is NULL (an error) or a NUL-terminated string.
-#[no_mangle]
-pub unsafe extern "C" fn strata_wake(tag: *const c_char) -> c_int {
-    boundary::status("strata_wake", || {
-        // SAFETY: forwarded from this function's contract.
-        let name = unsafe { boundary::c_str("tag", tag) }?;
-        wake_tag(name)
-    })
-}
-
-/// Wakes tag `name` on every device where it sleeps (see `strata_wake`).
-pub(crate) fn wake_tag(name: &str) -> Result<()> {
-    let lease = tags::lease(name)?;
-    let id = lease.id();
-    let g = global()?;
-    let mut sleeping = sleeping::lock();
-    let mut woke = sleeping.contains(&id);
-    for (_, a) in g.existing_all() {
-        if a.is_asleep(id) {
-            a.wake(id)?;
-            woke = true;
-        }
-    }
-    if !woke {
-        return Err(Error::InvalidState(format!("tag {name:?} is not asleep")));
-    }
-    sleeping.remove(&id);
-    Ok(())
 }

@@ -2,16 +2,14 @@
 //! (still device-accessible, at the link's speed) or to disk (sleep: not accessible until
 //! onload), `strata_onload` brings them back; pointers never change.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
-use strata_allocator::{CachingAllocator, TagId};
-use strata_runtime::DeviceRuntime;
 use strata_vmm::{Error, Result};
 
-use crate::{boundary, global::global, sleeping, stream_of, tags, CudaStream};
+use crate::tags::{self, set_overflow, Overflow};
+use crate::{boundary, global::global, sleep, stream_of, CudaStream};
 
 /// `STRATA_TIER_HOST`: host memory mapped for the device at the same addresses.
 pub const TIER_HOST: c_int = 1;
@@ -38,7 +36,7 @@ pub unsafe extern "C" fn strata_offload(
             TIER_HOST => offload_to_host(name, stream),
             TIER_DISK => {
                 let dir = std::env::temp_dir();
-                crate::sleep_tag(name, |a, id| a.sleep_to_disk(id, &dir))
+                sleep::sleep_tag(name, |a, id| a.sleep_to_disk(id, &dir))
             }
             _ => Err(Error::InvalidArgument(format!(
                 "tier {tier} (STRATA_TIER_HOST = {TIER_HOST}, STRATA_TIER_DISK = {TIER_DISK})"
@@ -60,8 +58,8 @@ pub unsafe extern "C" fn strata_onload(tag: *const c_char, stream: CudaStream) -
         // SAFETY: forwarded from this function's contract.
         let name = unsafe { boundary::c_str("tag", tag) }?;
         let lease = tags::lease(name)?;
-        if sleeping::lock().contains(&lease.id()) {
-            return crate::wake_tag(name);
+        if tags::sleeping().contains(&lease.id()) {
+            return sleep::wake_tag(name);
         }
         let g = global()?;
         for (_, a) in g.existing_all() {
@@ -69,30 +67,6 @@ pub unsafe extern "C" fn strata_onload(tag: *const c_char, stream: CudaStream) -
         }
         Ok(())
     })
-}
-
-/// Where a tag overflows (the last `strata_set_overflow` or `strata_set_overflow_peer` wins).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Overflow {
-    /// Host memory, on every device's allocator, existing and created later
-    /// ([`apply_to_new_device`]).
-    Host,
-    /// The pages of device `lender`, on the allocators that existed when it was set, until
-    /// `lender` revokes them.
-    Peer(usize),
-}
-
-/// Tags allowed to overflow, process-wide. A tag here is in use: its name is not released
-/// ([`is_overflowing`]), so its id (and the setting that goes with it) never passes to another
-/// name.
-fn overflowing() -> &'static Mutex<HashMap<TagId, Overflow>> {
-    static TAGS: OnceLock<Mutex<HashMap<TagId, Overflow>>> = OnceLock::new();
-    TAGS.get_or_init(Mutex::default)
-}
-
-/// Whether tag `id` is set to overflow (which keeps its name registered; see `tags.rs`).
-pub fn is_overflowing(id: TagId) -> bool {
-    overflowing().lock().contains_key(&id)
 }
 
 /// Lets allocations of tag `tag` overflow onto host memory when a device is out of memory
@@ -124,7 +98,7 @@ pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) ->
             // cannot map host memory at all (CUDA before 12.2) refuses it here instead.
             g.backend().granularity(strata_vmm::Location::Host)?;
         }
-        let mut set = overflowing().lock();
+        let mut set = tags::overflowing();
         for device in g.devices() {
             if let Some(a) = device.existing_allocator() {
                 set_overflow(device, a, id, on)?;
@@ -139,30 +113,10 @@ pub unsafe extern "C" fn strata_set_overflow(tag: *const c_char, tier: c_int) ->
     })
 }
 
-fn set_overflow(device: &DeviceRuntime, a: &CachingAllocator, id: TagId, on: bool) -> Result<()> {
-    let to = if on {
-        Some(Arc::clone(device.host_pool()?))
-    } else {
-        None
-    };
-    a.set_overflow(id, to)
-}
-
-/// Applies the overflowing tags to a device's new allocator.
-pub fn apply_to_new_device(device: &DeviceRuntime, a: &CachingAllocator) -> Result<()> {
-    let set = overflowing().lock();
-    for (&id, &to) in set.iter() {
-        if to == Overflow::Host {
-            set_overflow(device, a, id, true)?;
-        }
-    }
-    Ok(())
-}
-
 fn offload_to_host(name: &str, stream: CudaStream) -> Result<()> {
     let lease = tags::lease(name)?;
     let g = global()?;
-    let _no_sleep_meanwhile = sleeping::lock();
+    let _no_sleep_meanwhile = tags::sleeping();
     for device in g.devices() {
         if let Some(a) = device.existing_allocator() {
             a.offload(lease.id(), device.host_pool()?, stream_of(stream))?;
@@ -259,7 +213,7 @@ pub unsafe extern "C" fn strata_set_overflow_peer(tag: *const c_char, lender: c_
         let g = global()?;
         let peer = g.ordinal(lender)?;
         let pool = g.devices()[peer].pool()?;
-        let mut set = overflowing().lock();
+        let mut set = tags::overflowing();
         for (d, a) in g.existing_all() {
             if d != peer {
                 a.set_overflow(id, Some(Arc::clone(pool)))?;
@@ -304,7 +258,7 @@ pub extern "C" fn strata_revoke_peer(lender: c_int, stream: CudaStream) -> c_int
             return Ok(());
         };
         // The allocators stop every tag overflowing onto the lender: so does the set.
-        let mut set = overflowing().lock();
+        let mut set = tags::overflowing();
         set.retain(|_, to| *to != Overflow::Peer(peer));
         let mut first = None;
         for device in g.devices() {

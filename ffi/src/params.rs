@@ -3,17 +3,16 @@
 //! the device's pool (where KV spaces and `strata_malloc` grow) and takes them back; streamed
 //! layers are reloaded into slots with `prepare_layer`, ordered on the caller's stream.
 //!
-//! One [`Mirage`] per device, created on first use over the device runtime's one pool (as
-//! parameter pool and KV pool alike), behind a lock per device. A model handle is
+//! One [`Mirage`] per device, kept by the device's runtime and created on first use over its
+//! one pool (as parameter pool and KV pool alike), behind a lock per device. A model handle is
 //! `(device + 1) << 32 | (model id + 1)`; ids are never reused, so a handle stays valid until
 //! `strata_params_unregister`, and any other value (an unregistered model's included) is
 //! `STRATA_INVALID_HANDLE`.
 
 use std::ffi::{c_int, c_void};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use strata_tiers::mirage::{Mirage, ModelId};
 use strata_vmm::{Error, Event, Result};
 
@@ -47,22 +46,10 @@ pub struct strata_params_model_stats_t {
 /// `STRATA_PARAMS_NO_LAYER`: `strata_params_prepare_next` had no layer to prepare.
 pub const NO_LAYER: u32 = u32::MAX;
 
-static DEVICES: OnceLock<Box<[Mutex<Option<Mirage>>]>> = OnceLock::new();
-
-/// Runs `f` on `device`'s MIRAGE state, creating it on first use.
+/// Runs `f` on `device`'s MIRAGE state, creating it on first use
+/// ([`DeviceRuntime::with_mirage`](strata_runtime::DeviceRuntime::with_mirage)).
 fn with_device<T>(device: u32, f: impl FnOnce(&mut Mirage) -> Result<T>) -> Result<T> {
-    let rt = global()?;
-    let dev = rt.device(device)?;
-    let slots = DEVICES.get_or_init(|| (0..rt.device_count()).map(|_| Mutex::new(None)).collect());
-    let mut slot = slots[dev.device() as usize].lock();
-    let mirage = match &mut *slot {
-        Some(m) => m,
-        None => {
-            let pool = Arc::clone(dev.pool()?);
-            slot.insert(Mirage::new(Arc::clone(&pool), pool)?)
-        }
-    };
-    f(mirage)
+    global()?.device(device)?.with_mirage(f)
 }
 
 /// The device and model of a handle; anything no registration returned is a stale handle.

@@ -1,18 +1,63 @@
 //! Compiles the C tests in `ffi/tests/c/` against `include/strata.h`, links them with the
 //! `libstrata.so` cargo just built (`target/<profile>/`), and runs them on the host backend with
 //! two small emulated devices in strict mode (device memory is not CPU-accessible, so the tests
-//! would fault if anything dereferenced it). Each must exit 0. Where the compiler supports
-//! AddressSanitizer, the same programs run again under ASan + UBSan.
+//! would fault if anything dereferenced it), or with `STRATA_BACKEND=cuda` on the CUDA devices
+//! the machine has. Each must exit 0. Where the compiler supports AddressSanitizer, the same
+//! programs run again under ASan + UBSan.
+//!
+//! Each program runs under its own timeout (`STRATA_C_TEST_TIMEOUT` seconds, default 120), and
+//! a failure is written to stderr at once, outside the test harness's capture: a hang fails only
+//! its own test, and a run killed later still shows every failure before it.
 //!
 //! The C compiler is `$CC` or `cc`; without one the tests print why and pass (CI has gcc).
 
 mod support;
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
+use strata_test_support::skip;
 use support::{library, profile_dir, repo};
+use wait_timeout::ChildExt;
+
+/// Whether the programs run on the CUDA backend (`STRATA_BACKEND=cuda`), else the host backend.
+fn on_cuda() -> bool {
+    std::env::var("STRATA_BACKEND").as_deref() == Ok("cuda")
+}
+
+/// The number of devices the programs see: the host backend's two (`STRATA_HOST_DEVICES` in
+/// [`run`]), or the CUDA driver's. Passed to them as `STRATA_TEST_DEVICES`.
+fn devices() -> u32 {
+    static N: OnceLock<u32> = OnceLock::new();
+    *N.get_or_init(|| {
+        if on_cuda() {
+            strata_vmm::cuda::open().map_or(0, |b| b.device_count())
+        } else {
+            2
+        }
+    })
+}
+
+/// How long one C program may run: `STRATA_C_TEST_TIMEOUT` seconds, 120 by default.
+fn time_limit() -> Duration {
+    let secs = std::env::var("STRATA_C_TEST_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    Duration::from_secs(secs)
+}
+
+/// Fails the running test with `message`, written to stderr first (uncaptured, so it is seen
+/// even if the test executable is killed before its summary).
+fn fail(message: &str) -> ! {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "\n==== C test failed: {message}");
+    let _ = err.flush();
+    panic!("{message}");
+}
 
 fn compiler() -> Option<String> {
     static CC: OnceLock<Option<String>> = OnceLock::new();
@@ -90,10 +135,11 @@ fn run(exe: &Path, name: &str, env: &[(&str, &str)], args: &[&str]) {
         cmd.arg(library());
     }
     // The host backend unless a GPU run asks for CUDA explicitly.
-    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
+    if !on_cuda() {
         cmd.env("STRATA_BACKEND", "host");
     }
-    cmd.env("STRATA_HOST_DEVICES", "2x512MiB")
+    cmd.env("STRATA_TEST_DEVICES", devices().to_string())
+        .env("STRATA_HOST_DEVICES", "2x512MiB")
         .env("STRATA_HOST_STRICT", "1")
         .env_remove("STRATA_HOST_LINK")
         // protect_shadow_gap=0: the CUDA driver maps memory inside ASan's shadow gap.
@@ -104,16 +150,37 @@ fn run(exe: &Path, name: &str, env: &[(&str, &str)], args: &[&str]) {
         )
         .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1")
         .envs(env.iter().copied());
-    let out = cmd.output().expect("run the C test");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{} failed ({}):\n{stdout}\n{stderr}",
-        exe.display(),
-        out.status
-    );
-    assert!(stdout.contains(&format!("{name}: ok")), "{stdout}");
+    // Output into files (a pipe nobody reads while waiting could fill and stall the program).
+    let outputs = |ext: &str| exe.with_extension(ext);
+    let file = |ext: &str| std::fs::File::create(outputs(ext)).expect("create an output file");
+    cmd.stdout(Stdio::from(file("stdout")))
+        .stderr(Stdio::from(file("stderr")));
+    let limit = time_limit();
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("run the C test");
+    let status = child.wait_timeout(limit).expect("wait for the C test");
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let read = |ext: &str| std::fs::read_to_string(outputs(ext)).unwrap_or_default();
+    let (stdout, stderr) = (read("stdout"), read("stderr"));
+    match status {
+        None => fail(&format!(
+            "{} did not finish within {limit:?} (STRATA_C_TEST_TIMEOUT), killed:\n{stdout}\n{stderr}",
+            exe.display()
+        )),
+        Some(s) if !s.success() => fail(&format!(
+            "{} failed ({s}) after {:.1?}:\n{stdout}\n{stderr}",
+            exe.display(),
+            started.elapsed()
+        )),
+        Some(_) if !stdout.contains(&format!("{name}: ok")) => fail(&format!(
+            "{} exited 0 without \"{name}: ok\":\n{stdout}\n{stderr}",
+            exe.display()
+        )),
+        Some(_) => print!("{stdout}"),
+    }
 }
 
 fn c_test(name: &str) {
@@ -149,6 +216,13 @@ fn c_api_whole_surface() {
 
 #[test]
 fn c_harvest_alloc_revoke_and_callbacks() {
+    if devices() < 2 {
+        skip(
+            "c_harvest_alloc_revoke_and_callbacks",
+            "lending needs a second device (a peer); this machine has one",
+        );
+        return;
+    }
     c_test("harvest");
 }
 

@@ -5,16 +5,21 @@
 //! tensors are CPU tensors torch's kernels read. Pages of 64 KiB make the tiny models' sequences
 //! cross page boundaries while they generate; torch uses one thread. With torch and
 //! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
-//! without them this test says why and returns.
+//! without them this test says why and returns. On a GPU run (`STRATA_BACKEND=cuda`) they run on
+//! `cuda`, all but the host link model's.
 
 mod support;
+#[path = "support/unittest.rs"]
+mod unittest;
 
 use std::process::Command;
 
+/// `StrataCache`; the offloaded cache runs in a process of its own, beside it (a GPU run gives
+/// this executable three test threads).
 #[test]
 fn python_transformers_generate_on_strata_kv() {
     run_unittest(
-        "test_transformers",
+        "test_transformers.StrataCacheTest",
         &[
             "test_llama_greedy_matches_dynamic_cache",
             "test_qwen2_greedy_matches_dynamic_cache",
@@ -24,6 +29,20 @@ fn python_transformers_generate_on_strata_kv() {
             "test_more_tokens_than_reserved_is_a_clear_error_and_keeps_the_cache",
             "test_crop_returns_the_pages_past_the_tokens_kept",
             "test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills",
+            "test_crop_with_a_positive_count_keeps_that_many_tokens",
+            "test_every_update_checks_batch_heads_head_dim_and_dtype_and_keeps_the_cache",
+            "test_transformers_outside_the_supported_range_is_refused",
+        ],
+        &[],
+    );
+}
+
+/// `OffloadedStrataCache`: layers swapped to host memory and disk within a device budget.
+#[test]
+fn python_transformers_offload_layers_within_a_device_budget() {
+    run_unittest(
+        "test_transformers.OffloadTest",
+        &[
             "test_llama_offload_matches_dynamic_cache",
             "test_qwen2_gqa_offload_matches_dynamic_cache",
             "test_mixtral_moe_offload_matches_dynamic_cache",
@@ -33,7 +52,32 @@ fn python_transformers_generate_on_strata_kv() {
             "test_adaptive_expansion_moves_layers_in_a_generate_run",
             "test_offload_under_host_link_matches_dynamic_cache",
             "test_budget_smaller_than_one_layer_is_a_clear_error",
+            "test_a_refused_close_leaves_the_cache_usable",
         ],
+        &[(
+            "test_offload_under_host_link_matches_dynamic_cache",
+            "host backend only",
+        )],
+    );
+}
+
+/// `StrataCache(compileable=True)` under torch.compile (`python/tests/test_transformers_compiled.py`):
+/// the decode step compiled whole, DynamicCache's tokens, the mapped-ahead margin, the zero page.
+#[test]
+fn python_transformers_compiled_decode_steps() {
+    run_unittest(
+        "test_transformers_compiled",
+        &[
+            "test_llama_compiled_decode_matches_dynamic_cache",
+            "test_qwen2_compiled_decode_matches_dynamic_cache",
+            "test_mixtral_compiled_decode_matches_dynamic_cache",
+            "test_margin_holds_through_prefill_decode_crop_reset_and_a_refused_batch",
+            "test_a_compiled_write_past_the_mapped_pages_faults_on_the_zero_page",
+        ],
+        &[(
+            "test_a_compiled_write_past_the_mapped_pages_faults_on_the_zero_page",
+            "the host backend outside strict mode (a fault there is a signal)",
+        )],
     );
 }
 
@@ -49,17 +93,15 @@ fn python_mirage_reclaims_an_idle_models_layers_as_kv() {
             "test_layers_come_back_when_pressure_falls_even_after_the_pool_let_its_pages_go",
             "test_bad_use_is_a_typed_error",
         ],
+        &[],
     );
 }
 
-/// Runs the unittest `module` of `python/tests` and checks that `tests` ran, none skipped.
-fn run_unittest(module: &str, tests: &[&str]) {
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_transformers = Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_transformers {
+/// Runs the unittest `module` (or `module.Class`) of `python/tests` and checks that `tests`
+/// ran, none skipped but what `may_skip` allows on CUDA ([`unittest::assert_ran`]).
+fn run_unittest(module: &str, tests: &[&str], may_skip: &[(&str, &str)]) {
+    let python = unittest::python();
+    if !unittest::imports(&python, "torch, transformers") {
         eprintln!(
             "skipping the transformers tests: {python} cannot import torch and transformers \
              (.ci/run installs them)"
@@ -81,18 +123,9 @@ fn run_unittest(module: &str, tests: &[&str]) {
         // crawl on a machine whose cores are busy with the other tests.
         .env("OMP_NUM_THREADS", "1")
         .env_remove("STRATA_HOST_LINK");
-    if std::env::var("STRATA_BACKEND").as_deref() != Ok("cuda") {
+    if !unittest::on_cuda() {
         cmd.env("STRATA_BACKEND", "host");
     }
-    let out = cmd.output().expect("run python3 -m unittest");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stderr}");
-    assert!(out.status.success(), "{module} failed:\n{stderr}");
-    assert!(!stderr.contains("skipped"), "{module} skipped:\n{stderr}");
-    for test in tests {
-        assert!(
-            stderr.contains(&format!("{test} (")),
-            "{test} did not run:\n{stderr}"
-        );
-    }
+    let stderr = unittest::run(&mut cmd, module);
+    unittest::assert_ran(module, &stderr, tests, may_skip);
 }

@@ -71,7 +71,7 @@ from transformers.cache_utils import Cache
 
 from . import _lib
 from ._swapper import Pie, Swapper
-from .transformers import StrataCache, _checked_space
+from .transformers import StrataCache, _checked_space, _kept
 
 __all__ = ["OffloadedStrataCache", "Pie"]
 
@@ -159,6 +159,7 @@ class OffloadedStrataCache(StrataCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._live()
+        self._check_states(key_states, value_states)
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -172,10 +173,11 @@ class OffloadedStrataCache(StrataCache):
         self._swap.acquire(layer_idx, end)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def crop(self, tokens_to_remove):
+    def crop(self, tokens):
         """As `StrataCache.crop`, layer by layer (after the transfers in flight)."""
         self._live()
-        Cache.crop(self, tokens_to_remove)
+        _kept(0, tokens)
+        Cache.crop(self, tokens)
         if self._swap is not None:
             self._swap.truncate(max(layer.length for layer in self.layers))
 
@@ -206,12 +208,17 @@ class OffloadedStrataCache(StrataCache):
         return s
 
     def close(self):
+        """As `StrataCache.close`: refused (`strata.InvalidState`) while views the caller holds keep
+        the space alive, and the cache is then empty but usable (its transfer threads stay)."""
         if self._closed:
             return
         if self._swap is not None:
-            self._swap.close()
+            self._swap.drain()
         self._base = None
         super().close()
+        if self._swap is not None:
+            self._swap.shutdown()
+            self._swap = None
         if self._pie is not None:
             self._pie.close()
             self._pie = None

@@ -443,9 +443,7 @@ class Swapper:
         )
         return out
 
-    def close(self):
-        try:
-            self.drain()
-        finally:
-            for pool in (self.pool_in, self.pool_out, self.pool_stage):
-                pool.shutdown(wait=True)
+    def shutdown(self):
+        """Stops the transfer threads (after `drain`; the swapper is unusable after this)."""
+        for pool in (self.pool_in, self.pool_out, self.pool_stage):
+            pool.shutdown(wait=True)

@@ -24,6 +24,7 @@ non-integer TypeError.
 Lost-block callbacks run on the thread that called `revoke`, after strata released its locks.
 """
 
+import copy
 import ctypes
 import os
 import threading
@@ -200,6 +201,17 @@ class KvTensor:
 
     def __repr__(self):
         return f"KvTensor(shape={self.shape}, dtype={self.dtype}, data={self.data_ptr:#x})"
+
+    def flat(self):
+        """The same memory as one 1-D KvTensor over every element the strides reach. torch sizes a
+        DLPack tensor's storage by its element count, which the extent of a padded layout
+        exceeds, and the compiler's checks then refuse writes through it:
+        `torch.from_dlpack(t.flat()).as_strided(t.shape, element strides)` has a storage that
+        covers the view."""
+        flat = copy.copy(self)
+        flat.shape = (1 + sum((n - 1) * s for n, s in zip(self.shape, self.byte_strides)) // self.elem_size,)
+        flat.byte_strides = (self.elem_size,)
+        return flat
 
     def __dlpack_device__(self):
         if self.dlpack_device_type == 0:

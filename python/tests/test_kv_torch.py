@@ -1,7 +1,8 @@
 """strata.kv with PyTorch: KV tensors are framework tensors without a copy (DLPack). On the host
 backend outside strict mode they are CPU tensors over the space's own pages; on CUDA, CUDA
 tensors. ffi/tests/python.rs runs this module a second time with STRATA_HOST_STRICT=0 and checks
-that these tests ran (they skip in strict mode, where device memory is not CPU-accessible)."""
+that these tests ran (they skip in strict mode, where device memory is not CPU-accessible), on a
+GPU too."""
 
 import tempfile
 import unittest
@@ -12,21 +13,13 @@ except ImportError:  # the tests skip themselves
     torch = None
 
 import strata
+from kv_device import NO_DEVICE, second_device, torch_device
 from strata import kv
 
 LAYERS, HEADS, DIM = 2, 4, 64  # float16: 512 bytes per token, 4096 tokens per 2 MiB page
 
 
-def dlpack_usable():
-    if torch is None:
-        return False
-    with kv.KvSpace(layers=1, kv_heads=HEADS, head_dim=DIM, max_requests=1, max_tokens=4096) as s:
-        device_type = s.tensor(0, "k").dlpack_device_type
-    # CUDA tensors need a CUDA torch can use (not the emulated driver CI runs the CUDA pass on).
-    return device_type == 1 or (device_type == 2 and torch.cuda.is_available())
-
-
-@unittest.skipUnless(dlpack_usable(), "needs torch and CPU-accessible (non-strict) or CUDA KV memory")
+@unittest.skipUnless(torch_device(), NO_DEVICE)
 class KvTorchTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
@@ -41,7 +34,7 @@ class KvTorchTest(unittest.TestCase):
             disk_bytes=64 << 20,
             disk_dir=self.dir.name,
         )
-        self.device = "cuda" if self.space.tensor(0, "k").dlpack_device_type == 2 else "cpu"
+        self.device = torch_device()
 
     def tearDown(self):
         self.space.close()
@@ -152,39 +145,45 @@ class _Allocation:
         pass
 
 
-def cpu_memory():
-    """Device memory is CPU-accessible (the host backend outside strict mode)."""
-    if torch is None:
-        return False
-    with kv.KvSpace(layers=1, kv_heads=HEADS, head_dim=DIM, max_requests=1, max_tokens=4096) as s:
-        return s.tensor(0, "k").dlpack_device_type == 1
+def float32_tensor(ptr, n):
+    """A torch tensor of `n` float32 over strata memory at `ptr` on device 0 (CPU or CUDA)."""
+    from strata import _dlpack
+
+    kind = _dlpack.CUDA if torch_device() == "cuda" else _dlpack.CPU
+    return torch.from_dlpack(_dlpack.capsule(_Allocation(), ptr, kind, 0, _dlpack.dtype_of("float32", 4), [n], [1]))
 
 
-@unittest.skipUnless(cpu_memory(), "needs torch and CPU-accessible (non-strict) memory")
+def synchronize():
+    """torch's queued work done before strata moves pages under it (CUDA; a no-op on the CPU)."""
+    if torch_device() == "cuda":
+        torch.cuda.synchronize()
+
+
+@unittest.skipUnless(torch_device(), NO_DEVICE)
 class AllocatorOffloadTorchTest(unittest.TestCase):
-    """A tensor over a `strata_malloc` block (a CPU tensor through DLPack outside strict mode;
-    on a GPU, `gpu_torch_checks.py`'s pluggable-allocator route is where this is owed)."""
+    """A tensor over a `strata_malloc` block (a CPU tensor through DLPack outside strict mode, a
+    CUDA tensor on a GPU) keeps its address and bytes while strata moves its pages."""
 
     def test_tensor_keeps_its_data_ptr_and_bytes_across_offload_and_onload(self):
-        from strata import _dlpack, _lib
+        from strata import _lib
 
         n = (3 << 20) // 4
         with strata.tag("torch-offload"):
             ptr = _lib.malloc(n * 4)
         try:
-            capsule = _dlpack.capsule(
-                _Allocation(), ptr, _dlpack.CPU, 0, _dlpack.dtype_of("float32", 4), [n], [1]
-            )
-            t = torch.from_dlpack(capsule)
+            t = float32_tensor(ptr, n)
             t.copy_(torch.arange(n, dtype=torch.float32))
             expected = t.clone()
+            synchronize()
             strata.offload("torch-offload", tier="host")
             self.assertGreater(strata.spill_stats("torch-offload")["host_bytes"], 0)
             self.assertEqual(t.data_ptr(), ptr)
             self.assertTrue(torch.equal(t, expected), "bit-identical while offloaded")
             t[:16] = -1.0  # usable while offloaded
             expected[:16] = -1.0
+            synchronize()
             strata.onload("torch-offload")
+            synchronize()
             self.assertEqual(strata.spill_stats("torch-offload")["host_bytes"], 0)
             self.assertEqual(t.data_ptr(), ptr)
             self.assertTrue(torch.equal(t, expected), "bit-identical after onload")
@@ -192,12 +191,19 @@ class AllocatorOffloadTorchTest(unittest.TestCase):
         finally:
             _lib.free(ptr)
 
+    @unittest.skipIf(second_device(), second_device())
     def test_tensor_keeps_its_data_ptr_and_bytes_when_a_lender_takes_its_pages_back(self):
-        """A tag overflows onto device 1's pages while device 0 is full; device 1 revokes them.
+        """A tag overflows onto device 1's pages while device 0 is full (under a cap of 16 MiB
+        over what it holds, so that "full" is the same on any device); device 1 revokes them.
         The tensor's pages move to device 0 at the same address, bytes unchanged, and the move
         is noticed exactly once."""
-        from strata import _dlpack, _lib
+        from strata import _lib
 
+        strata.empty_cache()
+        s = strata.stats(0)
+        held = s["pool_in_use_bytes"] + s["pool_free_bytes"]
+        strata.set_memory_fraction((held + (16 << 20)) / s["total_bytes"], 0)
+        self.addCleanup(strata.set_memory_fraction, 1.0, 0)
         hog = []
         with strata.tag("torch-hog"):
             while True:
@@ -212,17 +218,16 @@ class AllocatorOffloadTorchTest(unittest.TestCase):
                 strata.set_overflow_peer("torch-lent", 1)
                 ptr = _lib.malloc(n * 4)
             self.assertGreaterEqual(strata.spill_stats("torch-lent")["peer_bytes"], n * 4)
-            capsule = _dlpack.capsule(
-                _Allocation(), ptr, _dlpack.CPU, 0, _dlpack.dtype_of("float32", 4), [n], [1]
-            )
-            t = torch.from_dlpack(capsule)
+            t = float32_tensor(ptr, n)
             t.copy_(torch.arange(n, dtype=torch.float32))
             expected = t.clone()
+            synchronize()
             for p in hog:
                 _lib.free(p)
             hog = []
             strata.empty_cache()
             moved = strata.revoke_peer(1)
+            synchronize()
             self.assertEqual(len(moved), 1, moved)
             self.assertEqual((moved[0]["device"], moved[0]["lender"]), (0, 1))
             self.assertTrue(moved[0]["to_device"], "device 0 had room again")

@@ -8,12 +8,14 @@ prompt lengths (left padding), 512 new tokens, a Llama and a Qwen2 (grouped-quer
 both roles, with one slot (Eq. 4) and with two (Eq. 5). Then dynamic reversion: once the KV
 pages are gone, even back to the driver, the layers come back when the idle model serves.
 ffi/tests/python_transformers.rs runs this module in its own process outside strict mode
-(64 KiB pages, one torch thread); in the strict run of the whole suite it skips."""
+(64 KiB pages, one torch thread); in the strict run of the whole suite it skips. On a GPU the
+models run on `cuda`, sized by test_transformers.tiny for its 2 MiB pages."""
 
 import unittest
 
 import strata
-from test_transformers import NEW_TOKENS, PROMPTS, batch, generate, tiny, transformers
+from kv_device import NO_DEVICE
+from test_transformers import DEVICE, NEW_TOKENS, PROMPTS, batch, generate, tiny, transformers
 
 if transformers is not None:
     import torch
@@ -35,7 +37,9 @@ LONG_PROMPTS = (500, 470, 490)
 
 def squeeze_pool(spare_pages):
     """Caps device 0's pool at the pages in use now plus `spare_pages` (and half a page, so the
-    fraction's rounding cannot cost one)."""
+    fraction's rounding cannot cost one). The cap counts the pool's free pages too: they go back
+    to the driver first (its worker trims them later, on a busy machine too late)."""
+    strata.empty_cache()
     s = strata.stats(0)
     limit = s["pool_in_use_bytes"] + (spare_pages + 0.5) * s["page_size"]
     strata.set_memory_fraction(limit / s["total_bytes"], 0)
@@ -49,7 +53,7 @@ def addresses(model):
     return [next(layer.parameters()).data_ptr() for layer in model.model.layers]
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class MirageTest(unittest.TestCase):
     def setUp(self):
         self.addCleanup(lift_pool_limit)
@@ -201,7 +205,7 @@ class MirageTest(unittest.TestCase):
             squeeze_pool(0)
             with self.assertRaises(strata.OutOfMemory):
                 with torch.no_grad():
-                    serving(input_ids=torch.ones(3, 600, dtype=torch.long), past_key_values=cache)
+                    serving(input_ids=torch.ones(3, 600, dtype=torch.long, device=DEVICE), past_key_values=cache)
             lift_pool_limit()
             self.assertEqual(len(asked), 1)
             self.assertGreater(asked[0], 0)

@@ -1,7 +1,8 @@
 """strata.params through ctypes (strict mode): an idle model's layers remapped under pressure
 and reverted, every layer's bytes intact through prepare_layer / layer_done and with the
 look-ahead (prepare_next); the prefill budget; reversion once the device has room, though the
-pool gave its free pages back; typed errors."""
+pool gave its free pages back; typed errors. The models go on the last device: one of their own
+where there are two (the host runs), device 0 on a one-GPU machine."""
 
 import importlib.util
 import unittest
@@ -10,6 +11,11 @@ import strata
 from strata import kv, params
 
 LAYER = 2 << 20
+DEVICE = strata.device_count() - 1
+# Compute per layer, seconds: far above any layer's measured transfer time (T_T, tens of ms for
+# 2 MiB in a debug build on a loaded machine), so that the budget T_T * N <= T_compute allows
+# the remapping these tests ask for whatever the machine's timings.
+T_C = 1.0
 
 
 def layer_bytes(i):
@@ -18,12 +24,17 @@ def layer_bytes(i):
 
 
 class ParamsTest(unittest.TestCase):
+    def setUp(self):
+        # The controller frees pages by remapping only when the pool has none free: other tests
+        # of this process may have left some on the device.
+        strata.empty_cache()
+
     def test_remap_prepare_and_revert_keep_every_layer(self):
-        model = params.register([layer_bytes(i) for i in range(6)], cap=3, device=1)
+        model = params.register([layer_bytes(i) for i in range(6)], cap=3, device=DEVICE)
         self.assertEqual(model.stats()["remapped_layers"], 0)
-        self.assertEqual(params.step(device=1, pages_short=2), 0)  # no compute reported yet
-        model.report_compute(0.05)
-        self.assertGreaterEqual(params.step(device=1, pages_short=2), 1)
+        self.assertEqual(params.step(device=DEVICE, pages_short=2), 0)  # no compute reported yet
+        model.report_compute(T_C)
+        self.assertGreaterEqual(params.step(device=DEVICE, pages_short=2), 1)
         st = model.stats()
         self.assertGreaterEqual(st["remapped_layers"], 2)
         for _ in range(2):
@@ -31,13 +42,13 @@ class ParamsTest(unittest.TestCase):
                 model.prepare_layer(i)
                 self.assertEqual(model.read(i, 0, LAYER), layer_bytes(i))
                 model.layer_done(i)
-        params.revert_all(device=1)
+        params.revert_all(device=DEVICE)
         self.assertEqual(model.stats()["remapped_layers"], 0)
         for i in range(6):
             self.assertEqual(model.read(i, 1000, 5000), layer_bytes(i)[1000:6000])
 
     def test_look_ahead_and_prefill_budget(self):
-        model = params.register([layer_bytes(i) for i in range(6)], cap=2, device=1)
+        model = params.register([layer_bytes(i) for i in range(6)], cap=2, device=DEVICE)
         self.assertGreater(model.stats()["transfer_ns"], 0)
         self.assertIsNone(model.prepare_next(0))  # nothing streams
         with self.assertRaises(strata.InvalidArgument):
@@ -47,10 +58,10 @@ class ParamsTest(unittest.TestCase):
         self.assertEqual(model.stats()["remap_limit"], 0)
         model.report_prefill(3600)
         self.assertEqual(model.stats()["remap_limit"], 2)
-        model.report_compute(0.05)
+        model.report_compute(T_C)
         model.set_active()  # the most recently active idle model goes first
         model.set_active(False)
-        self.assertGreaterEqual(params.step(device=1, pages_short=1), 1)
+        self.assertGreaterEqual(params.step(device=DEVICE, pages_short=1), 1)
         st = model.stats()
         streamed = st["streamed_layers"]
         self.assertGreater(streamed, 0)
@@ -66,19 +77,19 @@ class ParamsTest(unittest.TestCase):
         runs = s["streamed_runs"] - st["streamed_runs"]
         self.assertEqual(runs, 2 * streamed)
         self.assertEqual(s["found_prepared"] - st["found_prepared"], runs - 1)
-        params.revert_all(device=1)
+        params.revert_all(device=DEVICE)
         model.unregister()  # no budget left behind for the other tests' steps
 
     def test_reversion_comes_when_the_device_has_room_though_the_pool_let_its_pages_go(self):
-        model = params.register([layer_bytes(i) for i in range(4)], cap=1, device=1)
-        model.report_compute(0.05)
+        model = params.register([layer_bytes(i) for i in range(4)], cap=1, device=DEVICE)
+        model.report_compute(T_C)
         model.set_active()  # the most recently active idle model goes first
         model.set_active(False)
-        params.step(device=1, pages_short=1)
+        params.step(device=DEVICE, pages_short=1)
         self.assertEqual(model.stats()["remapped_layers"], 1)
         strata.empty_cache()  # the pool's free pages (the layer's among them) go to the driver
-        self.assertEqual(strata.stats(device=1)["pool_free_bytes"], 0)
-        self.assertGreaterEqual(params.step(device=1, pages_short=0), 1)
+        self.assertEqual(strata.stats(device=DEVICE)["pool_free_bytes"], 0)
+        self.assertGreaterEqual(params.step(device=DEVICE, pages_short=0), 1)
         self.assertEqual(model.stats()["remapped_layers"], 0)
         for i in range(4):
             self.assertEqual(model.read(i, 0, 4096), layer_bytes(i)[:4096])

@@ -3,7 +3,9 @@ StrataCache gives exactly DynamicCache's tokens, the KV tensors never move, page
 tokens held, and bad use raises typed errors. Models are random-initialised from small configs
 (nothing downloaded). KV tensors must be CPU-readable, so ffi/tests/python_transformers.rs runs
 this module outside strict mode (STRATA_HOST_STRICT=0) and checks that the tests ran; in the
-strict run of the whole suite they skip."""
+strict run of the whole suite they skip. On a GPU the models and inputs are on `cuda` and the
+models' head and MLP widths grow with the page size (kv_device.page_scale), so that sequences
+cross pages as they do over the host runs' 64 KiB pages."""
 
 import contextlib
 import math
@@ -15,6 +17,7 @@ import unittest
 from unittest import mock
 
 import strata
+from kv_device import NO_DEVICE, page_scale, torch_device
 from strata import kv
 
 NEW_TOKENS = 512
@@ -22,14 +25,10 @@ PROMPTS = (24, 9, 16)  # tokens of each row; shorter rows are left-padded
 VOCAB = 96
 
 
-def cpu_readable_kv():
-    """KV tensors are CPU tensors torch can read (the host backend outside strict mode)."""
-    with kv.KvSpace(layers=1, kv_heads=1, head_dim=64, dtype="float32", max_requests=1, max_tokens=8) as s:
-        return s.tensor(0, "k").dlpack_device_type == 1
-
-
+# Where the models run: "cpu" or "cuda", as strata's KV memory; None where torch cannot use it.
+DEVICE = torch_device()
 # transformers is imported only where the tests can run (it takes seconds to import).
-if cpu_readable_kv():
+if DEVICE:
     try:
         import torch
         import transformers
@@ -58,9 +57,12 @@ def tiny(name, **extra):
         eos_token_id=2,
     )
     common.update(extra)
+    if page_scale() > 1:  # larger pages: as many tokens a page and pages a layer as at 64 KiB
+        common["head_dim"] = common.get("head_dim", common["hidden_size"] // common["num_attention_heads"]) * page_scale()
+        common["intermediate_size"] *= page_scale()
     config = getattr(transformers, f"{name}Config")(**common)
     torch.manual_seed(1234)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model = getattr(transformers, f"{name}ForCausalLM")(config).to(DEVICE).eval()
     return model
 
 
@@ -72,7 +74,7 @@ def batch(prompts=PROMPTS):
     for row, n in enumerate(prompts):
         ids[row, width - n :] = torch.randint(3, VOCAB, (n,))
         mask[row, width - n :] = 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 class Watch:
@@ -137,7 +139,7 @@ def mapped_bytes(cache):
     return len(PROMPTS) * math.ceil(s["tokens"] / s["tokens_per_block"]) * s["block_bytes"]
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class StrataCacheTest(unittest.TestCase):
     def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, attention=None, **extra):
         """`attention`: the StrataCache run's attn_implementation (DynamicCache's stays "sdpa")."""
@@ -210,7 +212,7 @@ class StrataCacheTest(unittest.TestCase):
 
         model = tiny("Llama")
         ids, mask = batch()
-        more = torch.randint(3, VOCAB, (len(PROMPTS), 6))
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 6)).to(DEVICE)
         full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
         logits = {}
         with StrataCache(model.config, max_cache_len=128) as cache, torch.no_grad():
@@ -223,7 +225,77 @@ class StrataCacheTest(unittest.TestCase):
                 logits[name] = out.logits
             self.assertTrue(torch.equal(logits["strata"], logits["dynamic"]))
             with self.assertRaises(strata.InvalidArgument):
-                cache.crop(3)
+                cache.crop(2.5)
+
+    def test_crop_with_a_positive_count_keeps_that_many_tokens(self):
+        """transformers' caches before 5.23 and their assisted generation take crop(n > 0) as
+        "keep n tokens"; crop(-n) removes n; crop(0) keeps everything."""
+        from strata.transformers import OffloadedStrataCache, StrataCache
+
+        model = offload_model("Qwen2")
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 40)).to(DEVICE)
+        more = torch.randint(3, VOCAB, (len(PROMPTS), 5)).to(DEVICE)
+        budget = final_kv_bytes(model, 64) // 2
+        with torch.no_grad():
+            dynamic = DynamicCache()
+            model(input_ids=ids, past_key_values=dynamic)
+            dynamic.crop(-10)
+            want = model(input_ids=more, past_key_values=dynamic).logits
+            for cache in (
+                StrataCache(model.config, max_cache_len=64),
+                OffloadedStrataCache(model.config, max_cache_len=64, device_budget=budget),
+            ):
+                with cache:
+                    model(input_ids=ids, past_key_values=cache)
+                    cache.crop(0)
+                    cache.crop(100)  # more than held: keeps everything
+                    self.assertEqual(cache.get_seq_length(), 40)
+                    cache.crop(30)
+                    self.assertEqual(cache.get_seq_length(), 30)
+                    got = model(input_ids=more, past_key_values=cache).logits
+                    self.assertTrue(torch.equal(got, want), type(cache).__name__)
+                    with self.assertRaises(strata.InvalidArgument):
+                        cache.crop("3")
+                    self.assertEqual(cache.get_seq_length(), 35)
+
+    def test_every_update_checks_batch_heads_head_dim_and_dtype_and_keeps_the_cache(self):
+        """Not only the first update: a batch-1 step into a batch-2 cache must not broadcast into
+        both rows, and another dtype must not be cast silently."""
+        from strata.transformers import OffloadedStrataCache, StrataCache
+
+        model = tiny("Llama")
+        cfg = model.config
+        heads, dim, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        torch.manual_seed(5)
+        bad = {
+            "batch": torch.randn(1, heads, 1, dim).to(DEVICE),
+            "kv_heads": torch.randn(2, heads * 2, 1, dim).to(DEVICE),
+            "head_dim": torch.randn(2, heads, 1, dim * 2).to(DEVICE),
+            "dtype": torch.randn(2, heads, 1, dim, dtype=torch.float64).to(DEVICE),
+        }
+        for cache in (
+            StrataCache(cfg, max_cache_len=64),
+            OffloadedStrataCache(cfg, max_cache_len=64, device_budget=1 << 20),
+        ):
+            with cache:
+                for layer in range(layers):
+                    k, v = torch.randn(2, 2, heads, 5, dim).to(DEVICE)
+                    cache.update(k, v, layer)
+                before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
+                for what, t in bad.items():
+                    with self.assertRaisesRegex(strata.InvalidArgument, what, msg=type(cache).__name__):
+                        cache.update(t, t, 1)
+                ok = torch.randn(2, heads, 1, dim).to(DEVICE)
+                with self.assertRaisesRegex(strata.InvalidArgument, "differ"):
+                    cache.update(ok, ok.double(), 0)
+                with self.assertRaisesRegex(strata.InvalidArgument, "4-d"):
+                    cache.update(ok[0], ok[0], 0)
+                self.assertEqual(cache.get_seq_length(), 5)
+                for layer, (k, v) in zip(cache.layers, before):
+                    self.assertTrue(torch.equal(layer.keys, k) and torch.equal(layer.values, v))
+                del before
+                cache.update(ok, ok, 0)  # the cache still takes a good update
+                self.assertEqual(cache.layers[0].get_seq_length(), 6)
 
     def test_a_row_spilled_twice_reads_back_what_was_written_between_the_spills(self):
         """With a host tier, a partly written page must not count as full: a page counted full
@@ -233,14 +305,14 @@ class StrataCacheTest(unittest.TestCase):
 
         model = tiny("Llama")
         cfg = model.config
-        heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
         layers = cfg.num_hidden_layers
         torch.manual_seed(3)
         written = {layer: ([], []) for layer in range(layers)}
 
         def write(cache, tokens):
             for layer in range(layers):
-                k, v = torch.randn(2, 1, heads, tokens, dim)
+                k, v = torch.randn(2, 1, heads, tokens, dim).to(DEVICE)
                 written[layer][0].append(k)
                 written[layer][1].append(v)
                 cache.update(k, v, layer)
@@ -269,7 +341,7 @@ class StrataCacheTest(unittest.TestCase):
         from strata.transformers import StrataCache
 
         model = tiny("Llama")
-        ids = torch.randint(3, VOCAB, (len(PROMPTS), 600))
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 600)).to(DEVICE)
         with StrataCache(model.config, max_cache_len=1024) as cache, torch.no_grad():
             model(input_ids=ids, past_key_values=cache)
             per_page = cache.stats()["tokens_per_block"]
@@ -336,6 +408,19 @@ class StrataCacheTest(unittest.TestCase):
         with self.assertRaisesRegex(strata.InvalidState, "closed"):
             cache.reset()
 
+    def test_transformers_outside_the_supported_range_is_refused(self):
+        from strata import transformers as st
+
+        st._check_version(transformers.__version__)  # this one is in the range
+        for version in (f"{st.OLDEST.major}.{st.OLDEST.minor - 1}.9" if st.OLDEST.minor else "4.57.6", "6.0.0"):
+            with self.assertRaisesRegex(strata.Unsupported, f"transformers {st.TRANSFORMERS_VERSIONS}.*{version}"):
+                st._check_version(version)
+        # The check runs on import, before anything of transformers' cache interface is used.
+        code = "import transformers; transformers.__version__ = '4.57.6'; import strata.transformers"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+        self.assertNotEqual(run.returncode, 0)
+        self.assertIn(f"Unsupported: strata.transformers supports transformers {st.TRANSFORMERS_VERSIONS}", run.stderr)
+
     def test_unsupported_configs_are_refused(self):
         from strata.transformers import StrataCache
 
@@ -365,7 +450,7 @@ def offload_model(name, **extra):
     return tiny(name, **config)
 
 
-@unittest.skipUnless(transformers, "needs torch, transformers and CPU-accessible (non-strict) KV memory")
+@unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class OffloadTest(unittest.TestCase):
     """OffloadedStrataCache: layers' KV swapped to host memory (and disk) within a device budget."""
 
@@ -478,6 +563,7 @@ class OffloadTest(unittest.TestCase):
         self.assertGreater(off["swap_ins"], 0, off)
 
     @unittest.skipIf(os.environ.get("STRATA_HOST_LINK"), "already under a link model")
+    @unittest.skipIf(DEVICE == "cuda", "host backend only: STRATA_HOST_LINK models the host backend's link")
     def test_offload_under_host_link_matches_dynamic_cache(self):
         """The same in a process whose host backend pays a modelled link for every copy, so the
         swaps take time and overlap the layers' compute."""
@@ -492,6 +578,27 @@ class OffloadTest(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertIn("Ran 1 test", run.stderr)
         self.assertNotIn("skipped", run.stderr)
+
+    def test_a_refused_close_leaves_the_cache_usable(self):
+        """close() with a view still held is refused (InvalidState); the cache is then empty and
+        usable, transfer threads included, and closes once the view is gone."""
+        from strata.transformers import OffloadedStrataCache
+
+        model = offload_model("Qwen2")
+        expected = generate(model, DynamicCache(), new_tokens=40)
+        budget = final_kv_bytes(model, max(PROMPTS) + 40) // 2
+        cache = OffloadedStrataCache(model.config, max_cache_len=128, device_budget=budget)
+        generate(model, cache, new_tokens=40)
+        held = cache.layers[0].keys
+        with self.assertRaises(strata.InvalidState):
+            cache.close()
+        self.assertEqual(cache.get_seq_length(), 0)
+        del held
+        got = generate(model, cache, new_tokens=40)
+        self.assertTrue(torch.equal(got, expected))
+        self.assertGreater(cache.stats()["offload"]["swap_ins"], 0)
+        cache.close()
+        self.assertIsNone(cache.space)
 
     def test_budget_smaller_than_one_layer_is_a_clear_error(self):
         from strata.transformers import OffloadedStrataCache
@@ -509,7 +616,7 @@ class OffloadTest(unittest.TestCase):
         from strata.transformers import OffloadedStrataCache
 
         model = offload_model("Qwen2")
-        ids = torch.randint(3, VOCAB, (len(PROMPTS), 300))
+        ids = torch.randint(3, VOCAB, (len(PROMPTS), 300)).to(DEVICE)
         budget = final_kv_bytes(model, 300) // 2
         with OffloadedStrataCache(model.config, max_cache_len=400, device_budget=budget) as cache, torch.no_grad():
             dynamic = DynamicCache()

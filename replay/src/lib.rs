@@ -28,6 +28,54 @@ pub fn standard_traces(repo: &std::path::Path) -> Vec<std::path::PathBuf> {
     .collect()
 }
 
+/// What a replay bench was asked to run: `--ops N` keeps the first N operations of each trace;
+/// other `--` flags are the harness's (`--bench` from cargo, `--quick` from `.ci/gpu-run`: the
+/// committed traces replay in about a second, so quick runs them whole) and are ignored; the
+/// remaining arguments are trace files, none meaning [`standard_traces`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BenchArgs {
+    pub files: Vec<std::path::PathBuf>,
+    pub max_ops: Option<usize>,
+}
+
+impl BenchArgs {
+    /// Parses the arguments after the program name.
+    pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Self, String> {
+        let mut parsed = BenchArgs::default();
+        let mut args = args.into_iter();
+        while let Some(arg) = args.next() {
+            if arg == "--ops" {
+                let n = args.next().ok_or("--ops needs a count")?;
+                let n = n
+                    .parse()
+                    .map_err(|_| format!("--ops {n:?}: expected a count of operations"))?;
+                parsed.max_ops = Some(n);
+            } else if !arg.starts_with("--") {
+                parsed.files.push(arg.into());
+            }
+        }
+        Ok(parsed)
+    }
+
+    /// The trace files to replay: those given, else the standard traces of the repository at
+    /// `repo`.
+    pub fn files_or_standard(&self, repo: &std::path::Path) -> Vec<std::path::PathBuf> {
+        if self.files.is_empty() {
+            standard_traces(repo)
+        } else {
+            self.files.clone()
+        }
+    }
+
+    /// `trace` cut to `--ops` operations, if given.
+    pub fn cut(&self, mut trace: Trace) -> Trace {
+        if let Some(n) = self.max_ops {
+            trace.ops.truncate(n);
+        }
+        trace
+    }
+}
+
 /// The allocator's figures at one point of a replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
@@ -189,6 +237,32 @@ mod tests {
         let report = replay(&alloc, trace, StreamHandle::DEFAULT, Some(1000)).expect("replay");
         alloc.check_invariants().expect("invariants");
         report
+    }
+
+    fn args(list: &[&str]) -> std::result::Result<BenchArgs, String> {
+        BenchArgs::parse(list.iter().map(|a| a.to_string()))
+    }
+
+    #[test]
+    fn bench_arguments_take_a_count_after_ops_and_ignore_harness_flags() {
+        // `.ci/gpu-run --quick` passes these: "5000" is --ops's count, not a trace file.
+        let quick = args(&["--bench", "--quick", "--ops", "5000"]).unwrap();
+        assert_eq!(quick.files, Vec::<PathBuf>::new());
+        assert_eq!(quick.max_ops, Some(5000));
+        let repo = traces().join("../..");
+        assert_eq!(quick.files_or_standard(&repo), standard_traces(&repo));
+        let trace = Trace::load(&traces().join("llama-train.csv.gz"), None).unwrap();
+        assert!(trace.ops.len() > 5000);
+        assert_eq!(quick.cut(trace).ops.len(), 5000);
+
+        let given = args(&["a.csv", "--bench", "b.json"]).unwrap();
+        assert_eq!(
+            given.files,
+            [PathBuf::from("a.csv"), PathBuf::from("b.json")]
+        );
+        assert_eq!(given.max_ops, None);
+        assert!(args(&["--ops"]).unwrap_err().contains("--ops"));
+        assert!(args(&["--ops", "many"]).unwrap_err().contains("many"));
     }
 
     #[test]

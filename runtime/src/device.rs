@@ -4,7 +4,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use strata_allocator::{AllocatorStats, CachingAllocator, PagePool, PoolStats};
-use strata_vmm::{Backend, Result};
+use strata_tiers::mirage::Mirage;
+use strata_vmm::{Backend, Error, Result};
 
 use crate::RuntimeConfig;
 
@@ -25,7 +26,12 @@ pub struct DeviceRuntime {
     backend: Arc<dyn Backend>,
     device: u32,
     config: RuntimeConfig,
+    /// MIRAGE's state over the device's pool, created on first use (see
+    /// [`DeviceRuntime::with_mirage`]).
+    mirage: Mutex<Option<Mirage>>,
     allocator: OnceLock<CachingAllocator>,
+    /// Whether the first [`DeviceRuntime::allocator_once`] created the allocator.
+    allocator_asked: OnceLock<bool>,
     /// Host-memory pages mapped for this device (offloaded tags), created on first use.
     host_pool: OnceLock<Arc<PagePool>>,
     pool: OnceLock<Arc<PagePool>>,
@@ -49,7 +55,9 @@ impl DeviceRuntime {
             backend,
             device,
             config,
+            mirage: Mutex::new(None),
             allocator: OnceLock::new(),
+            allocator_asked: OnceLock::new(),
             host_pool: OnceLock::new(),
             pool: OnceLock::new(),
             allocator_init: Mutex::new(()),
@@ -137,6 +145,35 @@ impl DeviceRuntime {
         })
     }
 
+    /// [`DeviceRuntime::allocator`], asked for once: the first call creates it and, if that
+    /// fails, hands the error to `refused`; from then on every call returns `None` without
+    /// trying again (the preload shim's policy: a device strata cannot serve passes through for
+    /// good, with one message).
+    pub fn allocator_once(&self, refused: impl FnOnce(&Error)) -> Option<&CachingAllocator> {
+        let created = self
+            .allocator_asked
+            .get_or_init(|| self.allocator().map_err(|e| refused(&e)).is_ok());
+        if *created {
+            self.allocator.get()
+        } else {
+            None
+        }
+    }
+
+    /// Runs `f` on the device's MIRAGE state, created on first use over [`DeviceRuntime::pool`]
+    /// (its parameter pool and KV pool alike), behind the device's MIRAGE lock.
+    pub fn with_mirage<T>(&self, f: impl FnOnce(&mut Mirage) -> Result<T>) -> Result<T> {
+        let mut slot = self.mirage.lock();
+        let mirage = match &mut *slot {
+            Some(m) => m,
+            None => {
+                let pool = Arc::clone(self.pool()?);
+                slot.insert(Mirage::new(Arc::clone(&pool), pool)?)
+            }
+        };
+        f(mirage)
+    }
+
     /// The allocator if it was already created.
     #[inline]
     pub fn existing_allocator(&self) -> Option<&CachingAllocator> {
@@ -150,6 +187,16 @@ impl DeviceRuntime {
             allocator: self.allocator.get().map(CachingAllocator::stats),
         }
     }
+}
+
+/// Caps the device memory `allocator` holds at `limit` (`None`: no cap), pool pages included:
+/// live allocations stay, growth beyond the cap is out of memory, and cached memory above it is
+/// given back (`strata_set_memory_fraction`, `strata limit`).
+pub fn set_limit(allocator: &CachingAllocator, limit: Option<u64>) -> Result<()> {
+    allocator.set_limit(limit)?;
+    // The cap covers the pool's free pages too: all that strata holds on the device.
+    allocator.pool().set_limit(limit);
+    Ok(())
 }
 
 /// `cell`'s value, made by `make` under `lock` by the first caller (one `make` at a time; a

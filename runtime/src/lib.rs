@@ -25,7 +25,7 @@ use strata_allocator::{CachingAllocator, CachingConfig, PoolConfig};
 use strata_tiers::harvest::{HarvestConfig, HarvestController};
 use strata_vmm::{Backend, DevicePtr, Error, Result};
 
-pub use device::{DeviceRuntime, DeviceStats};
+pub use device::{set_limit, DeviceRuntime, DeviceStats};
 
 /// How a runtime builds each device's pool and allocator.
 #[derive(Clone, Debug, Default)]

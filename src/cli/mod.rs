@@ -2,6 +2,7 @@ pub mod bench;
 pub mod chart;
 pub mod demo;
 pub mod info;
+pub mod ops;
 pub mod replay;
 pub mod sim;
 pub mod sim_kvpr;

@@ -20,7 +20,7 @@
 //! - [`transfer_recompute`], on the CPU: `K,V[l:s']` move on a copy thread while the caller's
 //!   thread recomputes `K,V[0:l] = X[0:l]·W_K, X[0:l]·W_V` with the GEMM twin
 //!   ([`strata_kernels::gemm`]).
-//! - [`DeviceRuntime`] (and the one-shot [`transfer_recompute_device`]), on a device through
+//! - [`KvprDevice`] (and the one-shot [`transfer_recompute_device`]), on a device through
 //!   [`DeviceWork::gemm_f32_async`]: W_K/W_V resident in device memory; `X[0:l]` crosses first on a
 //!   copy stream; a compute stream waits for its event and recomputes into rows `0..l` of the K
 //!   and V tensors while the copy stream fills rows `l..s'`; a last event marks the merge. On
@@ -242,7 +242,7 @@ pub struct PinnedLayer {
 
 impl PinnedLayer {
     /// Copies `layer`'s X, K and V into a new pinned buffer (its weights stay out: they are
-    /// resident on the device, see [`DeviceRuntime::new`]).
+    /// resident on the device, see [`KvprDevice::new`]).
     pub fn new(backend: &Arc<dyn Backend>, layer: &HostLayer<'_>) -> Result<Self> {
         let cells = layer.check()?;
         let third = f32_len(cells)?;
@@ -271,7 +271,7 @@ impl PinnedLayer {
 /// KVPR's runtime on a device (any backend with a [`DeviceWork`] GEMM: cuBLAS on CUDA, the CPU
 /// twin on the host backend): W_K and W_V resident in device memory, a copy stream that moves
 /// activations and KV, and a compute stream that recomputes.
-pub struct DeviceRuntime {
+pub struct KvprDevice {
     backend: Arc<dyn Backend>,
     work: Arc<dyn DeviceWork>,
     device: u32,
@@ -282,7 +282,7 @@ pub struct DeviceRuntime {
     compute: Stream,
 }
 
-impl DeviceRuntime {
+impl KvprDevice {
     /// Creates the streams on `device` and uploads W_K and W_V (`hidden × hidden`, row-major);
     /// returns once the weights are resident. [`Error::Unsupported`] for a backend without
     /// [`DeviceWork`].
@@ -320,7 +320,7 @@ impl DeviceRuntime {
         )?
         .synchronize()?;
         copy.synchronize()?;
-        Ok(DeviceRuntime {
+        Ok(KvprDevice {
             backend: Arc::clone(backend),
             work,
             device,
@@ -444,7 +444,7 @@ impl DeviceRuntime {
     }
 }
 
-impl Drop for DeviceRuntime {
+impl Drop for KvprDevice {
     fn drop(&mut self) {
         if strata_vmm::process_is_exiting() {
             return;
@@ -508,8 +508,8 @@ impl Drop for DeviceKv {
 }
 
 /// KVPR's runtime on `device` for one layer, start to finish: uploads the layer's weights,
-/// stages X and KV in pinned memory, runs [`DeviceRuntime::run`] and waits for it, reporting
-/// failures of queued work. For repeated layers keep a [`DeviceRuntime`] instead.
+/// stages X and KV in pinned memory, runs [`KvprDevice::run`] and waits for it, reporting
+/// failures of queued work. For repeated layers keep a [`KvprDevice`] instead.
 pub fn transfer_recompute_device(
     backend: &Arc<dyn Backend>,
     device: u32,
@@ -517,7 +517,7 @@ pub fn transfer_recompute_device(
     l: usize,
 ) -> Result<DeviceKv> {
     layer.check_split(l)?;
-    let runtime = DeviceRuntime::new(backend, device, layer.w_k, layer.w_v, layer.hidden)?;
+    let runtime = KvprDevice::new(backend, device, layer.w_k, layer.w_v, layer.hidden)?;
     let kv = runtime.run(&PinnedLayer::new(backend, layer)?, l)?;
     runtime.synchronize()?;
     Ok(kv)

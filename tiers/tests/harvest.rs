@@ -14,7 +14,9 @@ use strata_tiers::harvest::{
 };
 use strata_tiers::Durability;
 use strata_vmm::host::{FaultOp, Link, LinkModel};
-use strata_vmm::{Access, Backend, Error, HostBuffer, HostConfig, Location, Mapping, Reservation};
+use strata_vmm::{
+    Access, Backend, Error, FaultyBackend, HostBuffer, HostConfig, Location, Mapping, Reservation,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -26,6 +28,33 @@ fn backend(devices: &[u64], link: Option<LinkModel>) -> Arc<dyn Backend> {
         link,
     })
     .unwrap()
+}
+
+/// [`backend`] for a test of `sizes.len()` devices, or `None` after a named skip when the
+/// machine has fewer (Harvest lends between devices: one GPU cannot run these).
+fn devices(test: &str, sizes: &[u64], link: Option<LinkModel>) -> Option<Arc<dyn Backend>> {
+    let b = backend(sizes, link);
+    let have = b.device_count() as usize;
+    if have < sizes.len() {
+        let reason = format!("needs {} devices; this machine has {have}", sizes.len());
+        strata_test_support::skip(test, &reason);
+        return None;
+    }
+    Some(b)
+}
+
+/// A configuration for devices of `sizes`: a device larger than its size (a GPU) gets a quota
+/// of that size, so it lends as the test's small device would, and devices beyond the test's
+/// lend nothing.
+fn config(b: &Arc<dyn Backend>, sizes: &[u64]) -> HarvestConfig {
+    let mut cfg = HarvestConfig::new(b.device_count() as usize);
+    for (d, limits) in cfg.limits.iter_mut().enumerate() {
+        let size = sizes.get(d).copied().unwrap_or(0);
+        if b.mem_info(d as u32).unwrap().total > size {
+            limits.quota = size;
+        }
+    }
+    cfg
 }
 
 fn slow_peer_links() -> LinkModel {
@@ -72,8 +101,12 @@ fn read_back(c: &HarvestController, h: &HarvestHandle, len: usize) -> strata_vmm
 
 #[test]
 fn allocations_land_on_the_best_fit_peer_and_return_their_pages() {
-    let b = backend(&[64 * MIB, 64 * MIB, 16 * MIB, 32 * MIB], None);
-    let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(4)).unwrap();
+    let sizes = [64 * MIB, 64 * MIB, 16 * MIB, 32 * MIB];
+    let test = "allocations_land_on_the_best_fit_peer_and_return_their_pages";
+    let Some(b) = devices(test, &sizes, None) else {
+        return;
+    };
+    let c = HarvestController::new(Arc::clone(&b), config(&b, &sizes)).unwrap();
     let hints = HarvestHints::new(0, Durability::Backed);
     let free2 = b.mem_info(2).unwrap().free;
 
@@ -98,7 +131,7 @@ fn allocations_land_on_the_best_fit_peer_and_return_their_pages() {
     assert_eq!(c.pool(0).unwrap().stats().adopted_total, 13);
 
     // Links first, then hints, then fit.
-    let mut cfg = HarvestConfig::new(4);
+    let mut cfg = config(&b, &sizes);
     cfg.links.set(0, 2, false);
     let c2 = HarvestController::new(Arc::clone(&b), cfg).unwrap();
     let small = c2.harvest_alloc(2 * MIB, &hints).unwrap();
@@ -146,8 +179,12 @@ fn allocations_land_on_the_best_fit_peer_and_return_their_pages() {
 
 #[test]
 fn revocation_drains_then_invalidates_then_calls_back_once() {
-    let b = backend(&[32 * MIB, 32 * MIB], Some(slow_peer_links()));
-    let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(2)).unwrap();
+    let sizes = [32 * MIB, 32 * MIB];
+    let test = "revocation_drains_then_invalidates_then_calls_back_once";
+    let Some(b) = devices(test, &sizes, Some(slow_peer_links())) else {
+        return;
+    };
+    let c = HarvestController::new(Arc::clone(&b), config(&b, &sizes)).unwrap();
     let dst = Arc::new(Reservation::new(&b, 8 * MIB, 0).unwrap());
     let phys = Arc::new(
         strata_vmm::PhysicalMemory::create(&b, Location::Device(0), 8 * MIB, Default::default())
@@ -248,7 +285,8 @@ fn revocation_drains_then_invalidates_then_calls_back_once() {
         .unwrap_err()
         .is_out_of_memory());
 
-    // Pressure: the peer's owner keeps 30 MiB free; lending 4 MiB of 32 breaks it.
+    // Pressure: the peer's owner keeps 2 MiB more free than it has with 4 MiB lent (30 MiB of
+    // a 32 MiB device).
     c.set_limits(
         1,
         PeerLimits {
@@ -264,7 +302,7 @@ fn revocation_drains_then_invalidates_then_calls_back_once() {
     c.set_limits(
         1,
         PeerLimits {
-            reserve: 30 * MIB,
+            reserve: b.mem_info(1).unwrap().free + 2 * MIB,
             quota: u64::MAX,
         },
     )
@@ -281,8 +319,12 @@ fn revocation_drains_then_invalidates_then_calls_back_once() {
 /// (falling back to host); each lossy one is reported lost exactly once.
 #[test]
 fn revocation_storm_never_exposes_torn_or_stale_data() {
-    let b = backend(&[16 * MIB, 24 * MIB, 24 * MIB], Some(slow_peer_links()));
-    let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(3)).unwrap();
+    let sizes = [16 * MIB, 24 * MIB, 24 * MIB];
+    let test = "revocation_storm_never_exposes_torn_or_stale_data";
+    let Some(b) = devices(test, &sizes, Some(slow_peer_links())) else {
+        return;
+    };
+    let c = HarvestController::new(Arc::clone(&b), config(&b, &sizes)).unwrap();
     const LEN: usize = (2 * MIB) as usize;
     struct Obj {
         handle: HarvestHandle,
@@ -437,16 +479,24 @@ fn revocation_storm_never_exposes_torn_or_stale_data() {
 
 #[test]
 fn expert_residency_serves_misses_from_the_fastest_tier() {
-    let b = backend(&[16 * MIB, 16 * MIB], None);
-    let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(2)).unwrap();
+    let sizes = [16 * MIB, 16 * MIB];
+    let Some(b) = devices(
+        "expert_residency_serves_misses_from_the_fastest_tier",
+        &sizes,
+        None,
+    ) else {
+        return;
+    };
+    let c = HarvestController::new(Arc::clone(&b), config(&b, &sizes)).unwrap();
     const E: u64 = 2 * MIB;
     let all: Vec<u8> = (0..8).flat_map(|e| pattern(1000 + e, E as usize)).collect();
     let weights = host_with(&b, &all);
     let experts = ExpertResidency::new(Arc::clone(&c), 0, E, weights, 2).unwrap();
+    // The peer keeps all but 10 MiB of what is free (6 MiB of a 16 MiB device).
     c.set_limits(
         1,
         PeerLimits {
-            reserve: 6 * MIB,
+            reserve: b.mem_info(1).unwrap().free - 10 * MIB,
             quota: u64::MAX,
         },
     )
@@ -454,7 +504,7 @@ fn expert_residency_serves_misses_from_the_fastest_tier() {
     assert_eq!(
         experts.rebalance(8).unwrap(),
         5,
-        "16 MiB peer keeps 6 MiB: 5 experts fit"
+        "10 MiB to lend: 5 experts fit"
     );
     let tiers: Vec<_> = (0..8).map(|e| experts.tier(e).unwrap()).collect();
     assert_eq!(
@@ -504,16 +554,15 @@ fn expert_residency_serves_misses_from_the_fastest_tier() {
 fn a_failed_local_expert_grant_gives_every_page_back_to_the_pool() {
     // Regression: a failed map inside ExpertResidency::new dropped the pages it had taken and
     // left the pool counting them in use.
+    // Faults injected by a wrapper, so this runs on any backend (one device is enough: the
+    // grant is local).
     for (op, nth) in [(FaultOp::Map, 2), (FaultOp::SetAccess, 1)] {
-        let b = backend(&[16 * MIB, 16 * MIB], None);
+        let host = FaultyBackend::new(backend(&[16 * MIB, 16 * MIB], None));
+        let b: Arc<dyn Backend> = host.clone();
         let c = HarvestController::new(Arc::clone(&b), HarvestConfig::new(2)).unwrap();
         const E: u64 = 2 * MIB;
         let weights = host_with(&b, &pattern(7, (4 * E) as usize));
         let baseline = b.live_counts();
-        let host = b
-            .as_any()
-            .downcast_ref::<strata_vmm::HostBackend>()
-            .unwrap();
         host.inject_fault(op, nth);
         let err = ExpertResidency::new(Arc::clone(&c), 0, E, weights, 3)
             .err()

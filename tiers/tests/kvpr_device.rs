@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::kvpr::Data;
 use strata_tiers::kvpr::{
-    plan_split, transfer_recompute_device, DeviceRuntime, HostLayer, PinnedLayer, Schedule,
+    plan_split, transfer_recompute_device, HostLayer, KvprDevice, PinnedLayer, Schedule,
     SplitInputs,
 };
 use strata_vmm::host::{Link, LinkModel};
@@ -81,7 +81,7 @@ fn a_slow_link_still_gives_the_transferred_kv() {
     ] {
         let b = common::backend(Some(model));
         let d = Data::integers(48, 32);
-        let runtime = DeviceRuntime::new(&b, 0, &d.w_k, &d.w_v, d.hidden).unwrap();
+        let runtime = KvprDevice::new(&b, 0, &d.w_k, &d.w_v, d.hidden).unwrap();
         let pinned = PinnedLayer::new(&b, &d.layer()).unwrap();
         for l in [0, 5, planned_l(&d), 40, 48] {
             let (k, v) = runtime.run(&pinned, l).unwrap().read_back().unwrap();
@@ -95,7 +95,7 @@ fn a_slow_link_still_gives_the_transferred_kv() {
 fn one_runtime_serves_many_layers_and_results_wait_only_on_events() {
     let b = common::backend(Some(link(50e6, Duration::from_millis(1))));
     let d = Data::integers(40, 16);
-    let runtime = DeviceRuntime::new(&b, 0, &d.w_k, &d.w_v, d.hidden).unwrap();
+    let runtime = KvprDevice::new(&b, 0, &d.w_k, &d.w_v, d.hidden).unwrap();
     let pinned = PinnedLayer::new(&b, &d.layer()).unwrap();
     // Queue several loads before reading any: each result is ordered by its own events.
     let loads: Vec<_> = [3, 0, 40, 17]
@@ -132,17 +132,17 @@ fn bad_input_is_a_typed_error() {
         transfer_recompute_device(&b, 0, &wrong_hidden, 2).map(drop)
     ));
     assert!(invalid(
-        DeviceRuntime::new(&b, 0, &d.w_k[1..], &d.w_v, 4).map(drop)
+        KvprDevice::new(&b, 0, &d.w_k[1..], &d.w_v, 4).map(drop)
     ));
     // A runtime for hidden 4 refuses a layer of hidden 8, and a split beyond s'.
-    let runtime = DeviceRuntime::new(&b, 0, &d.w_k, &d.w_v, 4).unwrap();
+    let runtime = KvprDevice::new(&b, 0, &d.w_k, &d.w_v, 4).unwrap();
     let wide = Data::integers(8, 8);
     let pinned = PinnedLayer::new(&b, &wide.layer()).unwrap();
     assert!(invalid(runtime.run(&pinned, 1).map(drop)));
     let pinned = PinnedLayer::new(&b, &d.layer()).unwrap();
     assert!(invalid(runtime.run(&pinned, 9).map(drop)));
     assert!(matches!(
-        DeviceRuntime::new(&b, 7, &d.w_k, &d.w_v, 4).map(drop),
+        KvprDevice::new(&b, 7, &d.w_k, &d.w_v, 4).map(drop),
         Err(Error::NoDevice(7))
     ));
 }

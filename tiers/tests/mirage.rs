@@ -10,20 +10,27 @@ use strata_tiers::mirage::plan::ring_gaps;
 use strata_tiers::mirage::{Buffering, Mirage, ModelId};
 use strata_vmm::host::{Link, LinkModel};
 use strata_vmm::{
-    copy_async_in, Access, Backend, CopyDesc, CopyKind, CopyScope, CreateFlags, Error, Event,
-    HostConfig, Location, Mapping, PhysHandle, PhysicalMemory, Reservation, Stream,
+    copy_async_in, Access, Backend, BackendKind, CopyDesc, CopyKind, CopyScope, CreateFlags, Error,
+    Event, HostConfig, Location, Mapping, PhysHandle, PhysicalMemory, Reservation, Stream,
 };
 
-const PAGE: u64 = 64 << 10;
+/// The host backend's page in these tests.
+const HOST_PAGE: u64 = 64 << 10;
 
 fn backend(link: Option<LinkModel>) -> Arc<dyn Backend> {
     strata_vmm::host_or_cuda(HostConfig {
         devices: vec![64 << 20],
-        granularity: PAGE,
+        granularity: HOST_PAGE,
         strict: true,
         link,
     })
     .expect("host backend")
+}
+
+/// One page of `b`: 64 KiB on the host backend, the driver's granularity on CUDA (2 MiB on an
+/// H200). Layers, KV tensors and limits are counted in pages.
+fn page(b: &Arc<dyn Backend>) -> u64 {
+    b.granularity(Location::Device(0)).expect("granularity")
 }
 
 fn pool(b: &Arc<dyn Backend>, limit_pages: Option<u64>) -> Arc<PagePool> {
@@ -33,7 +40,7 @@ fn pool(b: &Arc<dyn Backend>, limit_pages: Option<u64>) -> Arc<PagePool> {
         PoolConfig {
             low_watermark: 0,
             high_watermark: 0,
-            limit: limit_pages.map(|p| p * PAGE),
+            limit: limit_pages.map(|p| p * page(b)),
             idle_trim_after: None,
             background: false,
         },
@@ -47,7 +54,8 @@ fn seed(model: ModelId, layer: u32) -> u64 {
 
 fn register(m: &mut Mirage, layers: u32, cap: u32) -> ModelId {
     let next = ModelId(m.controller().remap_order().len() as u32);
-    m.register_model(layers, PAGE, cap, |l, buf| {
+    let page = page(m.engine().backend());
+    m.register_model(layers, page, cap, |l, buf| {
         pattern::fill(buf, seed(next, l), 0)
     })
     .expect("register")
@@ -71,7 +79,7 @@ fn active_and_idle(
 }
 
 fn check_bytes(b: &Arc<dyn Backend>, ptr: u64, seed: u64) {
-    let mut buf = vec![0u8; PAGE as usize];
+    let mut buf = vec![0u8; page(b) as usize];
     b.read(ptr, &mut buf).unwrap();
     assert_eq!(
         pattern::first_mismatch(&buf, seed, 0),
@@ -87,7 +95,7 @@ fn kv(pool: &Arc<PagePool>) -> KvSpace {
         KvConfig {
             layers: 1,
             max_slots: 4,
-            max_tokens: 1024,
+            max_tokens: (pool.page_size() / 64) as u32,
             bytes_per_token: 64,
             zero_page: false,
         },
@@ -97,14 +105,14 @@ fn kv(pool: &Arc<PagePool>) -> KvSpace {
 
 /// Reads one page of `handle` through a second mapping of its own.
 fn read_handle(b: &Arc<dyn Backend>, handle: PhysHandle) -> Vec<u8> {
-    let va = b.reserve(PAGE, 0).unwrap();
-    b.map(va, PAGE, handle, 0).unwrap();
-    b.set_access(va, PAGE, &[(Location::Device(0), Access::Read)])
+    let va = b.reserve(page(b), 0).unwrap();
+    b.map(va, page(b), handle, 0).unwrap();
+    b.set_access(va, page(b), &[(Location::Device(0), Access::Read)])
         .unwrap();
-    let mut buf = vec![0u8; PAGE as usize];
+    let mut buf = vec![0u8; page(b) as usize];
     b.read(va, &mut buf).unwrap();
-    b.unmap(va, PAGE).unwrap();
-    b.free_va(va, PAGE).unwrap();
+    b.unmap(va, page(b)).unwrap();
+    b.free_va(va, page(b)).unwrap();
     buf
 }
 
@@ -150,8 +158,8 @@ fn reclaimed_parameter_pages_are_the_kv_pages_and_revert_bit_identical() {
     assert_eq!(kv_pool.stats().free, 0);
     let s4 = space.admit().unwrap();
     assert!(space.grow(s4, 1).unwrap_err().is_out_of_memory());
-    let mut k = vec![0u8; PAGE as usize];
-    let mut v = vec![0u8; PAGE as usize];
+    let mut k = vec![0u8; page(&b) as usize];
+    let mut v = vec![0u8; page(&b) as usize];
     pattern::fill(&mut k, 77, 0);
     pattern::fill(&mut v, 88, 0);
     b.write(space.slot_ptr(s3, 0, Kind::K).unwrap(), &k)
@@ -229,7 +237,7 @@ fn per_model_cap_then_active_models() {
 fn pools_of_two_devices_do_not_mix() {
     let b = strata_vmm::host::open(HostConfig {
         devices: vec![16 << 20, 16 << 20],
-        granularity: PAGE,
+        granularity: HOST_PAGE,
         strict: true,
         link: None,
     })
@@ -296,6 +304,14 @@ fn slow_link() -> LinkModel {
 #[test]
 fn prepare_events_complete_only_after_the_bytes_and_wait_for_compute() {
     let b = backend(Some(slow_link()));
+    if b.kind() != BackendKind::Host {
+        // The controller measures T_T on streams of its own, slowed only by the host link model.
+        strata_test_support::skip(
+            "prepare_events_complete_only_after_the_bytes_and_wait_for_compute",
+            "needs the host backend's link model (copies of 20 ms) to keep loads in flight",
+        );
+        return;
+    }
     let params = pool(&b, None);
     let kv_pool = pool(&b, Some(0));
     let mut m = Mirage::new(params, Arc::clone(&kv_pool)).unwrap();
@@ -329,16 +345,16 @@ fn prepare_events_complete_only_after_the_bytes_and_wait_for_compute() {
 
     // "Kernel" of layer 0: a slow device copy reading the slot on the compute stream.
     let compute = Stream::new(&b, 0).unwrap();
-    let out = Arc::new(Reservation::new(&b, PAGE, 0).unwrap());
+    let out = Arc::new(Reservation::new(&b, page(&b), 0).unwrap());
     let phys = Arc::new(
-        PhysicalMemory::create(&b, Location::Device(0), PAGE, CreateFlags::empty()).unwrap(),
+        PhysicalMemory::create(&b, Location::Device(0), page(&b), CreateFlags::empty()).unwrap(),
     );
     let _map = Mapping::new(
         &out,
         out.ptr(),
         phys,
         0,
-        PAGE,
+        page(&b),
         &[(Location::Device(0), Access::ReadWrite)],
     )
     .unwrap();
@@ -349,7 +365,7 @@ fn prepare_events_complete_only_after_the_bytes_and_wait_for_compute() {
         CopyKind::Batch(&[CopyDesc {
             dst: out.ptr(),
             src: slot,
-            len: PAGE,
+            len: page(&b),
         }]),
         CopyScope {
             buffers: &[],
@@ -579,7 +595,7 @@ fn reversion_comes_when_the_device_has_room_after_the_pool_trimmed_its_free_page
     // The KV pool gives its free pages back to the driver (as its worker does above the high
     // watermark, or empty_cache): nothing is free, yet the device has room for every layer.
     assert_eq!(kv_pool.trim(0), 2);
-    let device_free = b.mem_info(0).unwrap().free / PAGE;
+    let device_free = b.mem_info(0).unwrap().free / page(&b);
     assert_eq!(m.available_pages() as u64, device_free);
     assert!(device_free >= 2);
     // No room under the pool's limit: the layers stay remapped.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use strata_tiers::{Durability, Notice, Tier};
-use strata_vmm::{Error, HostBackend};
+use strata_vmm::{Backend, Error, FaultyBackend};
 
 #[test]
 fn blocks_survive_spill_to_host_and_disk_and_come_back() {
@@ -142,8 +142,9 @@ fn a_non_writable_disk_directory_is_a_clear_error() {
 
 #[test]
 fn injected_copy_faults_are_typed_errors_and_lose_nothing() {
-    let b = backend(None);
-    let host = b.as_any().downcast_ref::<HostBackend>().unwrap();
+    // Faults injected by a wrapper, so this runs on any backend (a GPU included).
+    let host = FaultyBackend::new(backend(None));
+    let b: Arc<dyn Backend> = host.clone();
     let dir = tempfile::tempdir().unwrap();
     let s = store(&b, dir.path(), 1, 64, 64);
     let ids: Vec<_> = (0..32)

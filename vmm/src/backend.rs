@@ -3,7 +3,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::types::{
     Access, BackendKind, CopyDesc, CreateFlags, DeviceInfo, DevicePtr, EventHandle, LiveCounts,
     Location, MemInfo, PhysHandle, StreamHandle,
@@ -23,7 +23,9 @@ use crate::work::DeviceWork;
 ///    once nothing is mapped inside it ([`Error::StillMapped`](crate::Error::StillMapped)).
 ///    Every mapped range lies inside one reservation.
 /// 3. **Mapping.** `map` needs an unmapped target range ([`Error::AlreadyMapped`](crate::Error::AlreadyMapped))
-///    and `offset + size <= handle size`. A fresh mapping has no access: nothing may touch it
+///    and `size <= handle size`. `offset` must be 0 ([`Error::Unsupported`](crate::Error::Unsupported)
+///    otherwise, as the real driver answers `CUDA_ERROR_NOT_SUPPORTED`): map whole handles, or a
+///    prefix of one. A fresh mapping has no access: nothing may touch it
 ///    until `set_access`. One handle may be mapped at several VAs; all show the same bytes.
 /// 4. **Unmapping.** `unmap` covers whole mappings exactly; a range that splits a mapping is
 ///    [`Error::PartialUnmap`](crate::Error::PartialUnmap), one with holes is
@@ -72,7 +74,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Size in bytes of a live handle.
     fn handle_size(&self, handle: PhysHandle) -> Result<u64>;
 
-    /// Maps `size` bytes of `handle` starting at `offset` to `va` (precondition 3).
+    /// Maps the first `size` bytes of `handle` to `va`; `offset` must be 0 (precondition 3).
     fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()>;
     /// Unmaps whole mappings covering exactly `va..va+size` (precondition 4).
     fn unmap(&self, va: DevicePtr, size: u64) -> Result<()>;
@@ -178,4 +180,12 @@ pub trait Backend: Send + Sync + 'static {
         unsafe { self.copy_async(StreamHandle::DEFAULT, &[copy])? };
         self.stream_synchronize(StreamHandle::DEFAULT)
     }
+}
+
+/// The device work of `backend`; [`Error::Unsupported`] for a backend without one.
+pub fn device_work(backend: &Arc<dyn Backend>) -> Result<Arc<dyn DeviceWork>> {
+    let kind = backend.kind();
+    Arc::clone(backend)
+        .device_work()
+        .ok_or_else(|| Error::Unsupported(format!("no device work on the {kind} backend")))
 }

@@ -187,7 +187,9 @@ impl std::fmt::Debug for PhysicalMemory {
     }
 }
 
-/// `size` bytes of `phys` (from `phys_offset`) mapped at `va` inside `reservation`; unmaps on drop.
+/// The first `size` bytes of `phys` mapped at `va` inside `reservation`; unmaps on drop.
+/// `phys_offset` must be 0 ([`Backend::map`]'s precondition 3: the driver maps handles from
+/// offset 0 only); any other value is [`Error::Unsupported`].
 pub struct Mapping {
     reservation: Arc<Reservation>,
     phys: Arc<PhysicalMemory>,

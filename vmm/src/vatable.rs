@@ -332,6 +332,14 @@ impl VaTable {
     ) -> Result<()> {
         let end = check_range(va, size, granularity)?;
         check_aligned("offset", offset, granularity)?;
+        if offset != 0 {
+            // CUDA 11's documentation: "currently must be zero"; driver 580.159 on an H200
+            // answered a non-zero offset with CUDA_ERROR_NOT_SUPPORTED (REFERENCE.md §1.2).
+            return Err(Error::Unsupported(format!(
+                "map at offset {offset:#x} into a handle: the CUDA driver maps handles from \
+                 offset 0 only (CUDA_ERROR_NOT_SUPPORTED)"
+            )));
+        }
         let phys_end = range_end(offset, size, "offset + size")?;
         if phys_end > handle_size {
             return Err(Error::InvalidArgument(format!(

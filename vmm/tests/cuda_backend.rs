@@ -219,29 +219,21 @@ fn two_vas_one_handle_share_bytes() {
 
 #[test]
 #[ignore = "needs a CUDA device: run with --include-ignored on a GPU machine"]
-fn map_at_nonzero_offset() {
+fn map_at_nonzero_offset_is_refused() {
     let Some(b) = backend() else { return };
     let g = b.granularity(D0).unwrap();
+    let before = b.live_counts();
     let h = b.create(D0, 2 * g, CreateFlags::empty()).unwrap();
-    let whole = b.reserve(2 * g, 0).unwrap();
-    let half = b.reserve(g, 0).unwrap();
-    b.map(whole, 2 * g, h, 0).unwrap();
-    b.set_access(whole, 2 * g, &[(D0, Access::ReadWrite)])
-        .unwrap();
-    let data = pattern(4096, 9);
-    b.write(whole + g, &data).unwrap();
-    // The contract allows a non-zero offset; older driver docs said "must be zero".
-    b.map(half, g, h, g)
-        .expect("cuMemMap with a non-zero offset");
-    b.set_access(half, g, &[(D0, Access::Read)]).unwrap();
-    let mut back = vec![0u8; data.len()];
-    b.read(half, &mut back).unwrap();
-    assert_eq!(back, data);
-    b.unmap(half, g).unwrap();
-    b.unmap(whole, 2 * g).unwrap();
+    let va = b.reserve(2 * g, 0).unwrap();
+    // The driver maps handles from offset 0 only (an H200 answered CUDA_ERROR_NOT_SUPPORTED):
+    // the backend refuses first, with the host backend's typed error.
+    assert!(matches!(b.map(va, g, h, g), Err(Error::Unsupported(_))));
+    // A prefix of the handle is fine.
+    b.map(va, g, h, 0).unwrap();
+    b.unmap(va, g).unwrap();
     b.release(h).unwrap();
-    b.free_va(half, g).unwrap();
-    b.free_va(whole, 2 * g).unwrap();
+    b.free_va(va, 2 * g).unwrap();
+    assert_eq!(b.live_counts(), before);
 }
 
 #[test]
@@ -385,12 +377,35 @@ fn export_import_shares_memory() {
     let g = b.granularity(D0).unwrap();
     let h = b.create(D0, 2 * g, CreateFlags::EXPORTABLE).unwrap();
     let fd = b.export_fd(h).unwrap();
-    let imported = b.import_fd(fd.as_fd()).unwrap();
-    assert_eq!(b.handle_size(imported).unwrap(), 2 * g);
     let a = b.reserve(2 * g, 0).unwrap();
     let c = b.reserve(2 * g, 0).unwrap();
     b.map(a, 2 * g, h, 0).unwrap();
-    b.map(c, 2 * g, imported, 0).unwrap();
+    // Some drivers cannot map an imported handle (an H200 virtual machine, driver 580.159:
+    // CUDA_ERROR_NOT_SUPPORTED): the import's size probe or the map says so, typed.
+    let mapped = b.import_fd(fd.as_fd()).and_then(|imported| {
+        assert_eq!(b.handle_size(imported)?, 2 * g);
+        match b.map(c, 2 * g, imported, 0) {
+            Ok(()) => Ok(imported),
+            Err(e) => {
+                b.release(imported)?;
+                Err(e)
+            }
+        }
+    });
+    let imported = match mapped {
+        Ok(imported) => imported,
+        Err(Error::Unsupported(words)) => {
+            b.unmap(a, 2 * g).unwrap();
+            b.release(h).unwrap();
+            b.free_va(a, 2 * g).unwrap();
+            b.free_va(c, 2 * g).unwrap();
+            return strata_test_support::skip(
+                "export_import_shares_memory",
+                &format!("this driver cannot map imported handles: {words}"),
+            );
+        }
+        Err(e) => panic!("{e}"),
+    };
     b.set_access(a, 2 * g, &[(D0, Access::ReadWrite)]).unwrap();
     b.set_access(c, 2 * g, &[(D0, Access::ReadWrite)]).unwrap();
     let data = pattern(1000, 5);

@@ -9,10 +9,11 @@
 use parking_lot::MutexGuard;
 use strata_vmm::{Access, DevicePtr, Error, Location, Result, StreamHandle};
 
+use super::stats::DriverCalls;
 use super::supply::Supply;
 use super::{
-    internal, run_slot, AllocatorCounts, Block, BlockState, CachingAllocator, Carve, Segment,
-    State, TagId, CHUNKS_PER_PAGE,
+    internal, run_slot, Block, BlockState, CachingAllocator, Carve, Guard, Segment, State, TagId,
+    CHUNKS_PER_PAGE,
 };
 use crate::mapped::{MappedPage, MappedRun, PageLease};
 use crate::pool::Page;
@@ -26,25 +27,6 @@ pub(super) enum VaChoice {
     WithRoom(u64),
     /// Exactly here (the caller checked that it is free, under the lock it still holds).
     At(u64),
-}
-
-/// The allocator's lock, held.
-pub(super) type Guard<'a> = MutexGuard<'a, State>;
-
-/// Driver calls made with the lock dropped, added to the counts once it is held again.
-#[derive(Default)]
-pub(super) struct DriverCalls {
-    map: u64,
-    pub(super) unmap: u64,
-    set_access: u64,
-}
-
-impl DriverCalls {
-    pub(super) fn add_to(&self, counts: &mut AllocatorCounts) {
-        counts.map_calls += self.map;
-        counts.unmap_calls += self.unmap;
-        counts.set_access_calls += self.set_access;
-    }
 }
 
 impl CachingAllocator {

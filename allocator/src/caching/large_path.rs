@@ -5,8 +5,9 @@
 
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
-use super::grow::{Guard, VaChoice};
+use super::grow::VaChoice;
 use super::large::{self, whole_pages, LargeSegment, LARGE_ALIGN};
+use super::Guard;
 use super::{
     internal, Block, BlockState, CachedRun, CachingAllocator, MappedPage, State, TagId, LARGE,
     NO_SEGMENT,

@@ -62,7 +62,7 @@ mod unmap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use strata_vmm::{
     process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Reservation, Result,
@@ -85,6 +85,9 @@ pub use stats::{human_size, AllocatorCounts, AllocatorStats, LiveAllocation, Tag
 
 use freed::FreedLog;
 use tags::{Mode, TagState};
+
+/// The allocator's lock, held.
+type Guard<'a> = MutexGuard<'a, State>;
 
 /// A tag: every allocation carries one; 0 is untagged. Tags are what sleep and wake act on.
 pub type TagId = u32;

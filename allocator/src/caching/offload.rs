@@ -16,7 +16,7 @@ use strata_vmm::{Access, Error, Location, Result, StreamHandle};
 
 use super::quiet::Quiet;
 use super::supply::{elsewhere, on_device};
-use super::{internal, BlockState, CachingAllocator, MappedPage, State, TagId};
+use super::{internal, CachingAllocator, MappedPage, State, TagId};
 use crate::mapped::{MappedRun, Migrated};
 use crate::pool::{Page, PagePool};
 
@@ -357,25 +357,6 @@ impl CachingAllocator {
         }
         Ok(())
     }
-}
-
-/// The streams that may touch tag index `t32`'s memory: those its blocks were allocated,
-/// freed or used on, and those of its cached runs and large segments.
-pub(super) fn streams_of_tag(st: &State, t32: u32) -> Vec<StreamHandle> {
-    let mut streams = Vec::new();
-    for b in st
-        .blocks
-        .iter()
-        .filter(|b| b.tag == t32 && b.state != BlockState::Dead)
-    {
-        streams.push(b.stream);
-        streams.extend(b.used_on.iter().copied());
-    }
-    for start in st.cache.starts_of_tag(t32) {
-        streams.extend(st.cache.get(start).map(|r| r.stream));
-    }
-    streams.extend(st.large.values().filter(|s| s.tag == t32).map(|s| s.stream));
-    streams
 }
 
 /// A run of a tag's pages that moves as one.

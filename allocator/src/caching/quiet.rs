@@ -14,8 +14,8 @@ use std::ops::{Deref, DerefMut};
 use parking_lot::MutexGuard;
 use strata_vmm::Result;
 
-use super::grow::Guard;
-use super::offload::streams_of_tag;
+use super::streams::streams_of_tag;
+use super::Guard;
 use super::{CachingAllocator, Mode, State};
 
 /// The allocator's lock, held, and the tags it claimed: dropping it (a panic included) ends

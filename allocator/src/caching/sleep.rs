@@ -14,8 +14,8 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use rustc_hash::FxHashMap;
 use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
 
-use super::grow::DriverCalls;
 use super::quiet::Quiet;
+use super::stats::DriverCalls;
 use super::{BlockState, CachingAllocator, MappedPage, Mode, State, TagId};
 use crate::pool::Page;
 
@@ -39,6 +39,13 @@ pub(super) struct DiskCopy {
 impl SleepData {
     pub fn copy_bytes(&self) -> u64 {
         self.copies.values().map(|c| c.len() as u64).sum()
+    }
+
+    /// Bytes of the disk copies.
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk
+            .as_ref()
+            .map_or(0, |d| d.blocks.values().map(|&(_, len)| len).sum())
     }
 
     /// A sleeping allocation was freed: its copy goes.

@@ -62,6 +62,8 @@ pub struct TagStats {
     pub asleep: bool,
     /// Bytes held in host copies while asleep.
     pub host_copy_bytes: u64,
+    /// Bytes held in a disk file while asleep (`sleep_to_disk`).
+    pub disk_copy_bytes: u64,
 }
 
 /// A snapshot of the allocator's accounting.
@@ -227,6 +229,7 @@ impl CachingAllocator {
                 frees: t.totals.frees,
                 asleep: t.asleep(),
                 host_copy_bytes: t.sleep.copy_bytes(),
+                disk_copy_bytes: t.sleep.disk_bytes(),
             })
             .collect();
         tags.sort_by_key(|t| t.tag);
@@ -443,5 +446,21 @@ mod tests {
         t.add_pages(3);
         t.sub_pages(2);
         assert_eq!((t.mapped_pages, t.peak_mapped_pages), (1, 3));
+    }
+}
+
+/// Driver calls made with the lock dropped, added to the counts once it is held again.
+#[derive(Default)]
+pub(super) struct DriverCalls {
+    pub(super) map: u64,
+    pub(super) unmap: u64,
+    pub(super) set_access: u64,
+}
+
+impl DriverCalls {
+    pub(super) fn add_to(&self, counts: &mut AllocatorCounts) {
+        counts.map_calls += self.map;
+        counts.unmap_calls += self.unmap;
+        counts.set_access_calls += self.set_access;
     }
 }

@@ -3,7 +3,7 @@
 
 use strata_vmm::{DevicePtr, Error, Event, Result, StreamHandle};
 
-use super::grow::Guard;
+use super::Guard;
 use super::{BlockState, CachingAllocator, Mode, PendingFree, State, IDLE_EVENTS, LARGE};
 
 impl CachingAllocator {
@@ -230,4 +230,23 @@ impl CachingAllocator {
         }
         Ok(())
     }
+}
+
+/// The streams that may touch tag index `t32`'s memory: those its blocks were allocated,
+/// freed or used on, and those of its cached runs and large segments.
+pub(super) fn streams_of_tag(st: &State, t32: u32) -> Vec<StreamHandle> {
+    let mut streams = Vec::new();
+    for b in st
+        .blocks
+        .iter()
+        .filter(|b| b.tag == t32 && b.state != BlockState::Dead)
+    {
+        streams.push(b.stream);
+        streams.extend(b.used_on.iter().copied());
+    }
+    for start in st.cache.starts_of_tag(t32) {
+        streams.extend(st.cache.get(start).map(|r| r.stream));
+    }
+    streams.extend(st.large.values().filter(|s| s.tag == t32).map(|s| s.stream));
+    streams
 }

@@ -11,10 +11,9 @@
 use parking_lot::Mutex;
 use strata_vmm::{DevicePtr, Error, Location, Result, StreamHandle};
 
-use super::grow::DriverCalls;
-use super::unmap::unmap_pages;
+use super::stats::DriverCalls;
 use super::{CachingAllocator, State};
-use crate::mapped::MappedPage;
+use crate::mapped::{unmap_pages, MappedPage};
 use crate::pool::{Page, PagePool, PageSource};
 
 /// Whether `page` is `device`'s own memory, what the limit counts: not host memory, not a
@@ -76,7 +75,9 @@ impl Supply {
         stuck: &Mutex<Vec<DevicePtr>>,
     ) -> Result<Vec<Page>> {
         let mut pages = self.ready;
-        let unmapped = unmap_pages(pool, self.mapped, &mut pages, calls, stuck);
+        calls.unmap += self.mapped.len() as u64;
+        let unmapped =
+            unmap_pages(pool, self.mapped, &mut pages).map_err(|s| s.into_error(&mut stuck.lock()));
         // Cached pages of other pools (host memory of an offloaded tag) go home; a new mapping
         // gets the device's own pages in their place.
         let (mut pages, foreign): (Vec<Page>, Vec<Page>) =

@@ -1,39 +1,14 @@
-//! Giving pages up: segments released, the cache emptied, pages unmapped and their VA returned
-//! to the arena. A page whose unmap failed may still be mapped, so it is quarantined and its VA
-//! stays taken for good.
+//! Giving pages up: segments released, the cache emptied, pages unmapped
+//! ([`unmap_pages`]) and their VA returned to the arena. A page whose unmap failed may still be
+//! mapped, so it is quarantined and its VA stays taken for good (`stuck_va`).
 
-use parking_lot::{Mutex, MutexGuard};
-use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
+use parking_lot::MutexGuard;
+use strata_vmm::{Error, Result, StreamHandle};
 
-use super::grow::{DriverCalls, Guard};
+use super::Guard;
 use super::{internal, BlockState, CachedRun, CachingAllocator, State};
-use crate::mapped::MappedPage;
-use crate::pool::{Page, PagePool};
-
-/// Unmaps pages (one mapping each) into `out`, all of them; returns the first error. A page
-/// whose unmap failed may still be mapped: it goes to quarantine in `pool` (its home's
-/// counters), never into `out`, its mapping is leaked, and its address joins `stuck` so that
-/// its VA is never handed out again.
-pub(super) fn unmap_pages(
-    pool: &PagePool,
-    mapped: Vec<MappedPage>,
-    out: &mut Vec<Page>,
-    calls: &mut DriverCalls,
-    stuck: &Mutex<Vec<DevicePtr>>,
-) -> Result<()> {
-    let mut first_err = None;
-    for mp in mapped {
-        calls.unmap += 1;
-        match mp.unmap_or_quarantine(pool) {
-            Ok(page) => out.push(page),
-            Err((va, e)) => {
-                stuck.lock().push(va);
-                first_err.get_or_insert(e);
-            }
-        }
-    }
-    first_err.map_or(Ok(()), Err)
-}
+use crate::mapped::{unmap_pages, MappedPage};
+use crate::pool::Page;
 
 impl CachingAllocator {
     /// Unmaps pages with the lock held (sleep, wake), keeping the first error.
@@ -44,15 +19,14 @@ impl CachingAllocator {
         out: &mut Vec<Page>,
         first_err: &mut Option<Error>,
     ) {
-        let mut calls = DriverCalls::default();
-        if let Err(e) = unmap_pages(&self.pool, mapped, out, &mut calls, &self.stuck_va) {
-            first_err.get_or_insert(e);
+        st.totals.counts.unmap_calls += mapped.len() as u64;
+        if let Err(stuck) = unmap_pages(&self.pool, mapped, out) {
+            first_err.get_or_insert(stuck.into_error(&mut self.stuck_va.lock()));
         }
-        calls.add_to(&mut st.totals.counts);
     }
 
     /// Returns arena pages `start..start + len` to the arena, except pages whose unmap failed
-    /// ([`unmap_pages`]): those may still be mapped, so they stay taken for good.
+    /// (`stuck_va`): those may still be mapped, so they stay taken for good.
     pub(super) fn free_va(&self, st: &mut State, start: u64, len: u64) -> Result<()> {
         st.va.free(start, len).map_err(internal)?;
         let mut stuck = self.stuck_va.lock();
@@ -187,15 +161,15 @@ impl CachingAllocator {
         self.pool.release(unmapped);
         let count = mapped.len() as u64;
         let id = st.inflight.begin(None, None, ranges, count);
-        let mut calls = DriverCalls::default();
         let released = MutexGuard::unlocked(guard, || {
             let mut pages = Vec::with_capacity(mapped.len());
-            let unmapped = unmap_pages(&self.pool, mapped, &mut pages, &mut calls, &self.stuck_va);
+            let unmapped = unmap_pages(&self.pool, mapped, &mut pages)
+                .map_err(|stuck| stuck.into_error(&mut self.stuck_va.lock()));
             self.pool.release(pages);
             unmapped
         });
         let st = &mut **guard;
-        calls.add_to(&mut st.totals.counts);
+        st.totals.counts.unmap_calls += count;
         self.settle(st, id, false)?;
         released?;
         first_err.map_or(Ok(count * self.page), Err)

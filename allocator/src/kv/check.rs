@@ -7,6 +7,7 @@ use strata_vmm::Mapping;
 
 use super::tensor::Backing;
 use super::{KvSpace, SlotState};
+use crate::mapped::MappedPage;
 
 impl KvSpace {
     /// Checks every structural invariant (run after every step in tests):
@@ -115,7 +116,7 @@ impl KvSpace {
                     Ok(())
                 };
                 match backing {
-                    Backing::Real(m, page) => {
+                    Backing::Real(MappedPage { mapping: m, page }) => {
                         if !should_be_real {
                             return Err(format!("{}: pool page beyond the slot's pages", where_()));
                         }

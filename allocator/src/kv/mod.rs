@@ -58,6 +58,7 @@ use strata_vmm::{
     Location, Mapping, PhysicalMemory, Reservation, Result, Stream,
 };
 
+use crate::mapped::unmap_pages;
 use crate::pool::{Page, PagePool};
 
 mod check;
@@ -322,21 +323,15 @@ impl KvSpace {
         if config.zero_page {
             space.zero = Some(space.make_zero_page()?);
             let env = Env {
+                pool: &space.pool,
                 backend: &space.backend,
                 location,
                 page,
                 zero: space.zero.as_ref(),
             };
-            let (mut returned, mut lost) = (Vec::new(), Vec::new());
+            let mut returned = Vec::new();
             for tensor in &mut space.tensors {
-                tensor.unback(
-                    0,
-                    tensor_pages,
-                    &mut returned,
-                    &mut lost,
-                    &env,
-                    &mut space.counters,
-                )?;
+                tensor.unback(0, tensor_pages, &mut returned, &env, &mut space.counters)?;
             }
         }
         Ok(space)
@@ -552,6 +547,7 @@ impl KvSpace {
         let mut spare = self.take_pages(total)?;
         let base = index * self.pages_per_slot;
         let env = Env {
+            pool: &self.pool,
             backend: &self.backend,
             location: self.location,
             page: self.page,
@@ -573,23 +569,14 @@ impl KvSpace {
             return Ok(());
         };
         // Roll back every tensor touched so far, the failed one included.
-        let mut lost = Vec::new();
         for tensor in &mut self.tensors[..=failed] {
-            if let Err(e) = tensor.unback(
-                base + from,
-                base + to,
-                &mut spare,
-                &mut lost,
-                &env,
-                &mut self.counters,
-            ) {
+            if let Err(e) =
+                tensor.unback(base + from, base + to, &mut spare, &env, &mut self.counters)
+            {
                 record_deferred(e);
             }
         }
         self.pool.give(spare);
-        if !lost.is_empty() {
-            self.pool.release(lost);
-        }
         Err(error)
     }
 
@@ -635,8 +622,9 @@ impl KvSpace {
         given
     }
 
-    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool.
-    /// Returns the number of pages given back (with the first error, if any).
+    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool (a
+    /// page whose unmap failed is quarantined instead). Returns the number of pages given back
+    /// (with the first error, if any).
     fn unback_slot(
         &mut self,
         index: usize,
@@ -648,19 +636,19 @@ impl KvSpace {
         }
         let base = index * self.pages_per_slot;
         let env = Env {
+            pool: &self.pool,
             backend: &self.backend,
             location: self.location,
             page: self.page,
             zero: self.zero.as_ref(),
         };
-        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut returned = Vec::new();
         let mut first_err = None;
         for tensor in &mut self.tensors {
             if let Err(e) = tensor.unback(
                 base + from,
                 base + to,
                 &mut returned,
-                &mut lost,
                 &env,
                 &mut self.counters,
             ) {
@@ -670,9 +658,6 @@ impl KvSpace {
         let given = returned.len();
         if !returned.is_empty() {
             self.pool.give(returned);
-        }
-        if !lost.is_empty() {
-            self.pool.release(lost);
         }
         match first_err {
             None => Ok(given),
@@ -708,7 +693,7 @@ impl KvSpace {
     /// A slot with holes is first truncated to its first hole: the pages past it are unmapped and
     /// given back (with the zero page behind them again), so a deferred slot has none. The id is
     /// stale even when that unmapping reports an error (returned; the pages whose unmap failed
-    /// are released, never reused).
+    /// are quarantined: never reused, never released).
     pub fn free(&mut self, slot: SlotId) -> Result<()> {
         let index = self.active(slot)?;
         let mut result = Ok(());
@@ -764,7 +749,7 @@ impl KvSpace {
     /// A run that is empty, reaches past the extent or holds a hole is
     /// [`Error::InvalidArgument`] and changes nothing. A backend error is returned after the
     /// whole run was processed; the pages are holes then too (a page whose unmap failed is
-    /// released, never reused).
+    /// quarantined: never reused, never released).
     pub fn evict_pages(&mut self, slot: SlotId, pages: Range<usize>) -> Result<()> {
         let index = self.check_run(slot, &pages, false)?;
         let result = self.unback_slot(index, pages.start, pages.end);
@@ -832,37 +817,24 @@ impl KvSpace {
 }
 
 impl Drop for KvSpace {
-    /// Unmaps every pool page and gives it back to the pool; zero-page mappings, the zero page
+    /// Unmaps every pool page and gives it back to the pool (a page whose unmap failed is
+    /// quarantined); zero-page mappings, the zero page
     /// and the reservations then go, in that order, through their owners. Once the process is
     /// exiting nothing calls the backend (the owners leak instead).
     fn drop(&mut self) {
         if process_is_exiting() {
             return;
         }
-        let (mut returned, mut lost) = (Vec::new(), Vec::new());
+        let mut returned = Vec::new();
         let mut first_err = None;
         for tensor in &mut self.tensors {
-            for backing in &mut tensor.pages {
-                if let Backing::Real(..) = backing {
-                    if let Backing::Real(mapping, page) =
-                        std::mem::replace(backing, Backing::Unmapped)
-                    {
-                        match mapping.unmap() {
-                            Ok(_) => returned.push(page),
-                            Err(e) => {
-                                lost.push(page);
-                                first_err.get_or_insert(e);
-                            }
-                        }
-                    }
-                }
+            let n = tensor.pages.len();
+            if let Err(stuck) = unmap_pages(&self.pool, tensor.take_real(0, n), &mut returned) {
+                first_err.get_or_insert(stuck.first);
             }
         }
         if !returned.is_empty() {
             self.pool.give(returned);
-        }
-        if !lost.is_empty() {
-            self.pool.release(lost);
         }
         if let Some(e) = first_err {
             record_deferred(e);

@@ -6,7 +6,8 @@ use strata_vmm::{
     Access, Backend, DevicePtr, Error, Location, Mapping, PhysicalMemory, Reservation, Result,
 };
 
-use crate::pool::Page;
+use crate::mapped::{unmap_pages, MappedPage};
+use crate::pool::{Page, PagePool};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Counters {
@@ -21,11 +22,13 @@ pub(super) struct Counters {
 pub(super) enum Backing {
     Unmapped,
     Zero(Mapping),
-    Real(Mapping, Page),
+    /// A pool page: unmapped with [`unmap_pages`], so a page whose unmap failed is quarantined.
+    Real(MappedPage),
 }
 
 /// What the per-tensor helpers need from the space (borrowed apart from the tensors).
 pub(super) struct Env<'a> {
+    pub(super) pool: &'a PagePool,
     pub(super) backend: &'a Arc<dyn Backend>,
     pub(super) location: Location,
     pub(super) page: u64,
@@ -83,7 +86,7 @@ impl Tensor {
                     c.map_calls += 1;
                     c.pages_mapped += 1;
                     c.pages_mapped_total += 1;
-                    self.pages[i] = Backing::Real(mapping, page);
+                    self.pages[i] = Backing::Real(MappedPage { mapping, page });
                 }
                 Err(e) => {
                     spare.push(page);
@@ -102,37 +105,39 @@ impl Tensor {
         Ok(())
     }
 
-    /// Unmaps the pool pages of `from..to` (into `returned`; a page whose unmap failed goes to
-    /// `lost`, never back to the free list), then, with a zero page, maps it behind every
-    /// unmapped page of the run and grants read access over the run in one call. Goes on after
-    /// an error and returns the first one.
+    /// Takes the pool pages of `from..to` out of the table (their slots become unmapped).
+    pub(super) fn take_real(&mut self, from: usize, to: usize) -> Vec<MappedPage> {
+        let mut taken = Vec::new();
+        for backing in &mut self.pages[from..to] {
+            if let Backing::Real(..) = backing {
+                if let Backing::Real(mapped) = std::mem::replace(backing, Backing::Unmapped) {
+                    taken.push(mapped);
+                }
+            }
+        }
+        taken
+    }
+
+    /// Unmaps the pool pages of `from..to` into `returned` ([`unmap_pages`]: a page whose unmap
+    /// failed is quarantined, never back to the free list), then, with a zero page, maps it
+    /// behind every unmapped page of the run and grants read access over the run in one call.
+    /// Goes on after an error and returns the first one.
     pub(super) fn unback(
         &mut self,
         from: usize,
         to: usize,
         returned: &mut Vec<Page>,
-        lost: &mut Vec<Page>,
         env: &Env<'_>,
         c: &mut Counters,
     ) -> Result<()> {
         let mut first_err = None;
-        for i in from..to {
-            if let Backing::Real(..) = self.pages[i] {
-                if let Backing::Real(mapping, page) =
-                    std::mem::replace(&mut self.pages[i], Backing::Unmapped)
-                {
-                    c.unmap_calls += 1;
-                    c.pages_mapped -= 1;
-                    c.pages_unmapped_total += 1;
-                    match mapping.unmap() {
-                        Ok(_) => returned.push(page),
-                        Err(e) => {
-                            lost.push(page);
-                            first_err.get_or_insert(e);
-                        }
-                    }
-                }
-            }
+        let taken = self.take_real(from, to);
+        let n = taken.len() as u64;
+        c.unmap_calls += n;
+        c.pages_mapped -= n;
+        c.pages_unmapped_total += n;
+        if let Err(stuck) = unmap_pages(env.pool, taken, returned) {
+            first_err = Some(stuck.first);
         }
         if let Some(zero) = env.zero {
             let mut all_mapped = true;

@@ -1,6 +1,7 @@
 //! The allocator glue: the process's [`Runtime`] over strata's backend ([`strata_vmm::global`],
 //! so `STRATA_BACKEND=host` serves from the host emulation) and each device's
-//! [`CachingAllocator`] in it, created on first use.
+//! [`CachingAllocator`] in it, created on first use and asked for once
+//! ([`DeviceRuntime::allocator_once`](strata_runtime::DeviceRuntime::allocator_once)).
 //!
 //! Nothing here knows about CUDA ABIs: `lib.rs` turns the outcomes into `CUresult`s.
 //!
@@ -14,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use strata_allocator::{AllocatorStats, CachingAllocator, CachingConfig, PoolConfig};
-use strata_runtime::{Runtime, RuntimeConfig};
+use strata_runtime::{DeviceRuntime, Runtime, RuntimeConfig};
 use strata_vmm::{DevicePtr, Error, StreamHandle};
 
 use crate::config::{self, log};
@@ -52,12 +53,6 @@ pub fn active() -> bool {
     !config::get().disable && !inside() && !strata_vmm::fork::forked()
 }
 
-struct Shim {
-    runtime: &'static Runtime,
-    /// Each device's allocator once asked for; `None` when it could not be created (asked once).
-    devices: Vec<OnceLock<Option<&'static CachingAllocator>>>,
-}
-
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
 
 /// Whether the backend was opened (introspection: lookups alone must not initialize anything).
@@ -65,19 +60,18 @@ pub fn initialized() -> bool {
     INITIALIZED.load(Ordering::Acquire)
 }
 
-fn shim() -> Option<&'static Shim> {
-    static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
-    SHIM.get_or_init(|| {
+/// The process's runtime, opened on first use; `None` when no backend opens (asked once).
+fn shim() -> Option<&'static Runtime> {
+    static SHIM: OnceLock<Option<&'static Runtime>> = OnceLock::new();
+    *SHIM.get_or_init(|| {
         let _inside = Inside::enter();
         INITIALIZED.store(true, Ordering::Release);
         match strata_runtime::global(runtime_config) {
             Ok(runtime) => {
                 let n = runtime.device_count();
                 log!("backend {} with {n} device(s)", runtime.backend().kind());
-                Some(Shim {
-                    runtime,
-                    devices: (0..n).map(|_| OnceLock::new()).collect(),
-                })
+                crate::ops::start();
+                Some(runtime)
             }
             Err(e) => {
                 eprintln!("strata-preload: no strata backend ({e}); passing allocations through");
@@ -85,7 +79,6 @@ fn shim() -> Option<&'static Shim> {
             }
         }
     })
-    .as_ref()
 }
 
 fn runtime_config() -> RuntimeConfig {
@@ -107,32 +100,31 @@ fn runtime_config() -> RuntimeConfig {
     }
 }
 
+/// The process's runtime, if the shim opened it (figures).
+pub fn runtime() -> Option<&'static Runtime> {
+    initialized().then(shim).flatten()
+}
+
 /// The allocator of `device`, created on first use; `None` when strata cannot serve it.
-fn allocator(device: u32) -> Option<&'static CachingAllocator> {
-    let shim = shim()?;
-    let slot = shim.devices.get(device as usize)?;
-    *slot.get_or_init(|| {
-        let _inside = Inside::enter();
-        match shim.runtime.allocator(device) {
-            Ok(a) => Some(a),
-            Err(e) => {
-                eprintln!(
-                    "strata-preload: no allocator for device {device} ({e}); passing through"
-                );
-                None
-            }
-        }
+pub fn allocator(device: u32) -> Option<&'static CachingAllocator> {
+    let d = shim()?.devices().get(device as usize)?;
+    if let Some(a) = d.existing_allocator() {
+        return Some(a);
+    }
+    let _inside = Inside::enter();
+    d.allocator_once(|e| {
+        eprintln!("strata-preload: no allocator for device {device} ({e}); passing through")
     })
 }
 
 /// The allocators created so far.
 fn created() -> impl Iterator<Item = &'static CachingAllocator> {
-    let devices: &'static [OnceLock<Option<&'static CachingAllocator>>] = if initialized() {
-        shim().map(|s| s.devices.as_slice()).unwrap_or_default()
+    let devices: &'static [DeviceRuntime] = if initialized() {
+        shim().map(Runtime::devices).unwrap_or_default()
     } else {
         &[]
     };
-    devices.iter().filter_map(|d| d.get().copied().flatten())
+    devices.iter().filter_map(DeviceRuntime::existing_allocator)
 }
 
 /// What an allocation request came to.
@@ -218,14 +210,18 @@ pub fn free(ptr: DevicePtr, sync: impl FnOnce() -> i32) -> Free {
 /// large allocation cannot use it). It only falls while allocations are made and rises when
 /// they are freed.
 pub fn mem_info(device: u32) -> Option<(u64, u64)> {
-    let shim = shim()?;
+    let runtime = shim()?;
     let _inside = Inside::enter();
-    let backend = shim.runtime.backend();
+    let backend = runtime.backend();
     let info = backend.device_info(device).ok()?;
     let device_free = backend.mem_info(device).ok()?.free;
     let total = info.total_memory;
-    let (takeable, held) = match shim.devices.get(device as usize).and_then(|d| d.get()) {
-        Some(Some(a)) => {
+    let allocator = runtime
+        .devices()
+        .get(device as usize)
+        .and_then(DeviceRuntime::existing_allocator);
+    let (takeable, held) = match allocator {
+        Some(a) => {
             let s = a.stats();
             let pool = a.pool().stats();
             let pool_free = pool.free as u64 * pool.page_size;
@@ -236,7 +232,12 @@ pub fn mem_info(device: u32) -> Option<(u64, u64)> {
         _ => (0, 0),
     };
     let mut free = device_free.saturating_add(takeable);
-    if let Some(limit) = config::get().limit {
+    // The allocator's cap once it exists (`strata limit` changes it), else the configured one.
+    let limit = match allocator {
+        Some(a) => a.limit(),
+        None => config::get().limit,
+    };
+    if let Some(limit) = limit {
         free = free.min(limit.saturating_sub(held).saturating_add(takeable));
     }
     Some((free.min(total), total))
@@ -251,5 +252,5 @@ pub fn stats(device: u32) -> Option<AllocatorStats> {
 
 /// Number of devices strata serves (opens the backend).
 pub fn device_count() -> u32 {
-    shim().map_or(0, |s| s.devices.len() as u32)
+    shim().map_or(0, |s| s.device_count() as u32)
 }

@@ -22,6 +22,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod config;
 mod glue;
+mod ops;
 mod real;
 mod table;
 

@@ -8,10 +8,10 @@ mod common;
 
 use common::{emulator, probe, shim};
 
-fn run(preload: bool, disable: bool) -> String {
+fn run(emulator: &std::path::Path, preload: bool, disable: bool) -> String {
     let mut cmd = Command::new(probe());
     cmd.arg("driver")
-        .env("LD_LIBRARY_PATH", emulator())
+        .env("LD_LIBRARY_PATH", emulator)
         .env("STRATA_BACKEND", "cuda")
         .env("STRATA_CUDA_EMU_DEVICES", "1x1GiB")
         .env_remove("STRATA_PRELOAD_DISABLE")
@@ -43,7 +43,12 @@ fn has(out: &str, lines: &[&str]) {
 
 #[test]
 fn driver_allocations_are_served_by_strata_on_the_cuda_backend() {
-    let out = run(true, false);
+    let test = "driver_allocations_are_served_by_strata_on_the_cuda_backend";
+    let emulator = match emulator() {
+        Ok(dir) => dir,
+        Err(reason) => return strata_test_support::skip(test, &reason),
+    };
+    let out = run(&emulator, true, false);
     has(
         &out,
         &[
@@ -66,8 +71,13 @@ fn driver_allocations_are_served_by_strata_on_the_cuda_backend() {
 
 #[test]
 fn without_the_shim_the_emulated_driver_serves_and_refuses_the_same_way() {
+    let test = "without_the_shim_the_emulated_driver_serves_and_refuses_the_same_way";
+    let emulator = match emulator() {
+        Ok(dir) => dir,
+        Err(reason) => return strata_test_support::skip(test, &reason),
+    };
     for (preload, disable) in [(false, false), (true, true)] {
-        let out = run(preload, disable);
+        let out = run(&emulator, preload, disable);
         has(
             &out,
             &[

@@ -281,3 +281,75 @@ fn shim_links_only_libc() {
     let ldd = String::from_utf8_lossy(&ldd.stdout);
     assert!(!ldd.contains("not found"), "{ldd}");
 }
+
+/// The shim publishes its figures for `strata ps` (`<pid>.preload.json`) and applies `strata
+/// limit`: the next allocation beyond the cap fails, one under it succeeds.
+#[test]
+fn strata_ps_sees_the_shim_and_strata_limit_caps_it() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    use strata_ops::{read_all, request_limit, Folder, LimitValue};
+
+    let dir = build();
+    let shm = std::env::temp_dir().join(format!("strata-preload-shm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&shm);
+    let mut child = Command::new(dir.join("routes"))
+        .arg("hold")
+        .env("LD_LIBRARY_PATH", dir)
+        .env("LD_PRELOAD", shim())
+        .env("STRATA_BACKEND", "host")
+        .env("STRATA_HOST_DEVICES", "1x1GiB")
+        .env("STRATA_HOST_GRANULARITY", "2MiB")
+        .env("STRATA_SHM_DIR", &shm)
+        .env_remove("STRATA_PRELOAD_LIMIT")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run routes hold");
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let mut answer = |stdin: &mut std::process::ChildStdin, ask: &str| {
+        line.clear();
+        if !ask.is_empty() {
+            writeln!(stdin, "{ask}").unwrap();
+        }
+        stdout.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    };
+    assert_eq!(answer(&mut stdin, ""), "held");
+    let folder = Folder::at(&shm);
+    let pid = child.id();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let figures = loop {
+        let listing = read_all(&folder).unwrap();
+        if let Some(p) = listing.processes.iter().find(|p| p.pid == pid) {
+            if p.devices.first().is_some_and(|d| d.allocated_bytes > 0) {
+                break p.clone();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no figures from the shim: {listing:?}, {:?}",
+            folder.names()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(figures.library, "preload");
+    let d = &figures.devices[0];
+    assert_eq!(d.allocated_bytes, 6 << 20);
+    assert_eq!(d.reserved_bytes, 6 << 20);
+    assert_eq!(d.total_bytes, DEVICE_BYTES);
+    let cap = 10 << 20;
+    let applied = request_limit(&folder, pid, Some(0), LimitValue::Bytes(cap)).unwrap();
+    assert_eq!(applied, vec![("preload".to_string(), 0, Some(cap))]);
+    assert_eq!(
+        answer(&mut stdin, "alloc 6291456"),
+        "fail",
+        "beyond the cap"
+    );
+    assert_eq!(answer(&mut stdin, "alloc 4194304"), "ok", "under the cap");
+    drop(stdin);
+    assert!(child.wait().unwrap().success());
+    std::fs::remove_dir_all(&shm).unwrap();
+}

@@ -30,6 +30,8 @@ mod requests;
 mod stats;
 mod tiering;
 
+pub use stats::figures_on;
+
 /// Request ids take the low 40 bits of a request handle; the space's serial the rest.
 const SERIAL_SHIFT: u32 = 40;
 /// Most KV spaces created in one process (serials are never reused).

@@ -2,9 +2,11 @@
 
 use std::ffi::c_int;
 
+use strata_ops::{KvFigures, TierBytes};
+
 use crate::boundary;
 
-use super::{out_ptr, space};
+use super::{out_ptr, space, SPACES};
 
 /// `strata_kv_stats_t`.
 #[repr(C)]
@@ -110,4 +112,32 @@ pub unsafe extern "C" fn strata_kv_stats(kv: u64, out: *mut strata_kv_stats_t) -
 #[no_mangle]
 pub extern "C" fn strata_kv_check(kv: u64) -> c_int {
     boundary::status("strata_kv_check", || space(kv)?.manager.check_invariants())
+}
+
+/// The figures of every KV space on `device`, for `strata ps` (`ops.rs`).
+pub fn figures_on(device: u32) -> Vec<KvFigures> {
+    SPACES
+        .values()
+        .iter()
+        .filter(|s| s.device == device)
+        .map(|s| {
+            let m = &s.manager;
+            let k = m.stats();
+            let st = m.store().stats();
+            KvFigures {
+                id: s.serial,
+                tokens: k.tokens,
+                requests: k.live_requests,
+                bytes: TierBytes {
+                    device: k.blocks_resident * m.block_bytes(),
+                    peer: 0,
+                    host: st.host_used * st.block_size,
+                    disk: st.disk_used * st.block_size,
+                },
+                prefetch_hits: k.hinted_prefetches,
+                prefetch_misses: k.demand_restores,
+                moved_bytes: st.transfers.bytes_h2d + st.transfers.bytes_d2h,
+            }
+        })
+        .collect()
 }

@@ -101,6 +101,20 @@ static inline void free_all(int device, void **blocks, int n) {
     strata_empty_cache();
 }
 
+/* The number of devices the test runner expects (STRATA_TEST_DEVICES: the host backend's two,
+ * or what the CUDA driver reports); 2 when unset (the host backend's test configuration). */
+static inline int test_devices(void) {
+    const char *n = getenv("STRATA_TEST_DEVICES");
+    return n && *n ? atoi(n) : 2;
+}
+
+/* True when device 1 exists; otherwise prints the named skip of `what` (which gpu-run lists). */
+static inline int second_device(const char *what) {
+    if (strata_device_count() >= 2) return 1;
+    printf("skipped %s: needs a second device; this machine has %d\n", what, strata_device_count());
+    return 0;
+}
+
 static inline strata_kv_stats_t kv_stats(strata_kv_t kv) {
     strata_kv_stats_t s;
     CHECK_OK(strata_kv_stats(kv, &s));

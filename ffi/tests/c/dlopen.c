@@ -16,6 +16,7 @@ typedef void (*memory_fraction_fn_t)(double fraction, int device);
 typedef void (*record_stream_fn_t)(void *ptr, cudaStream_t_ stream);
 typedef const char *(*str_fn_t)(void);
 typedef int (*stats_fn_t)(int device, void *out);
+typedef int (*count_fn_t)(void);
 
 #define CHECK(cond)                                                                 \
     do {                                                                            \
@@ -50,31 +51,39 @@ int main(int argc, char **argv) {
     str_fn_t last_error = (str_fn_t)sym(lib, "strata_last_error");
     str_fn_t version = (str_fn_t)sym(lib, "strata_version");
     stats_fn_t stats = (stats_fn_t)sym(lib, "strata_stats");
+    count_fn_t device_count = (count_fn_t)sym(lib, "strata_device_count");
 
     CHECK(strcmp(version(), "0.1.0") == 0);
     /* The order PyTorch uses: init, then allocations; hooks as the caching allocator calls them. */
-    init(2);
+    /* Every device the machine has (PyTorch passes its device count); two on the host backend. */
+    int devices = device_count();
+    CHECK(devices >= 1);
+    init(devices);
     CHECK(strcmp(last_error(), "") == 0);
     void *ptrs[64];
     for (int i = 0; i < 64; i++) {
         size_t size = (size_t)(i + 1) * 40000;
-        ptrs[i] = alloc(size, i % 2, NULL);
+        ptrs[i] = alloc(size, i % devices, NULL);
         CHECK(ptrs[i] != NULL);
         CHECK(((uintptr_t)ptrs[i] % 256) == 0);
     }
     record(ptrs[0], NULL);
-    for (int i = 0; i < 64; i++) release(ptrs[i], (size_t)(i + 1) * 40000, i % 2, NULL);
+    for (int i = 0; i < 64; i++) release(ptrs[i], (size_t)(i + 1) * 40000, i % devices, NULL);
     CHECK(strcmp(last_error(), "") == 0);
     fraction(0.5, 0);
     fraction(1.0, 0);
     reset();
     CHECK(strcmp(last_error(), "") == 0);
-    /* NULL is how PyTorch learns of out-of-memory. */
-    CHECK(alloc((size_t)1 << 50, 0, NULL) == NULL);
+    unsigned char raw[232];
+    CHECK(stats(0, raw) == 0);
+    uint64_t total; /* total_bytes: after device and initialized */
+    memcpy(&total, raw + 8, sizeof total);
+    CHECK(total > 0);
+    /* NULL is how PyTorch learns of out-of-memory: a GiB more than the device has. */
+    CHECK(alloc((size_t)total + ((size_t)1 << 30), 0, NULL) == NULL);
     CHECK(strstr(last_error(), "STRATA_OUT_OF_MEMORY") != NULL);
     release(NULL, 0, 0, NULL);
 
-    unsigned char raw[232];
     CHECK(stats(0, raw) == 0);
     uint64_t allocated; /* allocated_bytes: after device, initialized, total_bytes, page_size */
     memcpy(&allocated, raw + 24, sizeof allocated);

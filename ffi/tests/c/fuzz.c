@@ -1,5 +1,6 @@
 /* A fuzz target for the C ABI: each input is a byte-coded sequence of calls (valid and
- * invalid: allocations on two devices and streams, frees, double and foreign frees, tags,
+ * invalid: allocations on two devices (one on a one-device machine) and streams, frees,
+ * double and foreign frees, tags,
  * sleep/wake with and without host copies, copies in and out of range, memory-fraction caps,
  * empty_cache, Harvest with reclaim and revocation callbacks), run against a model that
  * predicts every status and the bytes of every live allocation. An input ends by undoing what
@@ -48,6 +49,10 @@ static int pushed_ever[TAGS];
 /* 0 awake, 1 asleep, 2 partly (a wake failed after waking some devices). */
 static int asleep[TAGS];
 static cudaStream_t streams[2];
+/* Devices the calls use: 0 and 1, or 0 alone on a one-device machine (a device byte picks
+ * DEV(byte)); `devices` is how many the library reports. */
+static int used, devices;
+#define DEV(x) ((int)((x) & 1) % used)
 static int current_tag(void) { return depth ? tag_stack[depth - 1] : -1; }
 
 static int last_error_is(const char *name) { return strstr(strata_last_error(), name) != NULL; }
@@ -63,7 +68,7 @@ static void op_malloc(bytes_t *b, uint64_t *seq) {
     unsigned a = take(b), c = take(b);
     static const size_t scale[4] = {1, 256, 4096, 65536}; /* up to 4 MiB: large blocks too */
     size_t size = (size_t)(a % 64) * scale[c % 4] + (c >> 2);
-    int device = (a >> 6) & 1;
+    int device = DEV(a >> 6);
     cudaStream_t stream = (a >> 7) ? streams[device] : NULL;
     int i = 0;
     while (i < SLOTS && slots[i].ptr) i++;
@@ -184,7 +189,7 @@ static void op_sleep_wake(bytes_t *b) {
 
 static void op_limit(bytes_t *b) {
     unsigned a = take(b);
-    int device = a & 1;
+    int device = DEV(a);
     double fraction = (a >> 1) >= 120 ? 1.0 : (double)(a >> 1) / 120.0;
     strata_clear_error();
     strata_set_memory_fraction(fraction, device);
@@ -211,7 +216,7 @@ static void op_harvest(bytes_t *b, uint64_t *seq) {
     case 0:
     case 1: {
         if (x->live) return;
-        strata_harvest_hints_t hints = {(int)(a >> 6) & 1, STRATA_HARVEST_BACKED, 0, 0, NULL};
+        strata_harvest_hints_t hints = {DEV(a >> 6), STRATA_HARVEST_BACKED, 0, 0, NULL};
         size_t size = (size_t)(take(b) % 8 + 1) << 20;
         int st = strata_harvest_alloc(size, &hints, &x->h);
         if (st != STRATA_OK) {
@@ -251,7 +256,7 @@ static void op_harvest(bytes_t *b, uint64_t *seq) {
     }
     case 5: {
         uint64_t got = 0;
-        FCHECK(strata_harvest_reclaim((int)(a >> 6) & 1, (uint64_t)take(b) << 20, &got) == STRATA_OK);
+        FCHECK(strata_harvest_reclaim(DEV(a >> 6), (uint64_t)take(b) << 20, &got) == STRATA_OK);
         for (int i = 0; i < HANDLES; i++) FCHECK(handles[i].revoked <= 1);
         return;
     }
@@ -270,10 +275,10 @@ static void op_misc(bytes_t *b) {
     strata_stats_t s;
     switch (a % 6) {
     case 0: strata_empty_cache(); break;
-    case 1: FCHECK(strata_stream_synchronize(streams[a >> 7]) == STRATA_OK); break;
+    case 1: FCHECK(strata_stream_synchronize(streams[DEV(a >> 7)]) == STRATA_OK); break;
     case 2: {
         int device = (int)(a >> 3) - 8;
-        FCHECK(strata_stats(device, &s) == (device >= 0 && device < 2 ? STRATA_OK : STRATA_NO_DEVICE));
+        FCHECK(strata_stats(device, &s) == (device >= 0 && device < devices ? STRATA_OK : STRATA_NO_DEVICE));
         break;
     }
     case 3: FCHECK(strata_tag_push(NULL) == STRATA_INVALID_ARGUMENT && strata_tag_push("") == STRATA_INVALID_ARGUMENT); break;
@@ -300,6 +305,7 @@ static void free_slot(slot_t *s) {
 /* Undoes the input's state (awake memory first, so the sleeping tags' pages are available to
  * wake them); the accounting must match where it started. */
 static void finish(const strata_stats_t before[2]) {
+    int d;
     for (int i = 0; i < SLOTS; i++)
         if (slots[i].ptr && (slots[i].tag < 0 || !asleep[slots[i].tag])) free_slot(&slots[i]);
     for (int i = 0; i < HANDLES; i++)
@@ -307,7 +313,7 @@ static void finish(const strata_stats_t before[2]) {
             strata_harvest_free(&handles[i].h);
             handles[i].live = 0;
         }
-    for (int d = 0; d < 2; d++) strata_set_memory_fraction(1.0, d);
+    for (d = 0; d < used; d++) strata_set_memory_fraction(1.0, d);
     strata_empty_cache();
     for (int t = 0; t < TAGS; t++)
         if (asleep[t]) {
@@ -317,7 +323,7 @@ static void finish(const strata_stats_t before[2]) {
     for (int i = 0; i < SLOTS; i++)
         if (slots[i].ptr) free_slot(&slots[i]);
     for (; depth > 0; depth--) FCHECK(strata_tag_pop() == STRATA_OK);
-    for (int d = 0; d < 2; d++) {
+    for (d = 0; d < used; d++) {
         strata_set_memory_fraction(1.0, d);
         FCHECK(strata_stream_synchronize(streams[d]) == STRATA_OK);
         strata_stats_t s = stats_of(d);
@@ -330,13 +336,16 @@ static void finish(const strata_stats_t before[2]) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static uint64_t seq;
     if (!streams[0]) {
-        FCHECK(strata_device_count() == 2);
-        for (int d = 0; d < 2; d++) FCHECK(strata_stream_create(d, &streams[d]) == STRATA_OK);
-        strata_init(2);
+        devices = strata_device_count();
+        FCHECK(devices == test_devices());
+        used = devices < 2 ? devices : 2;
+        for (int d = 0; d < used; d++) FCHECK(strata_stream_create(d, &streams[d]) == STRATA_OK);
+        strata_init(devices);
     }
     cur_data = data;
     cur_size = size;
-    strata_stats_t before[2] = {stats_of(0), stats_of(1)};
+    strata_stats_t before[2];
+    for (int d = 0; d < used; d++) before[d] = stats_of(d);
     bytes_t b = {data, size};
     static int trace = -1;
     if (trace < 0) trace = getenv("STRATA_FUZZ_TRACE") != NULL;

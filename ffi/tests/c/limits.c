@@ -34,8 +34,9 @@ int main(void) {
         CHECK(held(&s) <= held(&after));
     }
 
-    /* The cap covers the pool's pages: 64 MiB of the 512 MiB device. */
-    strata_set_memory_fraction(0.125, 0);
+    /* The cap covers the pool's pages: 64 MiB of the device, whatever its size (half a byte
+     * more: the library truncates total x fraction to whole bytes). */
+    strata_set_memory_fraction((64.0 * MB + 0.5) / (double)stats_of(0).total_bytes, 0);
     strata_stats_t s = stats_of(0);
     CHECK(s.limit_set == 1 && s.limit_bytes == 64 * MB);
     void *blocks[64];

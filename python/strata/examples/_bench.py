@@ -10,8 +10,8 @@ import os
 import time
 
 
-def model_and_prompts(batch, prompt, layers=4, hidden=256, heads=8, kv_heads=4, vocab=1024, seed=0):
-    """A random-initialised Llama (float32, CPU) and `batch` prompts of `prompt` tokens."""
+def model_and_prompts(batch, prompt, layers=4, hidden=256, heads=8, kv_heads=4, vocab=1024, seed=0, device="cpu"):
+    """A random-initialised Llama (float32, on `device`) and `batch` prompts of `prompt` tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -26,13 +26,14 @@ def model_and_prompts(batch, prompt, layers=4, hidden=256, heads=8, kv_heads=4, 
         max_position_embeddings=8192,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(3, vocab, (batch, prompt))
+    model = LlamaForCausalLM(config).eval().to(device)
+    ids = torch.randint(3, vocab, (batch, prompt)).to(device)
     return model, ids
 
 
-def timed_generate(model, ids, cache, new_tokens):
-    """(seconds, output ids) of a greedy generation of exactly `new_tokens` tokens."""
+def timed_generate(model, ids, cache, new_tokens, **generate_kw):
+    """(seconds, output ids) of a greedy generation of exactly `new_tokens` tokens (on CUDA the
+    clock stops after the device finished)."""
     import torch
 
     start = time.perf_counter()
@@ -44,7 +45,10 @@ def timed_generate(model, ids, cache, new_tokens):
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
+            **generate_kw,
         )
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
     return time.perf_counter() - start, out
 
 

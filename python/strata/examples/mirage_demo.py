@@ -15,7 +15,7 @@ import time
 
 import strata
 
-from .generate import generate_with_progress, human
+from ._generation import generate_with_progress, human
 
 IDLE_TOKENS = 32
 

@@ -31,7 +31,8 @@ moved), the same as vLLM metrics named ``vllm:strata_kv_*`` with an ``engine`` l
 import os
 
 from . import elastic
-from .patches import PATCHES, UnsupportedVllm, parse_version
+from ._patching import UnsupportedVllm, parse_version
+from .patches import PATCHES
 
 SUPPORTED = ">=0.32.0,<0.33.0"
 

@@ -27,6 +27,10 @@ blocking (a FIFO), and checked with fstat; files are written through a new tempo
 (O_EXCL, O_NOFOLLOW, random name) renamed into place, so a planted link is never written
 through. ``list`` skips engine files that no engine wrote (not JSON objects, no valid pid, a pid
 other than the file name's, missing figures) with a warning; ``limit`` refuses them (exit 2).
+
+``strata limit PID SIZE`` (README, "Operators") caps everything strata holds on a device for a
+whole process instead, and what does not fit fails as out of memory; for a vLLM engine's KV this
+control is the better one, since its limit reaches vLLM's scheduler, which queues and preempts.
 """
 
 import argparse

@@ -550,3 +550,79 @@ def layer_views(
         kv.num_groups * kv.group_bytes / 2**20,
     )
     return kv, views
+
+
+# ---- the block pool's side: trimming vLLM's BlockPool (patches.py's block-pool patch) ----
+
+
+def unmap_free_group(pool, group):
+    """Unmaps ``group`` if all its blocks are free: they leave the prefix cache and move to the
+    back of the free queue (reused after every block of a mapped group). Returns whether it did."""
+    kv = pool._strata_kv
+    members = [pool.blocks[i] for i in kv.group_blocks(group)]
+    if not kv.still_free(group, members):
+        return False
+    for b in members:
+        pool.free_block_queue.remove(b)
+        pool._maybe_evict_cached_block(b)
+    if pool._reuse_watchers:
+        pool._notify_reuse(members)
+    try:
+        kv.unmap(group)
+    finally:
+        pool.free_block_queue.append_n(members)
+    return True
+
+
+def first_unmapped(pool):
+    """The first block of the free queue whose group is not mapped (the queue's fake tail if
+    none): every block before it lies on a mapped group. Kept on the pool and checked, not
+    trusted: when the blocks ahead of it were handed out (their groups now mapped), the walk
+    from the head passes at most the rest of those groups."""
+    kv, queue = pool._strata_kv, pool.free_block_queue
+    tail = queue.fake_free_list_tail
+    if kv.mapped_groups() == kv.num_groups:
+        return tail
+    block = pool._strata_first_unmapped
+    stale = block is None or block is tail or block.prev_free_block is None
+    if stale or kv.is_mapped(block.block_id):
+        block = queue.fake_free_list_head.next_free_block
+        while block is not tail and kv.is_mapped(block.block_id):
+            block = block.next_free_block
+        pool._strata_first_unmapped = block
+    return block
+
+
+def keep_mapped_ahead(pool, freed):
+    """vLLM's free_blocks put the freed blocks that hold cached KV at the tail of the free
+    queue (reused last, LRU), behind the blocks of unmapped groups, so the next request would
+    map a new group while these sit mapped. They move to just before the first unmapped block,
+    in order: free blocks of mapped groups are handed out first (uncached ones, at the head,
+    then cached ones, oldest first), unmapped groups' blocks last."""
+    queue = pool.free_block_queue
+    tail = queue.fake_free_list_tail
+    # (in the queue, holding cached KV: the ones vLLM appended)
+    moved = [b for b in freed if b.next_free_block is not None and b.block_hash is not None]
+    if not moved:
+        return
+    first = first_unmapped(pool)
+    if first is tail:
+        return
+    for b in moved:
+        queue.remove(b)
+        # FreeKVCacheBlockQueue has no insert: link b in before ``first`` (vLLM 0.32's fields).
+        before = first.prev_free_block
+        before.next_free_block, b.prev_free_block = b, before
+        b.next_free_block, first.prev_free_block = first, b
+        queue.num_free_blocks += 1
+
+
+def trim_pool(pool, blocks=(), force=False):
+    """After ``blocks`` of ``pool`` fell free (or with none, to retry): unmaps the groups
+    ElasticKv.maybe_free answers. Call it under the space's engine lock. Returns how many."""
+    kv = pool._strata_kv
+    if kv is None:
+        return 0
+    groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is pool}
+    candidates = {g: [pool.blocks[i] for i in kv.group_blocks(g)] for g in groups}
+    return sum(unmap_free_group(pool, g) for g in kv.maybe_free(candidates, force=force))

@@ -37,12 +37,13 @@ group (plain attention models); one chunk of one layer must be a whole number of
 
 import logging
 import math
+import sys
 
 import strata
 from strata import Status
 from strata._lib import error
 
-from .patches import Patch, UnsupportedVllm
+from ._patching import Patch, UnsupportedVllm
 
 log = logging.getLogger("vllm.strata")
 
@@ -112,9 +113,6 @@ INTERFACE = Patch(
     },
     lambda: None,
 )
-
-# engine_id -> the worker of that engine in this process (stats()).
-_WORKERS = {}
 
 # The attribute of vLLM's OffloadingConnectorMetadata that carries the hints to the workers.
 HINTS = "strata_hints"
@@ -195,8 +193,15 @@ def kv_transfer_config(
 
 def stats():
     """The newest offload worker's figures in this process (None before vLLM built one)."""
-    worker = next(reversed(_WORKERS.values()), None)
+    worker = next(reversed(_workers().values()), None)
     return None if worker is None else worker.stats()
+
+
+def _workers():
+    """engine_id -> the offload worker of that engine in this process: offload_store.py keeps
+    them (imported inside vLLM, with numpy); none before vLLM built one."""
+    store = sys.modules.get(__package__ + ".offload_store")
+    return {} if store is None else store._WORKERS
 
 
 def _count(extra, key, default=0):
@@ -296,7 +301,7 @@ def _make_spec_class():
 
         def get_worker(self, kv_caches):
             if self._worker is None:
-                from .offload_store import StrataOffloadWorker
+                from .offload_store import _WORKERS, StrataOffloadWorker
 
                 self._worker = StrataOffloadWorker(kv_caches, self)
                 _WORKERS[self.config.engine_id] = self._worker
@@ -368,6 +373,8 @@ def __getattr__(name):
         cls = _make_spec_class()
         globals()[name] = cls
         return cls
+    if name == "_WORKERS":
+        return _workers()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -47,7 +47,9 @@ from strata._lib import error
 import strata.kv
 
 from .elastic import _env_int, log
-from .offload import _WORKERS
+
+# engine_id -> the worker of that engine in this process (strata.vllm.offload.stats()).
+_WORKERS = {}
 
 # numpy's view of strata_kv_token_copy_t: a job's copies are filled in one vectorised pass.
 _TOKEN_COPY = np.dtype(

@@ -1,7 +1,8 @@
 """The patches strata.vllm applies to vLLM. Each names the vLLM versions it was written against
 and checks, before touching anything, that its targets exist with the signatures it expects: on
 any other version, or a target that changed, it refuses with UnsupportedVllm instead of patching
-something it does not understand.
+something it does not understand (the machinery: _patching.py; the block pool's trim helpers:
+elastic.py).
 
 Patches (all in the process that runs the model runner and the scheduler):
   kv-tensors  vllm.v1.worker.gpu_model_runner.allocate_kv_cache: the KV tensors become views of
@@ -38,67 +39,12 @@ Patches (all in the process that runs the model runner and the scheduler):
 
 import contextvars
 import functools
-import importlib
-import inspect
-import re
 
 import strata
 
 from . import elastic
-
-
-class UnsupportedVllm(RuntimeError):
-    """vLLM's version, or a patched function, is not the one strata.vllm was written for."""
-
-
-def parse_version(text):
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    if not m:
-        raise UnsupportedVllm(f"strata.vllm: cannot read vLLM version {text!r}")
-    return tuple(int(x or 0) for x in m.groups())
-
-
-def _fmt(v):
-    return ".".join(map(str, v))
-
-
-class Patch:
-    """One patch: ``targets`` = {"module:attr": [parameter names expected]}."""
-
-    def __init__(self, name, first, end, targets, apply):
-        self.name, self.first, self.end = name, first, end
-        self.targets, self._apply = targets, apply
-
-    @property
-    def versions(self):
-        return f">={_fmt(self.first)},<{_fmt(self.end)}"
-
-    def check(self, version):
-        v = parse_version(version)
-        if not self.first <= v < self.end:
-            raise UnsupportedVllm(
-                f"strata.vllm: patch {self.name!r} supports vLLM {self.versions}, "
-                f"this is vLLM {version}; refusing to patch (unset STRATA_VLLM to run stock vLLM)"
-            )
-        for target, params in self.targets.items():
-            obj = _resolve(target)
-            got = list(inspect.signature(obj).parameters)
-            if got[: len(params)] != params:
-                raise UnsupportedVllm(
-                    f"strata.vllm: patch {self.name!r}: {target} takes {got}, expected {params} "
-                    f"(vLLM {version}); refusing to patch"
-                )
-
-    def apply(self):
-        self._apply()
-
-
-def _resolve(target):
-    module, _, path = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+from ._patching import Patch, UnsupportedVllm
+from .elastic import keep_mapped_ahead, trim_pool, unmap_free_group
 
 
 # ---- kv-tensors -----------------------------------------------------------------------------
@@ -175,79 +121,6 @@ def _refuse_connector_pool():
 
 
 # ---- block-pool -----------------------------------------------------------------------------
-
-
-def unmap_free_group(pool, group):
-    """Unmaps ``group`` if all its blocks are free: they leave the prefix cache and move to the
-    back of the free queue (reused after every block of a mapped group). Returns whether it did."""
-    kv = pool._strata_kv
-    members = [pool.blocks[i] for i in kv.group_blocks(group)]
-    if not kv.still_free(group, members):
-        return False
-    for b in members:
-        pool.free_block_queue.remove(b)
-        pool._maybe_evict_cached_block(b)
-    if pool._reuse_watchers:
-        pool._notify_reuse(members)
-    try:
-        kv.unmap(group)
-    finally:
-        pool.free_block_queue.append_n(members)
-    return True
-
-
-def first_unmapped(pool):
-    """The first block of the free queue whose group is not mapped (the queue's fake tail if
-    none): every block before it lies on a mapped group. Kept on the pool and checked, not
-    trusted: when the blocks ahead of it were handed out (their groups now mapped), the walk
-    from the head passes at most the rest of those groups."""
-    kv, queue = pool._strata_kv, pool.free_block_queue
-    tail = queue.fake_free_list_tail
-    if kv.mapped_groups() == kv.num_groups:
-        return tail
-    block = pool._strata_first_unmapped
-    stale = block is None or block is tail or block.prev_free_block is None
-    if stale or kv.is_mapped(block.block_id):
-        block = queue.fake_free_list_head.next_free_block
-        while block is not tail and kv.is_mapped(block.block_id):
-            block = block.next_free_block
-        pool._strata_first_unmapped = block
-    return block
-
-
-def keep_mapped_ahead(pool, freed):
-    """vLLM's free_blocks put the freed blocks that hold cached KV at the tail of the free
-    queue (reused last, LRU), behind the blocks of unmapped groups, so the next request would
-    map a new group while these sit mapped. They move to just before the first unmapped block,
-    in order: free blocks of mapped groups are handed out first (uncached ones, at the head,
-    then cached ones, oldest first), unmapped groups' blocks last."""
-    queue = pool.free_block_queue
-    tail = queue.fake_free_list_tail
-    # (in the queue, holding cached KV: the ones vLLM appended)
-    moved = [b for b in freed if b.next_free_block is not None and b.block_hash is not None]
-    if not moved:
-        return
-    first = first_unmapped(pool)
-    if first is tail:
-        return
-    for b in moved:
-        queue.remove(b)
-        # FreeKVCacheBlockQueue has no insert: link b in before ``first`` (vLLM 0.32's fields).
-        before = first.prev_free_block
-        before.next_free_block, b.prev_free_block = b, before
-        b.next_free_block, first.prev_free_block = first, b
-        queue.num_free_blocks += 1
-
-
-def trim_pool(pool, blocks=(), force=False):
-    """After ``blocks`` of ``pool`` fell free (or with none, to retry): unmaps the groups
-    ElasticKv.maybe_free answers. Call it under the space's engine lock. Returns how many."""
-    kv = pool._strata_kv
-    if kv is None:
-        return 0
-    groups = {kv.group_of(b.block_id) for b in blocks if b.pool is None or b.pool is pool}
-    candidates = {g: [pool.blocks[i] for i in kv.group_blocks(g)] for g in groups}
-    return sum(unmap_free_group(pool, g) for g in kv.maybe_free(candidates, force=force))
 
 
 def attach(scheduler, vllm_config, kv_cache_config):
@@ -553,6 +426,7 @@ PATCHES = [
             ],
         },
         _apply_kv_tensors,
+        attributes={"vllm.v1.kv_cache_layout": ["_DIM_B", "_DIM_H", "_DIM_N", "_DIM_C"]},
     ),
     Patch(
         "block-pool",
@@ -591,6 +465,12 @@ PATCHES = [
             "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.append_n": ["self", "blocks"],
         },
         _apply_block_pool,
+        attributes={
+            "vllm.v1.core.block_pool:BlockPool": ["_reuse_watchers"],
+            # connector_busy_blocks reads the OffloadingConnector's pending stores
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "OffloadingConnectorScheduler": ["_jobs", "_req_status"],
+        },
     ),
 ]
 

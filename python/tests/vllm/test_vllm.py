@@ -84,6 +84,43 @@ class VersionGate(unittest.TestCase):
             self.assertIn(version, str(cm.exception))
         self.assertFalse(getattr(BlockPool, "_strata", False))
 
+    def test_a_vllm_that_renamed_a_private_attribute_the_patches_read_is_refused_up_front(self):
+        import importlib
+        import inspect
+
+        import strata.vllm
+        from vllm.v1.core.block_pool import BlockPool
+
+        offloading = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+        cases = [
+            ("vllm.v1.kv_cache_layout", None, "_DIM_N"),  # a module constant
+            ("vllm.v1.core.block_pool", "BlockPool", "_reuse_watchers"),  # set in __init__
+            (offloading, "OffloadingConnectorScheduler", "_jobs"),
+            (offloading, "OffloadingConnectorScheduler", "_req_status"),
+        ]
+        for module, cls, attr in cases:
+            with self.subTest(attr=attr):
+                mod = importlib.import_module(module)
+                owner = mod if cls is None else getattr(mod, cls)
+                name = attr if cls is None else "__init__"
+                saved = getattr(owner, name)
+                if cls is None:
+                    delattr(owner, attr)
+                else:
+                    # the same signature, an __init__ that sets the attribute under a new name
+                    def init(self, *args, **kwargs):
+                        self.renamed = {}
+
+                    init.__signature__ = inspect.signature(saved)
+                    owner.__init__ = init
+                try:
+                    with self.assertRaises(strata.vllm.UnsupportedVllm) as cm:
+                        strata.vllm.enable(version="0.32.0")
+                    self.assertIn(attr, str(cm.exception))
+                finally:
+                    setattr(owner, name, saved)
+                self.assertFalse(getattr(BlockPool, "_strata", False), "nothing was patched")
+
     def test_the_plugin_hook_refuses_too(self):
         import strata.vllm
 

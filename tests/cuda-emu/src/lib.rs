@@ -18,7 +18,10 @@
 //!   still touches is a device fault (a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` from then on);
 //! - streams are in-order worker threads, events complete when their stream reaches them,
 //!   copies and fills really copy (`stream.rs`);
-//! - kernels are not emulated: `cuModuleLoadData` is `CUDA_ERROR_NOT_SUPPORTED`.
+//! - kernels are not emulated: `cuModuleLoadData` is `CUDA_ERROR_NOT_SUPPORTED`;
+//! - `STRATA_HOST_LATENCY` (`none`, `a100`, `h200`, a file: `strata-latency`) charges each VMM,
+//!   stream, event and pinned-memory call its cost and each copy its link time, as the host
+//!   backend does; `STRATA_CUDA_EMU_IMPORTED_MAPS=refuse` refuses to map imported handles.
 //!
 //! Struct layouts come from cudarc's bindings of NVIDIA's `cuda.h`; enum fields written by a
 //! caller are read as raw integers (an unknown value is an error code, never undefined
@@ -66,6 +69,19 @@ pub(crate) struct Device {
 
 pub(crate) struct Emu {
     pub(crate) devices: Vec<Device>,
+    /// `STRATA_CUDA_EMU_IMPORTED_MAPS=refuse`: `cuMemMap` of an imported handle is
+    /// `CUDA_ERROR_NOT_SUPPORTED`, as on the H200 virtual machine of 2026-11-27 (driver 580.159,
+    /// `shared/gpu-runs/2026-11-27-h200`), in the importing process and in the exporting one.
+    pub(crate) refuse_imported_maps: bool,
+    /// `STRATA_HOST_LATENCY`: what each call and copy costs (nothing by default).
+    pub(crate) latency: strata_latency::Charger,
+}
+
+/// Pays for `call` under the latency profile (once initialized).
+pub(crate) fn charge(call: strata_latency::Call) {
+    if let Some(emu) = EMU.get() {
+        emu.latency.call(call);
+    }
 }
 
 static EMU: OnceLock<Emu> = OnceLock::new();
@@ -179,6 +195,18 @@ fn device_config() -> Vec<u64> {
     })
 }
 
+/// Reads `STRATA_CUDA_EMU_IMPORTED_MAPS` (`allow`, the default, or `refuse`).
+fn imported_maps_refused() -> bool {
+    match std::env::var("STRATA_CUDA_EMU_IMPORTED_MAPS").as_deref() {
+        Ok("refuse") => true,
+        Ok("allow") | Err(_) => false,
+        Ok(other) => {
+            eprintln!("strata-cuda-emu: bad STRATA_CUDA_EMU_IMPORTED_MAPS={other:?}; allow");
+            false
+        }
+    }
+}
+
 /// The device of the calling thread's current context.
 pub(crate) fn current_device() -> Res<usize> {
     let emu = emu()?;
@@ -227,6 +255,13 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
                     ctx: Box::new(0),
                 })
                 .collect(),
+            refuse_imported_maps: imported_maps_refused(),
+            latency: strata_latency::Charger::new(
+                strata_latency::Profile::from_env().unwrap_or_else(|e| {
+                    eprintln!("strata-cuda-emu: {e}; charging nothing");
+                    strata_latency::Profile::none()
+                }),
+            ),
         });
         Ok(())
     })

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdeviceptr, CUevent, CUmemcpyAttributes, CUresult, CUstream};
 use parking_lot::{Condvar, Mutex};
+use strata_latency::Direction;
 
 use crate::mem::{resolve, Endpoint, Piece};
 use crate::{api, current_device, out, Res, INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE};
@@ -249,6 +250,7 @@ pub(crate) fn destroy_context_objects(d: usize) {
 /// As the driver's `cuStreamCreate`.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(stream: *mut CUstream, flags: c_uint) -> CUresult {
+    crate::charge(strata_latency::Call::StreamCreate);
     api(|| {
         let d = current_device()?;
         if flags > 1 || stream.is_null() {
@@ -271,6 +273,7 @@ pub unsafe extern "C" fn cuStreamCreate(stream: *mut CUstream, flags: c_uint) ->
 /// As the driver's `cuStreamDestroy_v2`.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
+    crate::charge(strata_latency::Call::StreamDestroy);
     api(|| {
         let s = tables(|t| t.streams.remove(&(stream as usize))).ok_or(INVALID_HANDLE)?;
         s.tx.lock().take();
@@ -306,6 +309,7 @@ fn event(e: CUevent) -> Res<Arc<EventObj>> {
 /// As the driver's `cuEventCreate`.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(e: *mut CUevent, flags: c_uint) -> CUresult {
+    crate::charge(strata_latency::Call::EventCreate);
     api(|| {
         let d = current_device()?;
         if flags & !0b111 != 0 || e.is_null() {
@@ -330,6 +334,7 @@ pub unsafe extern "C" fn cuEventCreate(e: *mut CUevent, flags: c_uint) -> CUresu
 /// As the driver's `cuEventDestroy_v2`.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventDestroy_v2(e: CUevent) -> CUresult {
+    crate::charge(strata_latency::Call::EventDestroy);
     api(|| {
         tables(|t| t.events.remove(&(e as usize)))
             .map(drop)
@@ -344,6 +349,7 @@ pub unsafe extern "C" fn cuEventDestroy_v2(e: CUevent) -> CUresult {
 /// As the driver's `cuEventRecord`.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventRecord(e: CUevent, stream: CUstream) -> CUresult {
+    crate::charge(strata_latency::Call::EventRecord);
     api(|| {
         let ev = event(e)?;
         let target = target(stream)?;
@@ -401,6 +407,7 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     e: CUevent,
     flags: c_uint,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::StreamWaitEvent);
     api(|| {
         if flags > 1 {
             return Err(INVALID_VALUE);
@@ -481,6 +488,12 @@ fn prepare_copy(target: &Target, dst: u64, src: u64, len: u64, stage: bool) -> R
     // SAFETY: the caller's host range is readable during the call.
     .map(|p| unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len) }.to_vec());
     let wait = matches!(to, Endpoint::Pageable(_));
+    let direction = match (&from, &to) {
+        (Endpoint::Device(_), Endpoint::Device(_)) => Some(Direction::DeviceToDevice),
+        (Endpoint::Device(_), _) => Some(Direction::DeviceToHost),
+        (_, Endpoint::Device(_)) => Some(Direction::HostToDevice),
+        _ => None,
+    };
     let mut ranges = device_ranges(&to, dst, len);
     ranges.extend(device_ranges(&from, src, len));
     let busy = in_flight(ranges);
@@ -494,6 +507,9 @@ fn prepare_copy(target: &Target, dst: u64, src: u64, len: u64, stage: bool) -> R
     };
     let dst_spans = spans(&dst_pieces);
     let op: Op = Box::new(move || {
+        if let (Some(direction), Some(emu)) = (direction, crate::EMU.get()) {
+            emu.latency.copy(direction, len);
+        }
         // SAFETY: device spans are views of memory kept alive by the pieces moved here; host
         // spans are valid until completion (the caller's contract); the staging vector moves
         // with the closure.

@@ -1,7 +1,8 @@
 //! Test set-up the workspace's test binaries share (a dev-dependency only; no dependencies of
 //! its own, so any crate's tests may use it): where the running test executable's target folder
 //! is, building another package into it, the folder of NVIDIA's real CUDA libraries, and the
-//! report `.ci/run` counts the CUDA checks from, and the named skips `.ci/gpu-run` lists.
+//! report `.ci/run` counts the CUDA checks from, the named skips `.ci/gpu-run` lists, and the
+//! emulated CUDA driver's folder.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -92,4 +93,37 @@ pub fn skip(test: &str, reason: &str) {
         .open(path)
         .expect("open STRATA_SKIP_REPORT");
     writeln!(file, "{line}").expect("write STRATA_SKIP_REPORT");
+}
+
+/// A folder of its own (`target/<profile>/NAME/`) holding the emulated CUDA driver
+/// (`tests/cuda-emu`, built first: a no-op when fresh) as both `libcuda.so.1` and `libcuda.so`,
+/// for a child's `LD_LIBRARY_PATH`. Both names, because cudarc asks for `libcuda.so` first and
+/// a machine with a real driver would otherwise answer that one from its own library path.
+/// `Err(reason)` when the emulator library is not there (a bundle carried to a GPU machine
+/// holds no build of it): the caller skips with that reason.
+pub fn cuda_emulator(name: &str) -> Result<PathBuf, String> {
+    let dir = cargo_build(&["-p", "strata-cuda-emu"]);
+    let lib = dir.join("libstrata_cuda_emu.so");
+    if !lib.exists() {
+        return Err(format!(
+            "the emulated CUDA driver is not built here ({} is missing)",
+            lib.display()
+        ));
+    }
+    let folder = dir.join(name);
+    std::fs::create_dir_all(&folder).map_err(|e| format!("create {}: {e}", folder.display()))?;
+    for link in ["libcuda.so.1", "libcuda.so"] {
+        let at = folder.join(link);
+        let _ = std::fs::remove_file(&at);
+        // Another test process may have made the same link just now: fine either way.
+        let _ = std::os::unix::fs::symlink(&lib, &at);
+        if std::fs::canonicalize(&at).ok() != std::fs::canonicalize(&lib).ok() {
+            return Err(format!(
+                "could not link {} to {}",
+                at.display(),
+                lib.display()
+            ));
+        }
+    }
+    Ok(folder)
 }

@@ -9,7 +9,14 @@
 //! first drains the frames already queued on the socket, so a revocation sent before an access
 //! is always seen by it.
 //!
-//! Frames are 32 bytes: `tag: u32, 0: u32, lease: u64, a: u64, b: u64`.
+//! Set-up probe: some drivers import a handle but cannot map it (an H200 virtual machine, driver
+//! 580.159: `CUDA_ERROR_NOT_SUPPORTED`). The borrower probe-maps one granule of the first
+//! handle it imports and answers `Probed` or `Unsupported` with the driver's words; the
+//! lender's first [`Lender::offer`] waits for that answer, so both sides report
+//! [`Error::Unsupported`] with the same words, and neither closes on the other mid-frame.
+//!
+//! Frames are 32 bytes: `tag: u32, 0: u32, lease: u64, a: u64, b: u64`; a text (the refusal's
+//! words) follows its frame as `a` bytes in text frames whose last 24 bytes carry it.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
@@ -30,6 +37,49 @@ const REVOKE: u32 = 4;
 const ACK: u32 = 5;
 const RECLAIMED: u32 = 6;
 const NOTE: u32 = 7;
+const PROBED: u32 = 8;
+const UNSUPPORTED: u32 = 9;
+const TEXT: u32 = 10;
+/// Longest refusal text sent.
+const MAX_TEXT: usize = 1024;
+/// How long the lender's first offer waits for the borrower's probe.
+const PROBE_WAIT: Duration = Duration::from_secs(30);
+
+/// Sends `tag` with `text` (cut at [`MAX_TEXT`] bytes) in the frames after it.
+fn send_text(stream: &UnixStream, tag: u32, text: &str) -> Result<()> {
+    let mut end = text.len().min(MAX_TEXT);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let bytes = &text.as_bytes()[..end];
+    ipc::send_frame(stream, &encode(tag, 0, bytes.len() as u64, 0), &[])?;
+    for chunk in bytes.chunks(FRAME - 8) {
+        let mut f = encode(TEXT, 0, 0, 0);
+        f[8..8 + chunk.len()].copy_from_slice(chunk);
+        ipc::send_frame(stream, &f, &[])?;
+    }
+    Ok(())
+}
+
+/// Receives the `len` bytes of text that follow a frame (see [`send_text`]).
+fn recv_text(stream: &UnixStream, len: u64) -> Result<String> {
+    let len = usize::try_from(len)
+        .ok()
+        .filter(|&l| l <= MAX_TEXT)
+        .ok_or_else(|| Error::InvalidState(format!("text of {len} bytes")))?;
+    let mut bytes = Vec::with_capacity(len);
+    while bytes.len() < len {
+        let Some((f, _)) = ipc::recv_frame(stream)? else {
+            return Err(Error::InvalidState("socket closed inside a text".into()));
+        };
+        if decode(&f).0 != TEXT {
+            return Err(Error::InvalidState("text frame expected".into()));
+        }
+        let take = (len - bytes.len()).min(FRAME - 8);
+        bytes.extend_from_slice(&f[8..8 + take]);
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
 
 fn encode(tag: u32, lease: u64, a: u64, b: u64) -> [u8; FRAME] {
     let mut f = [0u8; FRAME];
@@ -98,6 +148,8 @@ pub struct Lender {
     next_lease: u64,
     notes: VecDeque<u64>,
     acked: Vec<u64>,
+    /// The borrower's answer to the set-up probe: `None` until it came.
+    probe: Option<std::result::Result<(), String>>,
 }
 
 impl Lender {
@@ -144,12 +196,18 @@ impl Lender {
             next_lease: 1,
             notes: VecDeque::new(),
             acked: Vec::new(),
+            probe: None,
         })
     }
 
     /// Creates `size` bytes of exportable memory on the lender's device, maps it for the
-    /// lender, and sends it to the borrower. Returns the lease id.
+    /// lender, and sends it to the borrower. Returns the lease id. The first offer waits for
+    /// the borrower's probe: [`Error::Unsupported`], with the borrower's driver's words, when
+    /// it cannot map what it imports (then and for every later offer).
     pub fn offer(&mut self, size: u64) -> Result<u64> {
+        if let Some(Err(words)) = &self.probe {
+            return Err(borrower_cannot_map(words));
+        }
         let phys = Arc::new(PhysicalMemory::create(
             &self.backend,
             Location::Device(self.device),
@@ -181,6 +239,18 @@ impl Lender {
                 size,
             },
         );
+        let until = Instant::now() + PROBE_WAIT;
+        while self.probe.is_none() {
+            if !self.pump(until)? && Instant::now() >= until {
+                return Err(Error::InvalidState(
+                    "the borrower did not answer the set-up probe in time".into(),
+                ));
+            }
+        }
+        if let Some(Err(words)) = &self.probe {
+            self.leases.remove(&lease);
+            return Err(borrower_cannot_map(words));
+        }
         Ok(lease)
     }
 
@@ -221,6 +291,8 @@ impl Lender {
                 match tag {
                     ACK => self.acked.push(lease),
                     NOTE => self.notes.push_back(a),
+                    PROBED => self.probe = Some(Ok(())),
+                    UNSUPPORTED => self.probe = Some(Err(recv_text(&self.stream, a)?)),
                     _ => {}
                 }
                 Ok(true)
@@ -277,6 +349,12 @@ impl Lender {
     }
 }
 
+fn borrower_cannot_map(words: &str) -> Error {
+    Error::Unsupported(format!(
+        "the borrower cannot map memory it imports: {words}"
+    ))
+}
+
 fn set_timeout(stream: &UnixStream, d: Duration) -> Result<()> {
     stream
         .set_read_timeout(Some(d.max(Duration::from_millis(1))))
@@ -323,6 +401,8 @@ pub struct Borrower {
     stream: UnixStream,
     leases: HashMap<u64, Borrowed>,
     events: VecDeque<BorrowerEvent>,
+    /// The set-up probe's outcome: `None` before the first offer.
+    probe: Option<std::result::Result<(), String>>,
 }
 
 impl Borrower {
@@ -339,7 +419,40 @@ impl Borrower {
             stream,
             leases: HashMap::new(),
             events: VecDeque::new(),
+            probe: None,
         })
+    }
+
+    /// Imports `fd`; for the first handle, probe-maps one granule of it and tells the lender
+    /// whether that worked (the refusal in the driver's words).
+    fn import(&mut self, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc<PhysicalMemory>> {
+        let imported = self.backend.import_fd(fd).and_then(|handle| {
+            PhysicalMemory::from_imported(&self.backend, handle, Location::Device(self.device))
+        });
+        let probed = imported.and_then(|phys| {
+            let phys = Arc::new(phys);
+            if self.probe.is_none() {
+                let g = self.backend.granularity(Location::Device(self.device))?;
+                let scratch = Arc::new(Reservation::new(&self.backend, g, 0)?);
+                Mapping::new(&scratch, scratch.ptr(), Arc::clone(&phys), 0, g, &[])?;
+            }
+            Ok(phys)
+        });
+        match probed {
+            Ok(phys) => {
+                if self.probe.is_none() {
+                    ipc::send_frame(&self.stream, &encode(PROBED, 0, 0, 0), &[])?;
+                    self.probe = Some(Ok(()));
+                }
+                Ok(phys)
+            }
+            Err(Error::Unsupported(words)) if self.probe.is_none() => {
+                send_text(&self.stream, UNSUPPORTED, &words)?;
+                self.probe = Some(Err(words.clone()));
+                Err(Error::Unsupported(words))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn handle_frame(&mut self, frame: [u8; FRAME], fds: Vec<std::os::fd::OwnedFd>) -> Result<()> {
@@ -349,12 +462,7 @@ impl Borrower {
                 let fd = fds
                     .first()
                     .ok_or(Error::InvalidState("offer without a descriptor".into()))?;
-                let handle = self.backend.import_fd(fd.as_fd())?;
-                let phys = Arc::new(PhysicalMemory::from_imported(
-                    &self.backend,
-                    handle,
-                    Location::Device(self.device),
-                )?);
+                let phys = self.import(fd.as_fd())?;
                 let size = phys.size();
                 let reservation = Arc::new(Reservation::new(&self.backend, size, 0)?);
                 let mapping = Mapping::new(
@@ -416,10 +524,14 @@ impl Borrower {
         Ok(())
     }
 
-    /// The next event, waiting at most `timeout`.
+    /// The next event, waiting at most `timeout`. [`Error::Unsupported`], in the driver's
+    /// words, when this process cannot map what it imports (from the first offer on).
     pub fn next_event(&mut self, timeout: Duration) -> Result<BorrowerEvent> {
         let until = Instant::now() + timeout;
         loop {
+            if let Some(Err(words)) = &self.probe {
+                return Err(Error::Unsupported(words.clone()));
+            }
             self.drain_socket()?;
             if let Some(e) = self.events.pop_front() {
                 return Ok(e);

@@ -11,10 +11,10 @@ impl KvBlockManager {
         let inner = self.inner.lock();
         let mut s = inner.stats;
         for q in inner.reqs.values() {
-            let n = inner
-                .space
-                .tokens(q.slot)
-                .map_or(0, |t| inner.space.pages_for(t)) as u64;
+            let tokens = inner.space.tokens(q.slot).unwrap_or(0);
+            s.live_requests += 1;
+            s.tokens += u64::from(tokens);
+            let n = inner.space.pages_for(tokens) as u64;
             s.blocks += n;
             s.blocks_spilled += q.spilled.len() as u64;
             s.blocks_clean += q.clean.len() as u64;

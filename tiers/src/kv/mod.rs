@@ -104,6 +104,9 @@ pub struct KvBlocksStats {
     pub requests: u64,
     /// Blocks of the live requests now (resident, spilled or lost).
     pub blocks: u64,
+    /// Requests live now, and their tokens.
+    pub live_requests: u64,
+    pub tokens: u64,
     /// Of those, blocks backed by pool pages now.
     pub blocks_resident: u64,
     /// Of those, blocks whose bytes live in the store now.

@@ -62,7 +62,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use strata_allocator::{MappedPage, MappedRun, Page, PagePool};
+use strata_allocator::{unmap_pages, MappedPage, MappedRun, Page, PagePool};
 use strata_vmm::{
     Access, Backend, DevicePtr, Error, Event, HostBuffer, Location, Reservation, Result,
     MAX_HOST_CHUNK,
@@ -630,22 +630,13 @@ impl TierStore {
 }
 
 /// Unmaps `pages` and returns those whose unmap succeeded (still counted in use by `pool`).
-/// A page whose unmap failed may still be mapped, so it is quarantined, as the allocator does
-/// ([`MappedPage::unmap_or_quarantine`]: never reused, never released, its mapping and so the
-/// store's address range kept), and the first error is recorded for the next fallible call.
-fn unmap_pages(pool: &PagePool, pages: Vec<MappedPage>) -> Vec<Page> {
+/// A page whose unmap failed may still be mapped, so [`unmap_pages`] quarantines it (never
+/// reused, never released, its mapping and so the store's address range kept), and the first
+/// error is recorded for the next fallible call.
+fn unmap_or_record(pool: &PagePool, pages: Vec<MappedPage>) -> Vec<Page> {
     let mut unmapped = Vec::with_capacity(pages.len());
-    let mut first_err = None;
-    for hp in pages {
-        match hp.unmap_or_quarantine(pool) {
-            Ok(page) => unmapped.push(page),
-            Err((_, e)) => {
-                first_err.get_or_insert(e);
-            }
-        }
-    }
-    if let Some(e) = first_err {
-        strata_vmm::record_deferred(e);
+    if let Err(stuck) = unmap_pages(pool, pages, &mut unmapped) {
+        strata_vmm::record_deferred(stuck.first);
     }
     unmapped
 }
@@ -661,6 +652,6 @@ impl Drop for TierStore {
         if let Err(e) = self.engine.synchronize() {
             strata_vmm::record_deferred(e);
         }
-        self.pool.give(unmap_pages(&self.pool, pages));
+        self.pool.give(unmap_or_record(&self.pool, pages));
     }
 }

@@ -102,7 +102,7 @@ impl TierStore {
             }
         }
         // 5. Return the pages (those whose unmap failed are quarantined, never handed on).
-        out.pages = super::unmap_pages(&self.pool, taken);
+        out.pages = super::unmap_or_record(&self.pool, taken);
         Ok(out)
     }
 }

@@ -5,7 +5,6 @@
 //!
 //! Every test re-runs itself in a child with the emulator on `LD_LIBRARY_PATH` (`child.rs`).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::CudaBackend;
@@ -13,43 +12,51 @@ use crate::backend::Backend;
 use crate::error::Error;
 use crate::types::{Access, CopyDesc, CreateFlags, Location, PhysHandle, StreamHandle};
 
-/// A folder holding the emulator as `libcuda.so.1` (built first; a no-op when fresh).
-fn emulator() -> PathBuf {
-    let profile_dir = strata_test_support::cargo_build(&["-p", "strata-cuda-emu"]);
-    let dir = profile_dir.join("cuda-emu-vmm-tests");
-    std::fs::create_dir_all(&dir).expect("create the emulator's folder");
-    let link = dir.join("libcuda.so.1");
-    if !link.exists() {
-        let _ = std::os::unix::fs::symlink(profile_dir.join("libstrata_cuda_emu.so"), &link);
-    }
-    dir
-}
-
-/// The emulator's folder, then NVIDIA's real NVRTC when `.ci/cuda-libs` installed it (so the
-/// block-copy kernel compiles and only the module load is refused).
-fn library_path() -> std::ffi::OsString {
-    let mut path = emulator().into_os_string();
+/// The emulator's folder (`libcuda.so.1` and `libcuda.so`), then NVIDIA's real NVRTC when
+/// `.ci/cuda-libs` installed it (so the block-copy kernel compiles and only the module load is
+/// refused). `Err(reason)` where the emulator is not built (a GPU machine's bundle).
+fn library_path() -> Result<std::ffi::OsString, String> {
+    let mut path = strata_test_support::cuda_emulator("cuda-emu-vmm-tests")?.into_os_string();
     if let Some(libs) = strata_test_support::cuda_libs() {
         if libs.join("libnvrtc.so.12").exists() {
             path.push(":");
             path.push(libs);
         }
     }
-    path
+    Ok(path)
 }
 
 /// True in the child; in the parent, runs `test` in a child over the emulator and returns false.
 fn in_child(test: &str) -> bool {
+    in_child_with(test, &[])
+}
+
+/// As [`in_child`], with `extra` set in the child's environment.
+fn in_child_with(test: &str, extra: &[(&str, &str)]) -> bool {
     if super::child::is_child() {
         return true;
     }
-    let env = [("STRATA_CUDA_EMU_DEVICES", "2x1GiB")];
-    super::child::rerun(module_path!(), test, &library_path(), &env);
+    let path = match library_path() {
+        Ok(path) => path,
+        Err(reason) => {
+            strata_test_support::skip(test, &reason);
+            return false;
+        }
+    };
+    let mut env = vec![("STRATA_CUDA_EMU_DEVICES", "2x1GiB")];
+    env.extend_from_slice(extra);
+    super::child::rerun(module_path!(), test, &path, &env);
     false
 }
 
+/// The backend over the emulated driver; fails loudly if another driver answered.
 fn open() -> Arc<dyn Backend> {
     let b: Arc<dyn Backend> = Arc::new(CudaBackend::new().expect("the emulated driver opens"));
+    let name = b.device_info(0).expect("device 0").name;
+    assert!(
+        name.starts_with("strata emulated device"),
+        "the child loaded another CUDA driver ({name}), not the emulator"
+    );
     assert_eq!(b.device_count(), 2);
     b
 }
@@ -306,4 +313,96 @@ fn emulated_batch_copies_scatter_and_gather() {
     assert_eq!(back, src);
     b.stream_destroy(s).unwrap();
     teardown(&b, va, g, h);
+}
+
+#[test]
+fn emulated_driver_refuses_a_map_at_a_nonzero_offset() {
+    if !in_child("emulated_driver_refuses_a_map_at_a_nonzero_offset") {
+        return;
+    }
+    let b = open();
+    let g = b.granularity(Location::Device(0)).unwrap();
+    let va = b.reserve(2 * g, 0).unwrap();
+    let h = b
+        .create(Location::Device(0), 2 * g, CreateFlags::empty())
+        .unwrap();
+    // The driver itself, as the H200's answered (CUDA_ERROR_NOT_SUPPORTED), ...
+    // SAFETY: `va` is our own fresh reservation of 2 granules and `h` a live handle; the call
+    // is refused before anything is mapped.
+    let raw = unsafe { super::result::map::map(va, g, g, h.0) };
+    assert!(
+        raw.as_ref().is_err_and(|e| super::result::is_code(
+            e,
+            cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+        )),
+        "{raw:?}"
+    );
+    // ... and the backend, before the driver sees it, with the same typed error as the host's.
+    assert!(matches!(b.map(va, g, h, g), Err(Error::Unsupported(_))));
+    b.map(va, 2 * g, h, 0).unwrap();
+    teardown(&b, va, 2 * g, h);
+}
+
+#[test]
+fn emulated_imported_handles_refused_in_the_refusal_mode() {
+    let test = "emulated_imported_handles_refused_in_the_refusal_mode";
+    if !in_child_with(test, &[("STRATA_CUDA_EMU_IMPORTED_MAPS", "refuse")]) {
+        return;
+    }
+    let b = open();
+    let d0 = Location::Device(0);
+    let g = b.granularity(d0).unwrap();
+    let h = b.create(d0, g, CreateFlags::EXPORTABLE).unwrap();
+    let fd = b.export_fd(h).unwrap();
+    // The import's size probe maps the handle: refused, in the driver's words.
+    let refused = b.import_fd(std::os::fd::AsFd::as_fd(&fd));
+    match &refused {
+        Err(Error::Unsupported(words)) => assert!(
+            words.contains("imported") && words.contains("CUDA_ERROR_NOT_SUPPORTED"),
+            "{words}"
+        ),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    // The exporter's own handle still maps.
+    let va = b.reserve(g, 0).unwrap();
+    b.map(va, g, h, 0).unwrap();
+    teardown(&b, va, g, h);
+    assert_eq!(b.live_counts().handles, 0);
+}
+
+#[test]
+fn emulated_driver_charges_the_latency_profile() {
+    if !in_child_with(
+        "emulated_driver_charges_the_latency_profile",
+        &[("STRATA_HOST_LATENCY", "a100")],
+    ) {
+        return;
+    }
+    let b = open();
+    let d0 = Location::Device(0);
+    let g = b.granularity(d0).unwrap();
+    let va = b.reserve(g, 0).unwrap();
+    let median = |mut v: Vec<std::time::Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let (mut create, mut map) = (Vec::new(), Vec::new());
+    for _ in 0..7 {
+        let t = std::time::Instant::now();
+        let h = b.create(d0, g, CreateFlags::empty()).unwrap();
+        create.push(t.elapsed());
+        let t = std::time::Instant::now();
+        b.map(va, g, h, 0).unwrap();
+        map.push(t.elapsed());
+        b.unmap(va, g).unwrap();
+        b.release(h).unwrap();
+    }
+    let (create, map) = (median(create), median(map));
+    // Orders only: kvcached's A100 create (193 µs) is a lower bound and far above a map.
+    assert!(
+        create >= std::time::Duration::from_micros(193),
+        "{create:?}"
+    );
+    assert!(create > 2 * map, "create {create:?} vs map {map:?}");
+    b.free_va(va, g).unwrap();
 }

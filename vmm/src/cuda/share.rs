@@ -105,7 +105,12 @@ impl CudaBackend {
                 Err(e) => Err(e),
             }
         };
-        if !fits(1)? {
+        if !fits(1).map_err(|e| match super::vmm::not_supported(e) {
+            Error::Unsupported(words) => {
+                Error::Unsupported(format!("mapping an imported handle: {words}"))
+            }
+            other => other,
+        })? {
             return Err(Error::Unsupported(
                 "imported handle: cannot map even one granule to find its size".into(),
             ));

@@ -198,7 +198,7 @@ impl CudaBackend {
             Err(e) if result::is_code(&e, CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
                 return Err(Error::OutOfAddressSpace { requested: size })
             }
-            other => other?,
+            other => other.map_err(not_supported)?,
         }
         state
             .table
@@ -243,6 +243,17 @@ impl CudaBackend {
         unsafe { result::access::set(va, size, &descs)? };
         state.table.set_access(va, size, grants, granularity)?;
         Ok(())
+    }
+}
+
+/// The driver's `CUDA_ERROR_NOT_SUPPORTED` as [`Error::Unsupported`], in the driver's own
+/// words (what a caller can fall back on, e.g. a non-mappable imported handle); other errors
+/// unchanged.
+pub(super) fn not_supported(e: Error) -> Error {
+    if result::is_code(&e, CUresult::CUDA_ERROR_NOT_SUPPORTED) {
+        Error::Unsupported(e.to_string())
+    } else {
+        e
     }
 }
 

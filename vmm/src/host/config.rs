@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use strata_latency::Profile;
+
 use crate::error::{Error, Result};
 
 /// Default emulated device: one 8 GiB device.
@@ -94,6 +96,32 @@ impl HostConfig {
             link,
         })
     }
+}
+
+/// What the host backend reads besides [`HostConfig`]: the latency profile
+/// (`STRATA_HOST_LATENCY`, `none` when unset) and whether imported handles are refused
+/// (`STRATA_HOST_IMPORTED_MAPS`: `allow`, the default, or `refuse`).
+pub(super) fn driver_env() -> Result<(Profile, bool)> {
+    let var = |name: &'static str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let latency = Profile::from_env().map_err(|reason| {
+        config(
+            "STRATA_HOST_LATENCY",
+            &var("STRATA_HOST_LATENCY").unwrap_or_default(),
+            reason,
+        )
+    })?;
+    let refuse = match var("STRATA_HOST_IMPORTED_MAPS").as_deref() {
+        None | Some("allow") => false,
+        Some("refuse") => true,
+        Some(v) => {
+            return Err(config(
+                "STRATA_HOST_IMPORTED_MAPS",
+                v,
+                "expected allow or refuse".into(),
+            ))
+        }
+    };
+    Ok((latency, refuse))
 }
 
 fn config(name: &'static str, value: &str, reason: String) -> Error {

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use strata_latency::Direction;
+
 use crate::error::{Error, Result};
 use crate::types::{Access, CopyDesc, DevicePtr, Location};
 use crate::vatable::{Accessor, Translation};
@@ -83,9 +85,16 @@ impl Inner {
         Ok(())
     }
 
+    /// The link model's time for a copy, else the latency profile's (`STRATA_HOST_LATENCY`).
     pub(super) fn link_delay(&self, len: u64, src_device: bool, dst_device: bool) -> Duration {
         let Some(model) = self.config.link else {
-            return Duration::ZERO;
+            let direction = match (src_device, dst_device) {
+                (false, true) => Direction::HostToDevice,
+                (true, false) => Direction::DeviceToHost,
+                (true, true) => Direction::DeviceToDevice,
+                (false, false) => return Duration::ZERO,
+            };
+            return self.latency.profile().copy_time(direction, len);
         };
         let link = match (src_device, dst_device) {
             (false, true) => model.host_to_device,
@@ -131,10 +140,7 @@ impl Inner {
             dst
         };
         let result = resolved.map(|((src, src_dev), (dst, dst_dev))| {
-            let delay = self.link_delay(c.len, src_dev, dst_dev);
-            if !delay.is_zero() {
-                std::thread::sleep(delay);
-            }
+            strata_latency::wait(self.link_delay(c.len, src_dev, dst_dev));
             copy_segments(&src, &dst);
         });
         self.unpin(&pins);

@@ -16,7 +16,7 @@
 mod config;
 mod copy;
 mod device;
-mod fault;
+pub(crate) mod fault;
 mod os;
 mod stream;
 mod work;
@@ -39,6 +39,7 @@ use crate::types::{
 };
 use crate::vatable::{Accessor, VaTable};
 use crate::work::DeviceWork;
+use strata_latency::{Call, Charger, Profile};
 
 use device::{Backing, HandleEntry, Pool};
 use fault::FaultPlan;
@@ -64,6 +65,10 @@ struct Inner {
     faults: FaultPlan,
     /// Live `host_alloc` allocations: address → size.
     host_allocs: Mutex<HashMap<u64, u64>>,
+    /// What each call and copy costs (`STRATA_HOST_LATENCY`; nothing by default).
+    latency: Charger,
+    /// `STRATA_HOST_IMPORTED_MAPS=refuse`: imported handles cannot be mapped.
+    refuse_imported_maps: bool,
 }
 
 /// Emulated devices on memfd-backed physical memory (see the module documentation).
@@ -90,8 +95,32 @@ fn invalid_handle(kind: &'static str, id: u64) -> Error {
 }
 
 impl HostBackend {
-    /// Starts a backend with `config.devices.len()` emulated devices.
+    /// Starts a backend with `config.devices.len()` emulated devices, charging the latency
+    /// profile `STRATA_HOST_LATENCY` names (`none` when unset) and refusing to map imported
+    /// handles when `STRATA_HOST_IMPORTED_MAPS=refuse` (as a real driver did: REFERENCE.md §1.8).
     pub fn new(config: HostConfig) -> Result<Self> {
+        let (latency, refuse_imported_maps) = config::driver_env()?;
+        let backend = Self::with_latency(config, latency)?;
+        Ok(if refuse_imported_maps {
+            backend.refusing_imported_maps()
+        } else {
+            backend
+        })
+    }
+
+    /// This backend, made to refuse mapping imported handles with [`Error::Unsupported`]
+    /// (`STRATA_HOST_IMPORTED_MAPS=refuse`), as the driver of an H200 virtual machine did.
+    /// Call right after construction (no effect once the backend is shared).
+    pub fn refusing_imported_maps(mut self) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.refuse_imported_maps = true;
+        }
+        self
+    }
+
+    /// As [`HostBackend::new`] with `latency` charged (whatever the environment says) and
+    /// imported handles mappable.
+    pub fn with_latency(config: HostConfig, latency: Profile) -> Result<Self> {
         crate::raii::install_exit_hook();
         let page = os::page_size();
         let g = config.granularity;
@@ -130,6 +159,8 @@ impl HostBackend {
                 next_event: AtomicU64::new(1),
                 faults: FaultPlan::default(),
                 host_allocs: Mutex::new(HashMap::new()),
+                latency: Charger::new(latency),
+                refuse_imported_maps: false,
             }),
         })
     }
@@ -137,6 +168,11 @@ impl HostBackend {
     /// The configuration this backend was built with.
     pub fn config(&self) -> &HostConfig {
         &self.inner.config
+    }
+
+    /// The latency profile this backend charges.
+    pub fn latency(&self) -> &Profile {
+        self.inner.latency.profile()
     }
 
     /// Makes the `nth` subsequent call of `op` (1: the next one) fail with
@@ -291,6 +327,7 @@ impl Backend for HostBackend {
     }
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
+        self.inner.latency.call(Call::Reserve);
         let g = self.inner.config.granularity;
         let alignment = VaTable::check_reserve(size, alignment, g)?;
         let ptr = os::reserve(size, alignment)?;
@@ -304,6 +341,7 @@ impl Backend for HostBackend {
     }
 
     fn free_va(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.inner.latency.call(Call::FreeVa);
         let mut st = self.inner.state.lock();
         st.va.check_free(ptr, size)?;
         // SAFETY: the table says `ptr..ptr+size` is exactly one of our reservations with nothing
@@ -313,6 +351,7 @@ impl Backend for HostBackend {
     }
 
     fn create(&self, location: Location, size: u64, flags: CreateFlags) -> Result<PhysHandle> {
+        self.inner.latency.call(Call::Create);
         self.inner.faults.check(FaultOp::Create)?;
         let g = self.inner.config.granularity;
         let index = self.inner.pool_index(location)?;
@@ -368,6 +407,7 @@ impl Backend for HostBackend {
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
+        self.inner.latency.call(Call::Release);
         let mut st = self.inner.state.lock();
         match st.handles.get_mut(&handle.0) {
             Some(entry) if entry.created => entry.created = false,
@@ -385,6 +425,7 @@ impl Backend for HostBackend {
     }
 
     fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
+        self.inner.latency.call(Call::Map);
         self.inner.faults.check(FaultOp::Map)?;
         let g = self.inner.config.granularity;
         let mut guard = self.inner.state.lock();
@@ -393,6 +434,13 @@ impl Backend for HostBackend {
             Some(entry) if entry.created => entry,
             _ => return Err(invalid_handle("physical", handle.0)),
         };
+        if entry.imported && self.inner.refuse_imported_maps {
+            return Err(Error::Unsupported(format!(
+                "cuMemMap of imported handle {:#x}: CUDA_ERROR_NOT_SUPPORTED (801), as \
+                 STRATA_HOST_IMPORTED_MAPS=refuse emulates",
+                handle.0
+            )));
+        }
         st.va.check_map(va, size, offset, entry.size, g)?;
         let index = self.inner.pool_index(entry.location)?;
         let (fd, fd_offset) = match &entry.backing {
@@ -421,6 +469,7 @@ impl Backend for HostBackend {
     }
 
     fn unmap(&self, va: DevicePtr, size: u64) -> Result<()> {
+        self.inner.latency.call(Call::Unmap);
         self.inner.faults.check(FaultOp::Unmap)?;
         let g = self.inner.config.granularity;
         let mut st = self.inner.state.lock();
@@ -442,6 +491,7 @@ impl Backend for HostBackend {
     }
 
     fn set_access(&self, va: DevicePtr, size: u64, grants: &[(Location, Access)]) -> Result<()> {
+        self.inner.latency.call(Call::SetAccess);
         self.inner.faults.check(FaultOp::SetAccess)?;
         for &(location, _) in grants {
             self.inner.pool_index(location)?;
@@ -465,6 +515,7 @@ impl Backend for HostBackend {
     }
 
     fn export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        self.inner.latency.call(Call::Export);
         let st = self.inner.state.lock();
         match st.handles.get(&handle.0) {
             Some(HandleEntry {
@@ -481,6 +532,7 @@ impl Backend for HostBackend {
     }
 
     fn import_fd(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle> {
+        self.inner.latency.call(Call::Import);
         let g = self.inner.config.granularity;
         let st_info = os::fstat(fd)?;
         if st_info.st_mode & libc::S_IFMT != libc::S_IFREG {
@@ -534,6 +586,7 @@ impl Backend for HostBackend {
     }
 
     fn stream_create(&self, device: u32) -> Result<StreamHandle> {
+        self.inner.latency.call(Call::StreamCreate);
         self.inner.check_device(device)?;
         let id = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
         let shared = StreamShared::spawn(id, device)?;
@@ -542,6 +595,7 @@ impl Backend for HostBackend {
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.latency.call(Call::StreamDestroy);
         let shared = self
             .inner
             .streams
@@ -559,6 +613,7 @@ impl Backend for HostBackend {
     }
 
     fn event_create(&self) -> Result<EventHandle> {
+        self.inner.latency.call(Call::EventCreate);
         let id = self.inner.next_event.fetch_add(1, Ordering::Relaxed);
         self.inner
             .events
@@ -568,6 +623,7 @@ impl Backend for HostBackend {
     }
 
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.inner.latency.call(Call::EventDestroy);
         self.inner
             .events
             .lock()
@@ -577,6 +633,7 @@ impl Backend for HostBackend {
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.inner.latency.call(Call::EventRecord);
         let ev = self.event(event)?;
         if stream == StreamHandle::DEFAULT {
             // Work on the default stream has already run.
@@ -598,6 +655,7 @@ impl Backend for HostBackend {
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.inner.latency.call(Call::StreamWaitEvent);
         let ev = self.event(event)?;
         if stream == StreamHandle::DEFAULT {
             ev.wait_for(ev.latest());
@@ -662,6 +720,7 @@ impl Backend for HostBackend {
     }
 
     fn host_alloc(&self, size: u64) -> Result<DevicePtr> {
+        self.inner.latency.call(Call::HostAlloc);
         if size == 0 {
             return Err(Error::InvalidArgument(
                 "host_alloc size must not be zero".into(),
@@ -679,6 +738,7 @@ impl Backend for HostBackend {
     }
 
     unsafe fn host_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.inner.latency.call(Call::HostFree);
         let mut allocs = self.inner.host_allocs.lock();
         match allocs.get(&ptr) {
             Some(&s) if s == size => {}

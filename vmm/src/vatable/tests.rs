@@ -88,12 +88,17 @@ fn map_rules() {
         Err(Error::Misaligned { .. })
     ));
     assert!(matches!(
-        t.check_map(base, 2 * G, G, 2 * G, G),
+        t.check_map(base, 2 * G, 0, G, G),
         Err(Error::InvalidArgument(_))
+    ));
+    // A non-zero offset: the real driver refuses it (CUDA_ERROR_NOT_SUPPORTED).
+    assert!(matches!(
+        t.check_map(base, G, G, 2 * G, G),
+        Err(Error::Unsupported(_))
     ));
     assert!(matches!(
         t.check_map(base, G, u64::MAX - G + 1, u64::MAX, G),
-        Err(Error::Overflow(_))
+        Err(Error::Unsupported(_))
     ));
     assert!(matches!(
         t.check_map(u64::MAX - G + 1, 2 * G, 0, 4 * G, G),
@@ -220,7 +225,7 @@ fn set_access_needs_full_mapping_and_splits_runs() {
 fn translate_pieces_and_access() {
     let mut t = table();
     let base = 0x10_0000;
-    t.insert_mapping(base, 2 * G, H, 4 * G, 8 * G, G).unwrap();
+    t.insert_mapping(base, 2 * G, H, 0, 8 * G, G).unwrap();
     t.insert_mapping(base + 2 * G, G, PhysHandle(9), 0, G, G)
         .unwrap();
     // Fresh mappings have no access.
@@ -246,7 +251,7 @@ fn translate_pieces_and_access() {
         Translation::Device(vec![
             Piece {
                 handle: H,
-                offset: 5 * G,
+                offset: G,
                 len: G
             },
             Piece {

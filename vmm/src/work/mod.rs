@@ -1,22 +1,20 @@
 //! Device work: kernels and library calls queued on a backend's streams, ordered with its copies
-//! like any other work. Apart from the VMM contract ([`Backend`]): a backend that can run them
-//! hands out its [`DeviceWork`] through [`Backend::device_work`] (both strata backends do; a
-//! test fake need not).
+//! like any other work. Apart from the VMM contract ([`Backend`](crate::Backend)), below it: a
+//! backend that can run them hands out its [`DeviceWork`] through
+//! [`Backend::device_work`](crate::Backend::device_work) (both strata backends do; a test fake
+//! need not; [`device_work`](crate::device_work) turns `None` into an error).
 
 mod gemm;
-
-use std::sync::Arc;
 
 pub use gemm::GemmF32;
 pub(crate) use gemm::{check_device_operands, Operand};
 
-use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::types::{DevicePtr, StreamHandle};
 
 /// The block-copy kernel and the FP32 GEMM, on a backend's streams.
 ///
-/// Every range obeys the [`Backend`] copy precondition (8): device VA mapped with `Read`
+/// Every range obeys the [`Backend`](crate::Backend) copy precondition (8): device VA mapped with `Read`
 /// (source) or `ReadWrite` (destination) access for the stream's device, or, for the block
 /// copy, host memory outside every reservation
 /// ([`Error::IllegalAccess`](crate::Error::IllegalAccess) otherwise).
@@ -27,12 +25,12 @@ pub trait DeviceWork: Send + Sync + 'static {
     /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise). The host backend
     /// runs the kernel's CPU twin on the stream's worker (one submission, one link latency);
     /// CUDA compiles the kernel with NVRTC on first use, and where it cannot (no NVRTC, a
-    /// kernel the driver refuses) returns [`Error::Unsupported`] so callers fall back to
-    /// [`Backend::copy_async`].
+    /// kernel the driver refuses) returns [`Error::Unsupported`](crate::Error::Unsupported) so callers fall back to
+    /// [`Backend::copy_async`](crate::Backend::copy_async).
     ///
     /// # Safety
     ///
-    /// As for [`Backend::copy_async`].
+    /// As for [`Backend::copy_async`](crate::Backend::copy_async).
     unsafe fn copy_blocks_async(
         &self,
         stream: StreamHandle,
@@ -52,12 +50,4 @@ pub trait DeviceWork: Send + Sync + 'static {
     /// agree up to rounding (summation order differs), exactly when every partial sum is
     /// representable.
     fn gemm_f32_async(&self, stream: StreamHandle, gemm: &GemmF32) -> Result<()>;
-}
-
-/// The device work of `backend`; [`Error::Unsupported`] for a backend without one.
-pub fn device_work(backend: &Arc<dyn Backend>) -> Result<Arc<dyn DeviceWork>> {
-    let kind = backend.kind();
-    Arc::clone(backend)
-        .device_work()
-        .ok_or_else(|| Error::Unsupported(format!("no device work on the {kind} backend")))
 }

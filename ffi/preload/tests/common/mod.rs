@@ -60,20 +60,11 @@ pub fn probe() -> PathBuf {
         .clone()
 }
 
-/// A folder holding the emulated driver (`tests/cuda-emu`, built first) as `libcuda.so.1`.
+/// The emulated CUDA driver's folder (`libcuda.so.1`, `libcuda.so`), or why it is not here.
 #[allow(dead_code)]
-pub fn emulator() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+pub fn emulator() -> Result<PathBuf, String> {
+    static BUILT: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
     BUILT
-        .get_or_init(|| {
-            let profile_dir = strata_test_support::cargo_build(&["-p", "strata-cuda-emu"]);
-            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("strata-cuda-emu");
-            std::fs::create_dir_all(&dir).expect("create the emulator's directory");
-            let link = dir.join("libcuda.so.1");
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(profile_dir.join("libstrata_cuda_emu.so"), &link)
-                .expect("link libcuda.so.1");
-            dir
-        })
+        .get_or_init(|| strata_test_support::cuda_emulator("cuda-emu-preload-tests"))
         .clone()
 }

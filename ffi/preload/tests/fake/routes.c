@@ -404,6 +404,22 @@ static void route_meminfo_small(void) {
   CHECK(cuMemGetInfo_v2(&f, &t) == 0 && f + PAGE > limit, "all free again: %zu", f);
 }
 
+/* `strata ps` sees the shim (preload.rs): 6 MiB held until stdin says "alloc N" (answering
+ * "ok" or "fail") or closes. */
+static void route_hold(void) {
+  CUdeviceptr p = 0;
+  CHECK(cuMemAlloc_v2(&p, 6u << 20) == 0, "hold 6 MiB");
+  printf("held\n");
+  fflush(stdout);
+  char line[64];
+  unsigned long long n;
+  while (fgets(line, sizeof line, stdin)) {
+    CUdeviceptr q = 0;
+    if (sscanf(line, "alloc %llu", &n) == 1) printf("%s\n", cuMemAlloc_v2(&q, n) == 0 ? "ok" : "fail");
+    fflush(stdout);
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) return 2;
   const char *expect = getenv("EXPECT");
@@ -427,6 +443,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(r, "threads")) route_threads();
   else if (!strcmp(r, "fork")) route_fork();
   else if (!strcmp(r, "meminfo_small")) route_meminfo_small();
+  else if (!strcmp(r, "hold")) route_hold();
   else {
     fprintf(stderr, "unknown route %s\n", r);
     return 2;

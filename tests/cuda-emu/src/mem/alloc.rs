@@ -26,6 +26,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     size: usize,
     flags: c_uint,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::HostAlloc);
     api(|| {
         current_device()?;
         if pp.is_null() || size == 0 || flags & !0b111 != 0 {
@@ -58,6 +59,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(
 /// As the driver's `cuMemFreeHost`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    crate::charge(strata_latency::Call::HostFree);
     api(|| {
         let len = with_state(|s| s.pinned.remove(&(p as u64)).ok_or(INVALID_VALUE))?;
         // SAFETY: the whole mapping `cuMemHostAlloc` made, freed once.

@@ -7,7 +7,7 @@
 //! moves bytes; mappings only record which handle range backs which VA range, with access per
 //! granule and per device.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_uint, c_void};
 use std::mem::offset_of;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -95,6 +95,8 @@ struct State {
     reservations: BTreeMap<u64, (u64, usize, usize)>,
     mappings: BTreeMap<u64, Mapping>,
     handles: HashMap<u64, Arc<Phys>>,
+    /// Handles that `cuMemImportFromShareableHandle` returned (still live).
+    imported: HashSet<u64>,
     next_handle: u64,
     /// `cuMemHostAlloc` memory: start → length.
     pinned: BTreeMap<u64, usize>,
@@ -324,6 +326,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     _addr: CUdeviceptr,
     flags: u64,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::Reserve);
     api(|| {
         emu()?;
         if flags != 0 || ptr.is_null() {
@@ -354,6 +357,7 @@ fn free_reservation(s: &mut State, ptr: u64, size: u64) -> Res {
 /// As the driver's `cuMemAddressFree`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    crate::charge(strata_latency::Call::FreeVa);
     api(|| with_state(|s| free_reservation(s, ptr, size as u64)))
 }
 
@@ -367,6 +371,7 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const CUmemAllocationProp,
     flags: u64,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::Create);
     api(|| {
         emu()?;
         // SAFETY: the caller's contract.
@@ -386,9 +391,20 @@ pub unsafe extern "C" fn cuMemCreate(
 /// As the driver's `cuMemRelease`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    api(|| with_state(|s| s.handles.remove(&handle).map(drop).ok_or(INVALID_VALUE)))
+    crate::charge(strata_latency::Call::Release);
+    api(|| {
+        with_state(|s| {
+            s.imported.remove(&handle);
+            s.handles.remove(&handle).map(drop).ok_or(INVALID_VALUE)
+        })
+    })
 }
 
+/// Beyond the documented checks, two refusals a real driver made (REFERENCE.md §1.2, §1.8):
+/// a non-zero `offset` is `CUDA_ERROR_NOT_SUPPORTED` (the documentation says "currently must
+/// be zero"; driver 580.159 on an H200 answered 801), and so is an imported handle when
+/// `STRATA_CUDA_EMU_IMPORTED_MAPS=refuse`.
+///
 /// # Safety
 ///
 /// As the driver's `cuMemMap`.
@@ -400,13 +416,21 @@ pub unsafe extern "C" fn cuMemMap(
     handle: CUmemGenericAllocationHandle,
     flags: u64,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::Map);
     api(|| {
         let (size, offset) = (size as u64, offset as u64);
         if flags != 0 || size == 0 || !aligned(ptr) || !aligned(size) || !aligned(offset) {
             return Err(INVALID_VALUE);
         }
+        if offset != 0 {
+            return Err(NOT_SUPPORTED);
+        }
+        let refuse_imported = emu()?.refuse_imported_maps;
         with_state(|s| {
             let phys = s.handles.get(&handle).cloned().ok_or(INVALID_VALUE)?;
+            if refuse_imported && s.imported.contains(&handle) {
+                return Err(NOT_SUPPORTED);
+            }
             if offset.checked_add(size).is_none_or(|e| e > phys.size) {
                 return Err(INVALID_VALUE);
             }
@@ -470,6 +494,7 @@ fn covering(s: &State, ptr: u64, size: u64, whole: bool) -> Res<Vec<u64>> {
 /// As the driver's `cuMemUnmap`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    crate::charge(strata_latency::Call::Unmap);
     api(|| {
         let size = size as u64;
         if size == 0 || !aligned(ptr) || !aligned(size) {
@@ -501,6 +526,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
     desc: *const CUmemAccessDesc,
     count: usize,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::SetAccess);
     api(|| {
         let size = size as u64;
         if desc.is_null() || count == 0 || size == 0 || !aligned(ptr) || !aligned(size) {

@@ -42,6 +42,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     kind: c_uint,
     flags: u64,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::Export);
     api(|| {
         if flags != 0 || kind != HANDLE_FD {
             return Err(INVALID_VALUE);
@@ -90,6 +91,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     os_handle: *mut c_void,
     kind: c_uint,
 ) -> CUresult {
+    crate::charge(strata_latency::Call::Import);
     api(|| {
         if kind != HANDLE_FD || handle.is_null() {
             return Err(INVALID_VALUE);
@@ -132,7 +134,9 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
                     })
                 }
             };
-            Ok(add_handle(s, phys))
+            let h = add_handle(s, phys);
+            s.imported.insert(h);
+            Ok(h)
         })?;
         out(handle, h)
     })

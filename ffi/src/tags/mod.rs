@@ -1,4 +1,8 @@
-//! Tag names ↔ ids, process-wide, and the per-thread tag stack.
+//! The tag table: everything the process knows about tags, in one structure ([`TagTable`]):
+//! names ↔ ids, which tags sleep, which overflow and where. The per-thread tag stack is in
+//! `stack.rs`; `strata_sleep`/`strata_wake` (and `strata_sleep_to_disk`) are next to the table,
+//! in `../sleep.rs`. The table is below everything else in the crate (it uses only the
+//! runtime).
 //!
 //! Ids start at 1 (0 is untagged). At most [`MAX_TAGS`] names are registered at once; when
 //! that many are, the names no longer in use are released (no thread has them pushed, no call
@@ -6,28 +10,111 @@
 //! ids reused, so a server using a tag per request never runs out. A released name starts again
 //! from zero.
 //!
-//! Lock order: this registry, then the sleeping set (`sleeping.rs`), then the overflowing set
-//! (`offload.rs`), then an allocator's state.
-//! Nothing takes the registry while holding the sleeping set (a [`Lease`] outlives the sleeping
-//! set's guard in `strata_sleep`/`strata_wake`).
+//! Sleep and overflow mean the same on every device: a device's allocator created after a tag
+//! was put to sleep or set to overflow onto host memory gets the setting before anyone can
+//! reach it ([`apply_to_new_device`]), and `strata_sleep`/`strata_wake` are serialized with
+//! device creation and with each other (the sleeping set's lock is held throughout).
+//!
+//! # Lock order
+//!
+//! The table has one lock per part, always taken in this order: `names`, then `sleeping`,
+//! then `overflowing`, then an allocator's state. Nothing takes `names` while holding
+//! `sleeping` (a [`Lease`] outlives the sleeping set's guard in `strata_sleep`/`strata_wake`).
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::sync::OnceLock;
+mod stack;
 
-use parking_lot::Mutex;
-use strata_allocator::{TagId, UNTAGGED};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard};
+use strata_allocator::{CachingAllocator, TagId};
+use strata_runtime::DeviceRuntime;
 use strata_vmm::{Error, Result};
+
+pub use stack::{current, depth, pop, push};
 
 /// Most names registered at once (a guard against runaway tag creation).
 const MAX_TAGS: usize = 1 << 16;
 /// Longest tag name accepted.
 pub const MAX_TAG_LEN: usize = 256;
-/// Deepest per-thread tag stack accepted.
-const MAX_TAG_DEPTH: usize = 1024;
+
+/// Where a tag overflows (the last `strata_set_overflow` or `strata_set_overflow_peer` wins).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Overflow {
+    /// Host memory, on every device's allocator, existing and created later
+    /// ([`apply_to_new_device`]).
+    Host,
+    /// The pages of device `lender`, on the allocators that existed when it was set, until
+    /// `lender` revokes them.
+    Peer(usize),
+}
+
+/// The process's tags (see the module documentation for the lock order).
+#[derive(Default)]
+struct TagTable {
+    names: Mutex<Names>,
+    /// Tags asleep; locked for a whole sleep, wake or device creation.
+    sleeping: Mutex<HashSet<TagId>>,
+    /// Tags allowed to overflow. A tag here is in use: its name is not released, so its id (and
+    /// the setting that goes with it) never passes to another name.
+    overflowing: Mutex<HashMap<TagId, Overflow>>,
+}
+
+fn table() -> &'static TagTable {
+    static TABLE: OnceLock<TagTable> = OnceLock::new();
+    TABLE.get_or_init(TagTable::default)
+}
+
+fn names() -> MutexGuard<'static, Names> {
+    table().names.lock()
+}
+
+/// The set of sleeping tags, locked for a whole sleep, wake or device creation.
+pub fn sleeping() -> MutexGuard<'static, HashSet<TagId>> {
+    table().sleeping.lock()
+}
+
+/// The tags set to overflow, and where.
+pub fn overflowing() -> MutexGuard<'static, HashMap<TagId, Overflow>> {
+    table().overflowing.lock()
+}
+
+/// Applies the sleeping tags (held: `sleeping`) and the tags overflowing onto host memory to
+/// `device`'s new allocator `a`, not yet published (nothing to copy: the device was never
+/// used).
+pub fn apply_to_new_device(
+    sleeping: &HashSet<TagId>,
+    device: &DeviceRuntime,
+    a: &CachingAllocator,
+) -> Result<()> {
+    for &tag in sleeping {
+        a.sleep(tag, false)?;
+    }
+    for (&id, &to) in overflowing().iter() {
+        if to == Overflow::Host {
+            set_overflow(device, a, id, true)?;
+        }
+    }
+    Ok(())
+}
+
+/// Lets tag `id` overflow onto `device`'s host pool on allocator `a`, or stops it.
+pub fn set_overflow(
+    device: &DeviceRuntime,
+    a: &CachingAllocator,
+    id: TagId,
+    on: bool,
+) -> Result<()> {
+    let to = if on {
+        Some(Arc::clone(device.host_pool()?))
+    } else {
+        None
+    };
+    a.set_overflow(id, to)
+}
 
 #[derive(Default)]
-struct Registry {
+struct Names {
     ids: HashMap<String, TagId>,
     names: HashMap<TagId, String>,
     /// Stack entries and calls holding each id (absent: none).
@@ -35,11 +122,6 @@ struct Registry {
     free_ids: Vec<TagId>,
     /// Ids handed out so far (the next fresh id is `issued + 1`).
     issued: TagId,
-}
-
-fn registry() -> &'static Mutex<Registry> {
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
-    REGISTRY.get_or_init(Mutex::default)
 }
 
 fn check_name(name: &str) -> Result<()> {
@@ -55,7 +137,7 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-impl Registry {
+impl Names {
     fn lookup(&self, name: &str) -> Result<TagId> {
         self.ids.get(name).copied().ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -106,7 +188,8 @@ impl Registry {
     #[cold]
     #[inline(never)]
     fn release_unused(&mut self) {
-        let sleeping = crate::sleeping::lock();
+        let sleeping = sleeping();
+        let overflowing = overflowing();
         let allocators: Vec<_> = strata_runtime::existing_global()
             .map(|g| g.existing_all().map(|(_, a)| a).collect())
             .unwrap_or_default();
@@ -117,7 +200,7 @@ impl Registry {
             .filter(|id| {
                 !self.pins.contains_key(id)
                     && !sleeping.contains(id)
-                    && !crate::offload::is_overflowing(*id)
+                    && !overflowing.contains_key(id)
             })
             .collect();
         // Nobody can allocate under, sleep or push an unpinned id while the lock is held, so
@@ -147,14 +230,14 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        registry().lock().unpin(self.0);
+        names().unpin(self.0);
     }
 }
 
 /// Holds the id of registered tag `name`; an unknown name is [`Error::InvalidArgument`].
 pub fn lease(name: &str) -> Result<Lease> {
     check_name(name)?;
-    let mut reg = registry().lock();
+    let mut reg = names();
     let id = reg.lookup(name)?;
     reg.pin(id);
     Ok(Lease(id))
@@ -162,72 +245,5 @@ pub fn lease(name: &str) -> Result<Lease> {
 
 /// The name of tag `id`, if registered.
 pub fn name_of(id: TagId) -> Option<String> {
-    registry().lock().names.get(&id).cloned()
-}
-
-/// The calling thread's stack; entries are pinned in the registry and unpinned when popped or
-/// when the thread exits.
-struct Stack(Vec<TagId>);
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        if !self.0.is_empty() {
-            let mut reg = registry().lock();
-            for id in self.0.drain(..) {
-                reg.unpin(id);
-            }
-        }
-    }
-}
-
-thread_local! {
-    static STACK: RefCell<Stack> = const { RefCell::new(Stack(Vec::new())) };
-}
-
-/// The tag new allocations of the calling thread get (top of its stack, or untagged).
-#[inline]
-pub fn current() -> TagId {
-    STACK
-        .try_with(|s| s.borrow().0.last().copied().unwrap_or(UNTAGGED))
-        .unwrap_or(UNTAGGED)
-}
-
-/// Pushes tag `name` (registered on first use) on the calling thread's stack.
-pub fn push(name: &str) -> Result<()> {
-    check_name(name)?;
-    STACK
-        .try_with(|s| {
-            let mut s = s.borrow_mut();
-            if s.0.len() >= MAX_TAG_DEPTH {
-                return Err(Error::InvalidState(format!(
-                    "tag stack deeper than {MAX_TAG_DEPTH} (unbalanced strata_tag_push?)"
-                )));
-            }
-            let mut reg = registry().lock();
-            let id = reg.register(name)?;
-            reg.pin(id);
-            s.0.push(id);
-            Ok(())
-        })
-        .map_err(|_| Error::InvalidState("thread is exiting".into()))?
-}
-
-/// Pops the calling thread's stack; an empty stack is [`Error::InvalidState`].
-pub fn pop() -> Result<()> {
-    STACK
-        .try_with(|s| {
-            let id = s
-                .borrow_mut()
-                .0
-                .pop()
-                .ok_or_else(|| Error::InvalidState("tag stack is empty".into()))?;
-            registry().lock().unpin(id);
-            Ok(())
-        })
-        .map_err(|_| Error::InvalidState("thread is exiting".into()))?
-}
-
-/// Depth of the calling thread's stack.
-pub fn depth() -> usize {
-    STACK.try_with(|s| s.borrow().0.len()).unwrap_or(0)
+    names().names.get(&id).cloned()
 }
