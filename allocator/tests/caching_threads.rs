@@ -8,6 +8,8 @@
 
 mod common;
 
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};
 
@@ -195,6 +197,20 @@ fn flush(e: &Env, round: usize, models: &[Model]) {
     exact(&e.alloc.stats(), models, "after the flush");
 }
 
+/// The first panic of any thread, kept so that a failed check ends the test instead of leaving
+/// the other threads waiting at a barrier.
+type Failure = Mutex<Option<Box<dyn Any + Send>>>;
+
+/// Runs `work` unless a thread failed already; a panic in it is recorded, not propagated.
+fn guarded(failure: &Failure, work: &mut dyn FnMut()) {
+    if failure.lock().unwrap().is_some() {
+        return;
+    }
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(work)) {
+        failure.lock().unwrap().get_or_insert(panic);
+    }
+}
+
 #[test]
 fn random_walks_on_threads_keep_exact_stats_through_flushes() {
     let e = env();
@@ -206,9 +222,11 @@ fn random_walks_on_threads_keep_exact_stats_through_flushes() {
     let resumed = Barrier::new(THREADS as usize + 1);
     let stop = AtomicBool::new(false);
     let done = AtomicU64::new(0);
+    let failure = Mutex::new(None);
     std::thread::scope(|scope| {
         for t in 0..THREADS {
-            let (e, models, paused, resumed, done) = (&e, &models, &paused, &resumed, &done);
+            let (e, models, paused, resumed, done, failure) =
+                (&e, &models, &paused, &resumed, &done, &failure);
             let stream = streams[t as usize];
             scope.spawn(move || {
                 let mut w = Walker {
@@ -221,16 +239,20 @@ fn random_walks_on_threads_keep_exact_stats_through_flushes() {
                     next_seed: t << 32,
                 };
                 for _ in 0..ROUNDS {
-                    for _ in 0..STEPS {
-                        w.step();
-                    }
+                    guarded(failure, &mut || {
+                        for _ in 0..STEPS {
+                            w.step();
+                        }
+                    });
                     models.lock().unwrap()[t as usize] = w.model;
                     paused.wait();
                     resumed.wait();
                 }
-                while !w.live.is_empty() {
-                    w.free(w.live.len() - 1);
-                }
+                guarded(failure, &mut || {
+                    while !w.live.is_empty() {
+                        w.free(w.live.len() - 1);
+                    }
+                });
                 models.lock().unwrap()[t as usize] = w.model;
                 done.fetch_add(1, Ordering::Release);
             });
@@ -246,8 +268,10 @@ fn random_walks_on_threads_keep_exact_stats_through_flushes() {
         for round in 0..ROUNDS {
             paused.wait();
             let snapshot = models.lock().unwrap().clone();
-            exact(&e.alloc.stats(), &snapshot, &format!("round {round}"));
-            flush(&e, round, &snapshot);
+            guarded(&failure, &mut || {
+                exact(&e.alloc.stats(), &snapshot, &format!("round {round}"));
+                flush(&e, round, &snapshot);
+            });
             resumed.wait();
         }
         // The checker runs until the walkers have freed everything.
@@ -256,6 +280,9 @@ fn random_walks_on_threads_keep_exact_stats_through_flushes() {
         }
         stop.store(true, Ordering::Relaxed);
     });
+    if let Some(panic) = failure.into_inner().unwrap() {
+        std::panic::resume_unwind(panic);
+    }
     let models = models.into_inner().unwrap();
     let stats = e.alloc.stats();
     exact(&stats, &models, "all freed");
