@@ -484,8 +484,10 @@ typedef void (*strata_kv_lost_fn)(strata_kv_t kv, strata_kv_request_t request, u
  * device: STRATA_NO_DEVICE. */
 int strata_kv_create(const strata_kv_config_t *config, strata_kv_t *out);
 
-/* Waits for the space's copies and releases everything it holds; its handle and its requests'
- * handles are stale afterwards. Calls already running on it finish first. */
+/* Waits for the space's copies and releases everything it holds: its pages are back in the
+ * device's pool when it returns. Its handle and its requests' handles are stale afterwards.
+ * Calls already running on it finish first (waited for up to 200 ms; a call that destroys the
+ * space from a callback of a call on it is not waited for: the outer call releases it). */
 int strata_kv_destroy(strata_kv_t kv);
 
 /* Describes the `kind` (STRATA_KV_K / STRATA_KV_V) tensor of `layer`. */

@@ -202,7 +202,31 @@ pub unsafe extern "C" fn strata_kv_create(
 /// copies. The handle (and its requests) are stale afterwards.
 #[no_mangle]
 pub extern "C" fn strata_kv_destroy(kv: u64) -> c_int {
-    boundary::status("strata_kv_destroy", || SPACES.remove(kv).map(drop))
+    boundary::status("strata_kv_destroy", || {
+        SPACES.remove(kv).map(release_when_last)
+    })
+}
+
+/// How long [`strata_kv_destroy`] waits for other holders of the space to let go.
+const LAST_HOLDER_WAIT: Duration = Duration::from_millis(200);
+
+/// Drops the space once nothing else holds it, so that its pages are back in the pool when
+/// `strata_kv_destroy` returns. Other holders are calls running on it and the figures
+/// snapshot of `strata ps` (`ops.rs`), each brief; the handle is already stale, so no new one
+/// comes. The wait is bounded: a callback of a call on this very space that destroys it would
+/// otherwise wait for itself; past the bound the last holder releases the space.
+fn release_when_last(mut space: Arc<KvEntry>) {
+    let deadline = std::time::Instant::now() + LAST_HOLDER_WAIT;
+    loop {
+        match Arc::try_unwrap(space) {
+            Ok(only) => return drop(only),
+            Err(shared) if std::time::Instant::now() < deadline => {
+                space = shared;
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            Err(shared) => return drop(shared),
+        }
+    }
 }
 
 /// Describes the `kind` tensor of `layer`.
