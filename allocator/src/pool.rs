@@ -329,7 +329,26 @@ impl PagePool {
             // pages are already held, so only the missing ones count as more against the limit.
             let keep = state.free.len().saturating_sub(n);
             let missing = n - (state.free.len() - keep);
-            self.inner.admit(&state, missing)?;
+            if let Err(e) = self.inner.admit(&state, missing) {
+                // Pages the worker is creating count against the limit until they land in
+                // the free list, where this take can have them: wait for them (bounded)
+                // rather than fail at the limit they hold for a moment.
+                if state.pending == 0 || attempts == SETTLE_RETRIES {
+                    return Err(e);
+                }
+                while state.pending > 0 {
+                    if self
+                        .inner
+                        .settled
+                        .wait_for(&mut state, SETTLE_WAIT)
+                        .timed_out()
+                    {
+                        return Err(e);
+                    }
+                }
+                attempts += 1;
+                continue;
+            }
             let mut pages = state.free.split_off(keep);
             state.pending += missing;
             state.in_use += pages.len();
