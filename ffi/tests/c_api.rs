@@ -90,12 +90,19 @@ fn asan_works(cc: &str, out_dir: &Path) -> bool {
 
 /// Compiles `name.c` (with `-fsanitize` when `asan`) and returns the executable.
 fn build(cc: &str, name: &str, asan: bool, defines: &[&str]) -> PathBuf {
+    build_as(cc, name, name, asan, defines)
+}
+
+/// [`build`] into the executable `exe` (`exe-asan` with ASan): tests that run one source with
+/// other settings at the same time need executables of their own, or one test's compiler
+/// rewrites the file the other is starting.
+fn build_as(cc: &str, name: &str, exe: &str, asan: bool, defines: &[&str]) -> PathBuf {
     let out_dir = profile_dir().join("strata-c-tests");
     std::fs::create_dir_all(&out_dir).expect("create output folder");
     let exe = out_dir.join(if asan {
-        format!("{name}-asan")
+        format!("{exe}-asan")
     } else {
-        name.to_string()
+        exe.to_string()
     });
     let lib = library();
     let lib_dir = lib.parent().expect("library folder");
@@ -194,16 +201,25 @@ fn c_test_with(name: &str, env: &[(&str, &str)]) {
 
 /// Builds `name.c` with `defines`, runs it with `env` and `args`, plainly and under ASan.
 fn c_program(name: &str, env: &[(&str, &str)], defines: &[&str], args: &[&str]) {
+    c_program_as(name, name, env, defines, args);
+}
+
+/// `name.c` run with `env` as a variant of its own, built into the executable `exe`.
+fn c_variant(name: &str, exe: &str, env: &[(&str, &str)]) {
+    c_program_as(name, exe, env, &[], &[]);
+}
+
+fn c_program_as(name: &str, exe: &str, env: &[(&str, &str)], defines: &[&str], args: &[&str]) {
     library();
     let Some(cc) = compiler() else {
         eprintln!("skipping C test {name}: no C compiler ($CC or cc)");
         return;
     };
-    run(&build(&cc, name, false, defines), name, env, args);
+    run(&build_as(&cc, name, exe, false, defines), name, env, args);
     let out_dir = profile_dir().join("strata-c-tests");
     std::fs::create_dir_all(&out_dir).expect("create output folder");
     if asan_works(&cc, &out_dir) {
-        run(&build(&cc, name, true, defines), name, env, args);
+        run(&build_as(&cc, name, exe, true, defines), name, env, args);
     } else {
         eprintln!("C test {name}: AddressSanitizer not available, plain run only");
     }
@@ -333,13 +349,21 @@ fn c_kv_random_walk() {
 /// releases race with the mapper.
 #[test]
 fn c_kv_threads_with_a_revoker_and_the_mapper_on() {
-    c_test_with("kv_threads", &[("STRATA_KV_MAP_AHEAD", "64")]);
+    c_variant(
+        "kv_threads",
+        "kv_threads-mapper",
+        &[("STRATA_KV_MAP_AHEAD", "64")],
+    );
 }
 
 /// The C random walk with the mapper on (its spaces without a zero page).
 #[test]
 fn c_kv_random_walk_with_the_mapper_on() {
-    c_test_with("kv_walk", &[("STRATA_KV_MAP_AHEAD", "32")]);
+    c_variant(
+        "kv_walk",
+        "kv_walk-mapper",
+        &[("STRATA_KV_MAP_AHEAD", "32")],
+    );
 }
 
 #[test]
