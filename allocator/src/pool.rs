@@ -336,15 +336,8 @@ impl PagePool {
                 if state.pending == 0 || attempts == SETTLE_RETRIES {
                     return Err(e);
                 }
-                while state.pending > 0 {
-                    if self
-                        .inner
-                        .settled
-                        .wait_for(&mut state, SETTLE_WAIT)
-                        .timed_out()
-                    {
-                        return Err(e);
-                    }
+                if !self.inner.wait_settled(&mut state, |st| st.pending > 0) {
+                    return Err(e);
                 }
                 attempts += 1;
                 continue;
@@ -374,15 +367,11 @@ impl PagePool {
             if !e.is_out_of_memory() || attempts == SETTLE_RETRIES || !(moved || settling) {
                 return Err(e);
             }
-            while state.pending > 0 || state.releasing > 0 {
-                if self
-                    .inner
-                    .settled
-                    .wait_for(&mut state, SETTLE_WAIT)
-                    .timed_out()
-                {
-                    return Err(e);
-                }
+            if !self
+                .inner
+                .wait_settled(&mut state, |st| st.pending > 0 || st.releasing > 0)
+            {
+                return Err(e);
             }
             attempts += 1;
         }
@@ -642,6 +631,21 @@ impl Inner {
             });
         }
         Ok(())
+    }
+
+    /// Waits while `moving` holds (pages being created or released outside the lock), each
+    /// wait bounded by `SETTLE_WAIT`; false when one timed out.
+    fn wait_settled(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        moving: impl Fn(&State) -> bool,
+    ) -> bool {
+        while moving(state) {
+            if self.settled.wait_for(state, SETTLE_WAIT).timed_out() {
+                return false;
+            }
+        }
+        true
     }
 
     fn create_pages(self: &Arc<Self>, n: usize) -> Result<Vec<Page>> {
