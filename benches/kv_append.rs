@@ -1,7 +1,8 @@
 //! KV growth latency with the background mapper off and on (issue 30 item 3): steady growth of
 //! a few requests, one fresh page per tensor per append, with a decode step's gap between
 //! rounds; prints the mean, p50, p99 and max of `KvSpace::grow` (what `strata_kv_append` and
-//! `KvBlockManager::append` reach) for both, side by side.
+//! `KvBlockManager::append` reach) for both, side by side, and for a third run whose pages are
+//! already mapped (recycled slots, no mapper): the same loop's floor on this machine.
 //!
 //! Run: `STRATA_HOST_LATENCY=h200 cargo bench --bench kv_append` (options: `-- --rounds N`,
 //! default 400; `--gap-us U`, the step gap, default 500). The host backend charges the profile's
@@ -23,13 +24,26 @@ struct Run {
     wall: Duration,
     from_ahead: u64,
     pages: u64,
+    wakeups: u64,
 }
 
 fn quantile(v: &[Duration], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e6
 }
 
-fn run(pool: &Arc<PagePool>, ahead: Option<usize>, rounds: usize, gap: Duration) -> Run {
+/// How the appends find their pages.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Mapped by the append itself.
+    Off,
+    /// Mapped ahead by the background mapper with this budget (pages).
+    On(usize),
+    /// Already mapped (every request reuses a freed slot's pages, no mapper): the same loop
+    /// with no driver call and no mapper, the machine's own floor for the append path.
+    Recycled,
+}
+
+fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration) -> Run {
     let page = pool.page_size();
     let mut space = KvSpace::new(
         Arc::clone(pool),
@@ -42,10 +56,18 @@ fn run(pool: &Arc<PagePool>, ahead: Option<usize>, rounds: usize, gap: Duration)
         },
     )
     .expect("space");
-    if let Some(budget) = ahead {
+    if let Mode::On(budget) = mode {
         space.start_map_ahead(budget).expect("map ahead");
     }
     let mut slots: Vec<_> = (0..SLOTS).map(|_| space.admit().expect("admit")).collect();
+    let recycled = matches!(mode, Mode::Recycled);
+    if recycled {
+        for slot in &mut slots {
+            space.grow(*slot, MAX_TOKENS).expect("grow");
+            space.free(*slot).expect("free");
+        }
+        slots = (0..SLOTS).map(|_| space.admit().expect("admit")).collect();
+    }
     let mut grows = Vec::with_capacity(rounds * SLOTS as usize);
     let block = TOKENS_PER_PAGE as u32;
     let started = Instant::now();
@@ -53,8 +75,11 @@ fn run(pool: &Arc<PagePool>, ahead: Option<usize>, rounds: usize, gap: Duration)
         for slot in &mut slots {
             let tokens = space.tokens(*slot).expect("tokens");
             if tokens + block > MAX_TOKENS {
-                // A finished request: its pages go back and a new one starts (not timed).
-                space.shrink(*slot, 0).expect("shrink");
+                // A finished request: its pages go back (stay mapped, recycled) and a new one
+                // starts (not timed).
+                if !recycled {
+                    space.shrink(*slot, 0).expect("shrink");
+                }
                 space.free(*slot).expect("free");
                 *slot = space.admit().expect("admit");
                 continue;
@@ -73,6 +98,7 @@ fn run(pool: &Arc<PagePool>, ahead: Option<usize>, rounds: usize, gap: Duration)
         wall,
         from_ahead: s.pages_from_ahead,
         pages: s.pages_mapped_total,
+        wakeups: s.mapper_wakeups,
     }
 }
 
@@ -127,14 +153,19 @@ fn main() {
     );
     println!(
         "| mapper | appends | mean µs | p50 µs | p95 µs | p99 µs | max µs | over 5 µs | pages \
-         from ahead | run s |"
+         from ahead | mapper wake-ups | run s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (name, ahead) in [("off", None), ("on", Some(4 * SLOTS as usize * row))] {
-        let r = run(&pool, ahead, rounds, Duration::from_micros(gap_us));
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let modes = [
+        ("off", Mode::Off),
+        ("on", Mode::On(4 * SLOTS as usize * row)),
+        ("recycled (floor)", Mode::Recycled),
+    ];
+    for (name, mode) in modes {
+        let r = run(&pool, mode, rounds, Duration::from_micros(gap_us));
         let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
         println!(
-            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {:.3} |",
+            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {} | {:.3} |",
             r.grows.len(),
             quantile(&r.grows, 0.5),
             quantile(&r.grows, 0.95),
@@ -143,6 +174,7 @@ fn main() {
             r.grows.iter().filter(|d| d.as_micros() > 5).count(),
             r.from_ahead,
             r.pages,
+            r.wakeups,
             r.wall.as_secs_f64()
         );
     }

@@ -178,3 +178,84 @@ fn out_of_memory_takes_pages_ahead_back_first() {
     assert_eq!(space.tokens(b).unwrap(), 8);
     ok(&space);
 }
+
+#[test]
+fn a_grow_of_several_rows_is_refilled_by_one_job() {
+    let Some((_, pool)) = rig(None) else { return };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(16).unwrap();
+    let slot = space.admit().unwrap();
+    wait_ahead(&space, ROW);
+    // 3 pages: the row ahead is published, the other two are mapped here (one set_access per
+    // tensor); the mapper then keeps the grow's 3 rows ahead, mapped as one run per tensor.
+    space.grow(slot, 12).unwrap();
+    wait_ahead(&space, 3 * ROW);
+    ok(&space);
+    let s = space.stats();
+    assert_eq!((s.pages_from_ahead, s.pages_ahead), (ROW, 3 * ROW));
+    assert_eq!(
+        s.map_calls,
+        ROW + 2 * ROW + 3 * ROW,
+        "one map call per page"
+    );
+    assert_eq!(
+        s.set_access_calls,
+        3 * ROW,
+        "one set_access per tensor for the admitted row, the grow's own run and the refill"
+    );
+}
+
+#[test]
+fn steady_growth_does_not_wake_the_mapper() {
+    let Some((_, pool)) = rig(None) else { return };
+    let page = pool.page_size();
+    let mut space = KvSpace::new(
+        Arc::clone(&pool),
+        KvConfig {
+            max_tokens: 256,
+            ..config(page, false)
+        },
+    )
+    .unwrap();
+    space.start_map_ahead(32).unwrap();
+    let slots = [space.admit().unwrap(), space.admit().unwrap()];
+    wait_ahead(&space, 2 * ROW);
+    let rounds = 60u32;
+    for round in 1..=rounds {
+        for &slot in &slots {
+            // One new page (4 tokens) per slot per round, a decode step apart.
+            space.grow(slot, 4 * round).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ok(&space);
+    let s = space.stats();
+    let grows = u64::from(rounds) * 2;
+    // The first grow wakes the parked mapper; from then on it polls while the slots grow (a
+    // wake-up per grow before). A preempted test thread may let it park now and then.
+    assert!(
+        s.mapper_wakeups * 10 < grows,
+        "{} of {grows} grows woke the mapper",
+        s.mapper_wakeups
+    );
+    assert!(s.pages_from_ahead > 0, "the mapper kept rows ahead");
+}
+
+#[test]
+fn shrinking_a_growing_slot_never_lets_the_mapper_map_over_its_pages() {
+    // A shrink gives the slot's pages back before the mapper may claim rows at the new extent;
+    // claimed the other way round, a polling mapper mapped over pages still in the tables
+    // (refused by the driver as already mapped, found by the invariant check).
+    let Some((_, pool)) = rig(None) else { return };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(16).unwrap();
+    let slot = space.admit().unwrap();
+    for _ in 0..150 {
+        for tokens in [4, 8, 12, 16] {
+            space.grow(slot, tokens).unwrap();
+            std::thread::sleep(Duration::from_micros(300));
+        }
+        space.shrink(slot, 0).unwrap();
+    }
+    ok(&space);
+}

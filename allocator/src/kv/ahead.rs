@@ -10,24 +10,60 @@
 //!   they are counted in [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and in the pool's
 //!   `in_use`, and go with the slot (a free makes them part of the deferred slot's extent; a
 //!   shrink, a reclaim or the space's drop unmaps them).
-//! - The mapper maps one row at a time (its *in-flight* row) with no lock held across driver
-//!   calls; it claims the row and later publishes it under [`Shared::state`], a lock that no
-//!   caller holds across a driver call or a wait. A caller only waits (on a condition, holding
-//!   nothing the mapper takes) for an in-flight row whose addresses it is about to map itself,
-//!   which bounds the wait by one row's mapping (kvcached#371: no lock held across a wait on the
-//!   refill thread; the mapper never takes the space's owner's locks).
+//! - The mapper maps one *job* at a time: up to [`MAX_BATCH`] consecutive rows of one slot, one
+//!   map call per page and one `set_access` per tensor over the job's run (the access call costs
+//!   per call: 20 µs on the H200). It claims the job and later publishes its rows under
+//!   [`Shared::state`], with no lock held across driver calls; no caller holds that lock across
+//!   a driver call or a wait. A caller only waits (on a condition, holding nothing the mapper
+//!   takes) for an in-flight job whose addresses it is about to map itself, which bounds the
+//!   wait by one job's mapping (kvcached#371: no lock held across a wait on the refill thread;
+//!   the mapper never takes the space's owner's locks).
 //! - How many rows a slot keeps ahead follows its recent growth rate (rows per second, a moving
-//!   average) times the mapper's measured time per row, with at least the last grow's size and
-//!   one row (a newly admitted slot gets one row before its first grow); all ready and
-//!   in-flight pages together never exceed the space's ahead budget.
+//!   average): the rows it consumes in twice the mapper's reaction time (its polling interval
+//!   plus one job per growing slot, the jobs timed as they run), one more for a late poll, and
+//!   at least the last grow's size (a newly admitted slot gets one row before its first grow).
+//!   All ready and in-flight pages together never exceed the space's ahead budget; the slot with
+//!   the fewest ready rows is served first.
+//! - No syscall on the caller's path while growth is steady: while any slot has grown recently
+//!   (within [`IDLE_AFTER`], or eight of its own intervals; any slot within [`IDLE_AFTER`], so
+//!   a request that ends and the next in its slot keep it polling) the mapper looks for work every
+//!   quarter of the fastest slot's interval ([`POLL_MIN`]..[`POLL_MAX`]) with a timed wait, so a
+//!   grow only changes the state under the lock and never wakes it. Only when nothing grows does
+//!   the mapper park without a timeout (`State::parked`); the next grow or admit then wakes it
+//!   (one `notify` after a pause, never in steady growth).
 //! - Synchronous callers come first: when a grow or restore finds the pool out of memory, every
-//!   ready row of the space is unmapped and given back (after the in-flight row lands) before
-//!   deferred slots are reclaimed, and the mapper stops refilling until the next grow. Out of
-//!   memory stays a normal outcome for the caller; for the mapper it only means "not now".
-//! - Each claimed row carries its slot's *epoch*; a shrink, free, reclaim or a failed grow bumps
-//!   it, and a row that lands for an old epoch (or a slot whose extent moved) is unmapped.
+//!   ready row of the space is unmapped and given back (after the in-flight job lands) before
+//!   deferred slots are reclaimed, and the mapper stops refilling until the slot's next grow. Out
+//!   of memory stays a normal outcome for the caller; for the mapper it only means "not now".
+//! - Each claimed job carries its slot's *epoch*; a shrink, free, reclaim or a failed grow bumps
+//!   it, and a job that lands for an old epoch (or a slot whose extent moved) is unmapped.
 //! - Not with a zero page: a row's addresses would first have to lose their zero mapping, an
 //!   owner that stays with the space's tables (`KvSpace::start_map_ahead` refuses).
+//!
+//! # Why the caller and the mapper cannot race
+//!
+//! - Every page address of a slot has at most one owner at a time, and only its owner maps or
+//!   unmaps it: the space's tables (pages below `extent`: grows, shrinks, evictions, restores,
+//!   reclaims and the drop touch only these, under the space's `&mut self`), the slot's ready
+//!   queue (`extent..extent + ready.len()`), the in-flight job (its claimed rows), or nobody.
+//! - The mapper claims rows only at `extent + ready.len()` and beyond, under the lock, so never
+//!   an address the tables or the ready queue own. Ready rows move to the tables only in
+//!   [`MapAhead::take_rows`] (or back to the tables on free), under the lock, front first.
+//! - `extent` moves past a claimed row only in [`MapAhead::take_rows`], which first waits, under
+//!   the lock, until no job in flight overlaps the pages the grow will own; a job that lands for
+//!   an old epoch or a moved extent stays in flight until the mapper has unmapped it, so the
+//!   caller never maps an address the mapper still holds. Shrinks, frees and reclaims move
+//!   `extent` down (bumping the epoch), which cannot reach a claimed row above it, and only
+//!   after the tables gave those pages up (a shrink unmaps first, then retires; a free makes
+//!   the slot inactive, so nothing is claimed until the next admit sets the extent again).
+//! - A job that finds its addresses already mapped would mean these rules broke: it is kept
+//!   in `State::overlap` and [`MapAhead::settled`] (the space's invariant check) reports it.
+//! - Page counts: the pool counts ready and in-flight pages in `in_use` from the take on, and
+//!   `State::held` counts them against the budget until they are published or given back.
+//! - Wake-ups: `parked` is set and read under the lock, and the mapper's condition wait drops
+//!   the lock atomically, so a grow either sees the mapper parked (and notifies) or the mapper
+//!   sees the grow's state before it waits (timed or not); no wake-up is lost. A timed wait only
+//!   delays a refill, never the caller.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -35,15 +71,27 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use strata_vmm::{
-    record_deferred, Access, Backend, DevicePtr, Location, Mapping, Reservation, Result,
-};
+use strata_vmm::{record_deferred, Access, DevicePtr, Location, Reservation, Result};
 
-use crate::mapped::{unmap_pages, MappedPage};
+use crate::mapped::{unmap_pages, MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
 
 /// One row: a mapped pool page per tensor, in tensor order.
 pub(super) type Row = Vec<MappedPage>;
+
+/// Most rows one job maps (one `set_access` per tensor over all of them).
+const MAX_BATCH: usize = 4;
+/// Shortest interval between the mapper's looks at growing slots.
+const POLL_MIN: Duration = Duration::from_micros(200);
+/// Longest interval between the mapper's looks at growing slots.
+const POLL_MAX: Duration = Duration::from_millis(20);
+/// A slot that has not grown for this long (or eight of its intervals, if longer) is idle.
+const IDLE_AFTER: Duration = Duration::from_millis(100);
+/// Rows per second assumed for a slot that grew only once (polls every 1 ms until it grows
+/// again).
+const UNKNOWN_RATE: f64 = 250.0;
+/// Seconds per job assumed until the mapper has timed one.
+const JOB_SECS_GUESS: f64 = 200e-6;
 
 /// What the mapper did, for [`KvStats`](super::KvStats).
 #[derive(Clone, Copy, Debug, Default)]
@@ -55,13 +103,23 @@ pub(super) struct AheadCounters {
     pub(super) pages_unmapped_total: u64,
     /// Ready pages now (rows not yet published).
     pub(super) pages_ready: u64,
+    /// Grows and admits that found the mapper parked and woke it (admits always notify).
+    pub(super) wakeups: u64,
 }
 
+/// Rows `row..row + rows` of a slot, claimed by the mapper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Job {
     slot: usize,
     row: usize,
+    rows: usize,
     epoch: u64,
+}
+
+impl Job {
+    fn overlaps(&self, slot: usize, from: usize, to: usize) -> bool {
+        self.slot == slot && self.row < to && from < self.row + self.rows
+    }
 }
 
 #[derive(Default)]
@@ -70,7 +128,12 @@ struct SlotAhead {
     epoch: u64,
     extent: usize,
     ready: VecDeque<Row>,
+    /// Rows to keep ready (set by [`State::plan`]).
     want: usize,
+    /// Out of memory: no refill until the next grow.
+    held_off: bool,
+    /// Rows the last grow needed (1 before the first).
+    last_rows: usize,
     last_grow: Option<Instant>,
     /// Rows per second, a moving average over the grows that needed pages.
     rate: f64,
@@ -83,10 +146,18 @@ struct State {
     /// Pages ready and in flight now.
     held: usize,
     in_flight: Option<Job>,
-    /// Where the next search for work starts (round robin over slots).
+    /// Where the search for the next job starts among equally short slots (round robin).
     cursor: usize,
-    /// Seconds per row, a moving average of the mapper's own timings.
-    row_secs: f64,
+    /// Seconds per job, a moving average of the mapper's own timings.
+    job_secs: f64,
+    /// The last grow of any slot (a request that ends and the next that starts in its slot
+    /// keep the mapper polling).
+    last_grow: Option<Instant>,
+    /// The mapper waits with no timeout: a grow or admit must wake it.
+    parked: bool,
+    /// A job found its addresses already mapped: the ownership rules below were broken
+    /// (reported by [`MapAhead::settled`]).
+    overlap: Option<String>,
     stop: bool,
     counters: AheadCounters,
 }
@@ -95,10 +166,9 @@ struct Shared {
     state: Mutex<State>,
     /// The mapper waits here for work.
     wake: Condvar,
-    /// Callers wait here for the in-flight row to land.
+    /// Callers wait here for the in-flight job to land.
     landed: Condvar,
     pool: Arc<PagePool>,
-    backend: Arc<dyn Backend>,
     reservations: Vec<Arc<Reservation>>,
     location: Location,
     page: u64,
@@ -114,7 +184,6 @@ pub(super) struct MapAhead {
 /// Where the mapper of a space starts: what it maps and its budget.
 pub(super) struct AheadSetup {
     pub(super) pool: Arc<PagePool>,
-    pub(super) backend: Arc<dyn Backend>,
     pub(super) reservations: Vec<Arc<Reservation>>,
     pub(super) location: Location,
     pub(super) page: u64,
@@ -132,14 +201,16 @@ impl MapAhead {
                 held: 0,
                 in_flight: None,
                 cursor: 0,
-                row_secs: 0.0,
+                job_secs: 0.0,
+                last_grow: None,
+                parked: false,
+                overlap: None,
                 stop: false,
                 counters: AheadCounters::default(),
             }),
             wake: Condvar::new(),
             landed: Condvar::new(),
             pool: setup.pool,
-            backend: setup.backend,
             reservations: setup.reservations,
             location: setup.location,
             page: setup.page,
@@ -160,6 +231,18 @@ impl MapAhead {
         self.shared.reservations.len()
     }
 
+    /// Wakes the mapper if (and only if) it is parked with no timeout; drops `g` first.
+    fn wake_if_parked(&self, mut g: MutexGuard<'_, State>) {
+        let parked = g.parked;
+        if parked {
+            g.counters.wakeups += 1;
+        }
+        drop(g);
+        if parked {
+            self.shared.wake.notify_one();
+        }
+    }
+
     /// Slot `index` became active with `extent` pages mapped; one row goes ahead of it.
     pub(super) fn admit(&self, index: usize, extent: usize) {
         let mut g = self.shared.state.lock();
@@ -168,27 +251,27 @@ impl MapAhead {
         s.epoch += 1;
         s.extent = extent;
         // An admitted request is about to grow: its first row is mapped ahead at once.
-        s.want = 1;
-        s.rate = 0.0;
+        s.held_off = false;
+        s.last_rows = 1;
+        // `rate` stays: the slot's next request most likely decodes at the engine's cadence.
         s.last_grow = None;
+        // Woken even from a timed wait: admits are rare and off the append path, and the first
+        // row should not wait for the next poll.
+        g.counters.wakeups += u64::from(g.parked);
         drop(g);
         self.shared.wake.notify_one();
     }
 
-    /// A grow of slot `index` from `mapped` to `need` pages: waits for an in-flight row inside
+    /// A grow of slot `index` from `mapped` to `need` pages: waits for an in-flight job inside
     /// that run, then takes the ready rows that cover it (front first). The slot's extent is
     /// `need` from now on; the caller maps the rest itself, and calls [`MapAhead::put_back`] if
-    /// that fails.
+    /// that fails. No syscall unless the mapper is parked (it polls while slots grow).
     pub(super) fn take_rows(&self, index: usize, mapped: usize, need: usize) -> Vec<Row> {
         let mut g = self.shared.state.lock();
-        while g
-            .in_flight
-            .is_some_and(|j| j.slot == index && (mapped..need).contains(&j.row))
-        {
+        while g.in_flight.is_some_and(|j| j.overlaps(index, mapped, need)) {
             self.shared.landed.wait(&mut g);
         }
         let tensors = self.tensors();
-        let row_secs = g.row_secs;
         let s = &mut g.slots[index];
         let k = s.ready.len().min(need - mapped);
         let rows: Vec<Row> = s.ready.drain(..k).collect();
@@ -196,11 +279,11 @@ impl MapAhead {
             s.epoch += 1;
         }
         s.extent = need;
-        s.note_grow(need - mapped, row_secs);
+        s.note_grow(need - mapped);
+        g.last_grow = s.last_grow.or(g.last_grow);
         g.held -= k * tensors;
         g.counters.pages_ready -= (k * tensors) as u64;
-        drop(g);
-        self.shared.wake.notify_one();
+        self.wake_if_parked(g);
         rows
     }
 
@@ -221,7 +304,7 @@ impl MapAhead {
     }
 
     /// Slot `index` shrinks to `extent` pages (`active`) or is freed or reclaimed (`!active`):
-    /// its ready rows come back (the caller publishes or unmaps them); a row in flight for it
+    /// its ready rows come back (the caller publishes or unmaps them); a job in flight for it
     /// will be unmapped when it lands.
     pub(super) fn retire(&self, index: usize, extent: usize, active: bool) -> Vec<Row> {
         let tensors = self.tensors();
@@ -236,8 +319,8 @@ impl MapAhead {
         rows
     }
 
-    /// The pool ran out for a synchronous caller: waits for the in-flight row, takes every ready
-    /// row of the space, and stops refilling until the next grow.
+    /// The pool ran out for a synchronous caller: waits for the in-flight job, takes every ready
+    /// row of the space, and stops refilling each slot until its next grow.
     pub(super) fn drain_all(&self) -> Vec<Row> {
         let tensors = self.tensors();
         let mut g = self.shared.state.lock();
@@ -247,6 +330,7 @@ impl MapAhead {
         let mut rows = Vec::new();
         for s in &mut g.slots {
             s.want = 0;
+            s.held_off = true;
             rows.extend(s.ready.drain(..));
         }
         g.held -= rows.len() * tensors;
@@ -271,7 +355,7 @@ impl MapAhead {
         self.shared.state.lock().counters
     }
 
-    /// Runs `check` with the mapper idle (no row in flight, none claimed until it returns) on
+    /// Runs `check` with the mapper idle (no job in flight, none claimed until it returns) on
     /// the pages held ahead and the addresses they must have; returns its result.
     pub(super) fn settled<R>(
         &self,
@@ -286,6 +370,11 @@ impl MapAhead {
     }
 
     fn check_rows(&self, g: &MutexGuard<'_, State>) -> std::result::Result<(), String> {
+        if let Some(overlap) = &g.overlap {
+            return Err(format!(
+                "the mapper mapped over pages it did not own: {overlap}"
+            ));
+        }
         let mut ready = 0;
         for (i, s) in g.slots.iter().enumerate() {
             if !s.active && !s.ready.is_empty() {
@@ -306,12 +395,18 @@ impl MapAhead {
                 g.held, g.counters.pages_ready
             ));
         }
+        if ready > g.budget {
+            return Err(format!(
+                "{ready} pages ready ahead, over the budget of {}",
+                g.budget
+            ));
+        }
         Ok(())
     }
 }
 
 impl Drop for MapAhead {
-    /// Stops the mapper (it finishes its in-flight row) and unmaps every ready row.
+    /// Stops the mapper (it finishes its in-flight job) and unmaps every ready row.
     fn drop(&mut self) {
         self.shared.state.lock().stop = true;
         self.shared.wake.notify_all();
@@ -330,8 +425,9 @@ impl Drop for MapAhead {
 }
 
 impl SlotAhead {
-    /// Updates the growth rate with a grow of `rows` rows and sizes the rows to keep ahead.
-    fn note_grow(&mut self, rows: usize, row_secs: f64) {
+    /// Updates the growth rate with a grow of `rows` rows.
+    fn note_grow(&mut self, rows: usize) {
+        self.held_off = false;
         if rows == 0 {
             return;
         }
@@ -346,34 +442,96 @@ impl SlotAhead {
             };
         }
         self.last_grow = Some(now);
-        // Rows consumed while the mapper refills what this grow took, with a margin of two.
-        let refill = rows as f64 * row_secs.max(1e-6);
-        let lead = (self.rate * refill * 2.0).ceil() as usize;
-        self.want = lead.max(rows).max(1);
+        self.last_rows = rows;
+    }
+
+    /// Active, refilled, and grown within [`IDLE_AFTER`] (or eight of its intervals).
+    fn is_growing(&self, now: Instant) -> bool {
+        let Some(last) = self.last_grow.filter(|_| self.active && !self.held_off) else {
+            return false;
+        };
+        let idle = if self.rate > 0.0 {
+            IDLE_AFTER.max(Duration::from_secs_f64((8.0 / self.rate).min(60.0)))
+        } else {
+            IDLE_AFTER
+        };
+        now.duration_since(last) < idle
     }
 }
 
 impl State {
-    /// The next row to map: round robin over active slots short of their want, within budget.
+    /// Sizes every slot's rows ahead from its growth rate; returns how long the mapper may
+    /// wait before it looks again (`None`: nothing grows, it parks until woken).
+    fn plan(&mut self, now: Instant) -> Option<Duration> {
+        let (mut growing, mut fastest) = (0usize, 0.0f64);
+        for s in &self.slots {
+            if s.is_growing(now) {
+                growing += 1;
+                // A rate not measured yet (one grow so far) is taken as fast.
+                fastest = f64::max(fastest, if s.rate > 0.0 { s.rate } else { UNKNOWN_RATE });
+            }
+        }
+        let recent = self
+            .last_grow
+            .is_some_and(|t| now.duration_since(t) < IDLE_AFTER);
+        if growing == 0 && recent {
+            // Between one request and the next in its slot: as for a new one.
+            fastest = UNKNOWN_RATE;
+        }
+        let poll =
+            Duration::from_secs_f64((0.25 / fastest.max(1e-3)).min(1.0)).clamp(POLL_MIN, POLL_MAX);
+        let job_secs = if self.job_secs > 0.0 {
+            self.job_secs
+        } else {
+            JOB_SECS_GUESS
+        };
+        // Twice the time the mapper may take to notice a grow and refill every growing slot.
+        let lead = 2.0 * (poll.as_secs_f64() + growing as f64 * job_secs);
+        for s in &mut self.slots {
+            s.want = if !s.active || s.held_off {
+                0
+            } else if s.is_growing(now) {
+                let consumed = (s.rate * lead).ceil() as usize;
+                (consumed + 1).max(s.last_rows)
+            } else {
+                s.last_rows.max(1)
+            };
+        }
+        (growing > 0 || recent).then_some(poll)
+    }
+
+    /// The next job: the active slot with the fewest ready rows short of its want (round robin
+    /// among equals), up to [`MAX_BATCH`] rows, within the budget.
     fn next_job(&mut self, tensors: usize, pages_per_slot: usize) -> Option<Job> {
-        if self.held + tensors > self.budget {
+        let room = self.budget.saturating_sub(self.held) / tensors;
+        if room == 0 {
             return None;
         }
         let n = self.slots.len();
+        let mut best: Option<usize> = None;
         for k in 0..n {
             let i = (self.cursor + k) % n;
             let s = &self.slots[i];
-            let row = s.extent + s.ready.len();
-            if s.active && s.ready.len() < s.want && row < pages_per_slot {
-                self.cursor = (i + 1) % n;
-                return Some(Job {
-                    slot: i,
-                    row,
-                    epoch: s.epoch,
-                });
+            let short =
+                s.active && s.ready.len() < s.want && s.extent + s.ready.len() < pages_per_slot;
+            if short && best.is_none_or(|b| s.ready.len() < self.slots[b].ready.len()) {
+                best = Some(i);
             }
         }
-        None
+        let i = best?;
+        self.cursor = (i + 1) % n;
+        let s = &self.slots[i];
+        let row = s.extent + s.ready.len();
+        let rows = (s.want - s.ready.len())
+            .min(MAX_BATCH)
+            .min(room)
+            .min(pages_per_slot - row);
+        Some(Job {
+            slot: i,
+            row,
+            rows,
+            epoch: s.epoch,
+        })
     }
 }
 
@@ -385,80 +543,106 @@ impl Shared {
     fn run(&self) {
         let tensors = self.reservations.len();
         let mut g = self.state.lock();
-        loop {
-            if g.stop {
-                return;
-            }
-            let Some(job) = g.next_job(tensors, self.pages_per_slot) else {
-                self.wake.wait(&mut g);
+        while !g.stop {
+            let poll = g.plan(Instant::now());
+            if let Some(job) = g.next_job(tensors, self.pages_per_slot) {
+                g = self.work(g, job, tensors);
                 continue;
-            };
-            g.in_flight = Some(job);
-            g.held += tensors;
-            drop(g);
-            let started = Instant::now();
-            let mapped = self.map_row(job);
-            let took = started.elapsed();
-            g = self.state.lock();
-            let mut stale = None;
-            match mapped {
-                Ok(row) => {
-                    g.row_secs = average(g.row_secs, took);
-                    g.counters.map_calls += tensors as u64;
-                    g.counters.set_access_calls += tensors as u64;
-                    g.counters.pages_mapped_total += tensors as u64;
-                    let s = &mut g.slots[job.slot];
-                    if s.active && s.epoch == job.epoch && s.extent + s.ready.len() == job.row {
-                        s.ready.push_back(row);
-                        g.counters.pages_ready += tensors as u64;
-                    } else {
-                        stale = Some(row);
-                    }
+            }
+            match poll {
+                Some(interval) => {
+                    self.wake.wait_for(&mut g, interval);
                 }
-                Err(_) => {
-                    // Out of memory or a driver refusal: not now; the next grow asks again.
-                    g.slots[job.slot].want = 0;
-                    g.held -= tensors;
+                None => {
+                    g.parked = true;
+                    self.wake.wait(&mut g);
+                    g.parked = false;
                 }
             }
-            if let Some(row) = stale {
-                // Still in flight (its addresses stay claimed) until it is unmapped.
-                drop(g);
-                self.release(vec![row]);
-                g = self.state.lock();
-                g.held -= tensors;
-                g.counters.unmap_calls += tensors as u64;
-                g.counters.pages_unmapped_total += tensors as u64;
-            }
-            g.in_flight = None;
-            self.landed.notify_all();
         }
     }
 
-    /// Takes a row's pages and maps them at the row's addresses, read-write, all or nothing.
-    fn map_row(&self, job: Job) -> Result<Row> {
-        let mut pages = self.pool.take(self.reservations.len())?;
-        let mut row = Vec::with_capacity(pages.len());
-        let grants = [(self.location, Access::ReadWrite)];
-        for (t, reservation) in self.reservations.iter().enumerate() {
-            let va = self.va(t, job.slot, job.row);
-            let phys = Arc::clone(pages[pages.len() - 1].phys());
-            let error = match Mapping::new(reservation, va, phys, 0, self.page, &[]) {
-                Ok(mapping) => {
-                    let page = pages.pop().expect("one page per tensor");
-                    row.push(MappedPage { mapping, page });
-                    match self.backend.set_access(va, self.page, &grants) {
-                        Ok(()) => continue,
-                        Err(e) => e,
-                    }
+    /// Maps `job` with the lock released, then publishes its rows (or unmaps them, for a slot
+    /// that moved on meanwhile); the job stays in flight until either is done.
+    fn work<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, State>,
+        job: Job,
+        tensors: usize,
+    ) -> MutexGuard<'a, State> {
+        let pages = job.rows * tensors;
+        g.in_flight = Some(job);
+        g.held += pages;
+        drop(g);
+        let started = Instant::now();
+        let mapped = self.map_rows(job);
+        let took = started.elapsed().as_secs_f64();
+        let mut g = self.state.lock();
+        match mapped {
+            Ok(rows) => {
+                g.job_secs = if g.job_secs == 0.0 {
+                    took
+                } else {
+                    0.8 * g.job_secs + 0.2 * took
+                };
+                g.counters.map_calls += pages as u64;
+                g.counters.set_access_calls += tensors as u64;
+                g.counters.pages_mapped_total += pages as u64;
+                let s = &mut g.slots[job.slot];
+                if s.active && s.epoch == job.epoch && s.extent + s.ready.len() == job.row {
+                    s.ready.extend(rows);
+                    g.counters.pages_ready += pages as u64;
+                } else {
+                    // Still in flight (its addresses stay claimed) until it is unmapped.
+                    drop(g);
+                    self.release(rows);
+                    g = self.state.lock();
+                    g.held -= pages;
+                    g.counters.unmap_calls += pages as u64;
+                    g.counters.pages_unmapped_total += pages as u64;
                 }
-                Err(e) => e,
-            };
-            self.release(vec![row]);
-            self.pool.give(pages);
-            return Err(error);
+            }
+            Err(e) => {
+                if let strata_vmm::Error::AlreadyMapped { .. } = e {
+                    g.overlap.get_or_insert(format!("{job:?}: {e}"));
+                }
+                // Out of memory or a driver refusal: not now; the next grow asks again.
+                g.slots[job.slot].held_off = true;
+                g.held -= pages;
+            }
         }
-        Ok(row)
+        g.in_flight = None;
+        self.landed.notify_all();
+        g
+    }
+
+    /// Takes the job's pages and maps them at its rows' addresses, read-write, one run per
+    /// tensor with one `set_access`; all or nothing (a failed run's pages and every run built
+    /// so far go back to the pool unmapped).
+    fn map_rows(&self, job: Job) -> Result<Vec<Row>> {
+        let tensors = self.reservations.len();
+        let mut pages = self.pool.take(job.rows * tensors)?;
+        let leases: Vec<PageLease> = (0..tensors)
+            .map(|_| PageLease::from_pages(&self.pool, pages.split_off(pages.len() - job.rows)))
+            .collect();
+        let grants = [(self.location, Access::ReadWrite)];
+        let mut runs = Vec::with_capacity(tensors);
+        for ((t, reservation), lease) in self.reservations.iter().enumerate().zip(leases) {
+            let va = self.va(t, job.slot, job.row);
+            runs.push(MappedRun::map(lease, reservation, va, &grants)?);
+        }
+        let mut columns: Vec<_> = runs
+            .into_iter()
+            .map(|run| run.into_mapped_pages().into_iter())
+            .collect();
+        Ok((0..job.rows)
+            .map(|_| {
+                columns
+                    .iter_mut()
+                    .map(|c| c.next().expect("a page per row in every tensor"))
+                    .collect()
+            })
+            .collect())
     }
 
     fn release(&self, rows: Vec<Row>) {
@@ -469,14 +653,5 @@ impl Shared {
         if !returned.is_empty() {
             self.pool.give(returned);
         }
-    }
-}
-
-fn average(avg: f64, sample: Duration) -> f64 {
-    let s = sample.as_secs_f64();
-    if avg == 0.0 {
-        s
-    } else {
-        0.8 * avg + 0.2 * s
     }
 }

@@ -16,8 +16,9 @@ pub const MAP_AHEAD_ENV: &str = "STRATA_KV_MAP_AHEAD";
 impl KvSpace {
     /// Starts the background mapper: it keeps pool pages mapped ahead of every active slot, as
     /// many rows (one page in every tensor) as the slot's recent growth rate calls for, at most
-    /// `budget_pages` pages in all; a grow then publishes mapped pages with no driver call. See
-    /// the design in `kv/ahead.rs`: pages ahead belong to their slot (counted in
+    /// `budget_pages` pages in all; a grow then publishes mapped pages with no driver call and,
+    /// while growth is steady, no syscall (the mapper polls instead of being woken). See the
+    /// design in `kv/ahead.rs`: pages ahead belong to their slot (counted in
     /// [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and the pool's `in_use`), go back
     /// first when the pool is out of memory, and no lock is held across a wait on the mapper.
     ///
@@ -38,7 +39,6 @@ impl KvSpace {
         }
         let ahead = MapAhead::start(AheadSetup {
             pool: Arc::clone(&self.pool),
-            backend: Arc::clone(&self.backend),
             reservations: self
                 .tensors
                 .iter()

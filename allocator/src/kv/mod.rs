@@ -152,6 +152,9 @@ pub struct KvStats {
     /// Pool pages that grows published from the mapper's rows since creation (no driver call
     /// on the caller's path).
     pub pages_from_ahead: u64,
+    /// Grows and admits that had to wake the parked background mapper (a syscall on the
+    /// caller's path); while slots grow steadily it polls, and grows wake it not at all.
+    pub mapper_wakeups: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -707,11 +710,13 @@ impl KvSpace {
             )));
         }
         let need = self.pages_for(tokens);
-        if let Some(ahead) = &self.ahead {
+        // The tables give their pages up before the mapper's extent moves down to `need`: the
+        // mapper claims rows from its extent on (see `kv/ahead.rs`).
+        let result = self.unback_slot(index, need, current.mapped);
+        if let Some(ahead) = self.ahead.as_ref().filter(|_| need < current.mapped) {
             let rows = ahead.retire(index, need, true);
             ahead.release(rows);
         }
-        let result = self.unback_slot(index, need, current.mapped);
         self.holes[index].retain(|&p| p < need);
         let slot = &mut self.slots[index];
         slot.tokens = tokens;
@@ -781,6 +786,7 @@ impl KvSpace {
             stats.map_calls += c.map_calls;
             stats.unmap_calls += c.unmap_calls;
             stats.set_access_calls += c.set_access_calls;
+            stats.mapper_wakeups = c.wakeups;
         }
         for slot in &self.slots {
             match slot.state {
