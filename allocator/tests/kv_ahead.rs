@@ -1,12 +1,15 @@
 //! KvSpace map-ahead (`KvSpace::start_map_ahead`): grows publish rows the background mapper
 //! mapped; pages ahead belong to their slot and go back first when the pool runs out. The
 //! random walks with the mapper on are in `kv_space.rs`; timings are in `benches/kv_ahead.rs`.
+//! With a zero page, the tail of every slot reads zeros (rows ahead included) and writes there
+//! fault, whatever the mapper holds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use strata_allocator::{Kind, SlotId};
 use strata_allocator::{KvConfig, KvSpace, PagePool, PoolConfig};
-use strata_vmm::{Backend, Error, HostConfig};
+use strata_vmm::{Backend, DevicePtr, Error, HostConfig};
 
 const PAGE: u64 = 64 << 10;
 
@@ -78,11 +81,6 @@ fn ok(space: &KvSpace) {
 fn start_is_validated() {
     let Some((_, pool)) = rig(None) else { return };
     let page = pool.page_size();
-    let mut zero = KvSpace::new(Arc::clone(&pool), config(page, true)).unwrap();
-    assert!(matches!(
-        zero.start_map_ahead(64),
-        Err(Error::InvalidArgument(_))
-    ));
     let mut space = KvSpace::new(Arc::clone(&pool), config(page, false)).unwrap();
     assert!(matches!(
         space.start_map_ahead(3),
@@ -246,16 +244,173 @@ fn shrinking_a_growing_slot_never_lets_the_mapper_map_over_its_pages() {
     // A shrink gives the slot's pages back before the mapper may claim rows at the new extent;
     // claimed the other way round, a polling mapper mapped over pages still in the tables
     // (refused by the driver as already mapped, found by the invariant check).
+    // With a zero page too: the mapper lifts it off rows past the extent while the shrinks lay
+    // it back behind the pages they cut.
     let Some((_, pool)) = rig(None) else { return };
-    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
-    space.start_map_ahead(16).unwrap();
-    let slot = space.admit().unwrap();
-    for _ in 0..150 {
-        for tokens in [4, 8, 12, 16] {
-            space.grow(slot, tokens).unwrap();
-            std::thread::sleep(Duration::from_micros(300));
+    for zero_page in [false, true] {
+        let mut space =
+            KvSpace::new(Arc::clone(&pool), config(pool.page_size(), zero_page)).unwrap();
+        space.start_map_ahead(16).unwrap();
+        let slot = space.admit().unwrap();
+        for _ in 0..150 {
+            for tokens in [4, 8, 12, 16] {
+                space.grow(slot, tokens).unwrap();
+                std::thread::sleep(Duration::from_micros(300));
+            }
+            space.shrink(slot, 0).unwrap();
         }
-        space.shrink(slot, 0).unwrap();
+        ok(&space);
     }
+}
+
+fn read_bytes(backend: &Arc<dyn Backend>, va: DevicePtr, len: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; len as usize];
+    backend.read(va, &mut buf).expect("read");
+    buf
+}
+
+/// Slot `slot`'s pages from `from` on, in every tensor, read zeros (strict host backend: an
+/// unmapped page fails the read). Call it with the mapper's budget full (one row), so that no
+/// job swaps a row meanwhile.
+fn tail_reads_zeros(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, from: usize) {
+    let page = space.page_size();
+    let stride = space.slot_stride();
+    for layer in 0..space.config().layers {
+        for kind in [Kind::K, Kind::V] {
+            let base = space.slot_ptr(slot, layer, kind).unwrap();
+            let tail = read_bytes(
+                backend,
+                base + from as u64 * page,
+                stride - from as u64 * page,
+            );
+            assert!(
+                tail.iter().all(|&b| b == 0),
+                "layer {layer} {kind:?}: tail reads zeros"
+            );
+        }
+    }
+}
+
+/// Slot `slot`'s last page (past every row the mapper may hold here) is the read-only zero page.
+fn last_page_is_read_only(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId) {
+    let last = space.slot_stride() - space.page_size();
+    let base = space.slot_ptr(slot, 0, Kind::V).unwrap();
+    let err = backend
+        .write(base + last, &[1u8; 16])
+        .expect_err("the zero page is read-only");
+    assert!(matches!(err, Error::IllegalAccess { .. }), "{err}");
+}
+
+#[test]
+fn zero_page_space_grows_from_rows_ahead_and_its_tail_reads_zeros() {
+    let Some((backend, pool)) = rig(None) else {
+        return;
+    };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), true)).unwrap();
+    // One row of budget: once it is mapped the mapper has nothing to do while the test reads.
+    space.start_map_ahead(ROW as usize).unwrap();
+    let slot = space.admit().unwrap();
+    wait_ahead(&space, ROW);
     ok(&space);
+    // The row ahead replaced the zero page and reads zeros, like it.
+    tail_reads_zeros(&space, &backend, slot, 0);
+    last_page_is_read_only(&space, &backend, slot);
+    space.grow(slot, 4).unwrap();
+    assert_eq!(space.stats().pages_from_ahead, ROW);
+    // The published row is writable (it is a pool page now) and starts as zeros.
+    let base = space.slot_ptr(slot, 1, Kind::K).unwrap();
+    assert!(read_bytes(&backend, base, space.page_size())
+        .iter()
+        .all(|&b| b == 0));
+    backend
+        .write(base, &[7u8; 64])
+        .expect("a grown row is writable");
+    wait_ahead(&space, ROW);
+    space.grow(slot, 8).unwrap();
+    assert_eq!(space.stats().pages_from_ahead, 2 * ROW);
+    wait_ahead(&space, ROW);
+    ok(&space);
+    tail_reads_zeros(&space, &backend, slot, 2);
+    last_page_is_read_only(&space, &backend, slot);
+    drop(space);
+    assert_eq!(pool.stats().in_use, 0, "every page ahead went back");
+}
+
+#[test]
+fn zero_page_comes_back_on_shrink_free_and_release() {
+    // 16 pages: the slot's 3 rows and the row ahead; every page the mapper maps after the
+    // shrink is one of them again.
+    let Some((backend, pool)) = rig(Some(16)) else {
+        return;
+    };
+    let page = pool.page_size();
+    let mut space = KvSpace::new(Arc::clone(&pool), config(page, true)).unwrap();
+    space.start_map_ahead(ROW as usize).unwrap();
+    let slot = space.admit().unwrap();
+    space.grow(slot, 12).unwrap(); // 3 pages
+    wait_ahead(&space, ROW);
+    // Nines in every page, the row ahead's included (mapped read-write, unpublished).
+    for layer in 0..2 {
+        for kind in [Kind::K, Kind::V] {
+            let base = space.slot_ptr(slot, layer, kind).unwrap();
+            backend.write(base, &vec![9u8; 4 * page as usize]).unwrap();
+        }
+    }
+    // Shrink: the cut pages and the row ahead get the zero page back; the pages go back to the
+    // pool holding nines.
+    space.shrink(slot, 4).unwrap();
+    ok(&space);
+    tail_reads_zeros(&space, &backend, slot, 2);
+    // The mapper maps row 1 ahead again, from recycled pages: zero-filled, like the zero page.
+    wait_ahead(&space, ROW);
+    tail_reads_zeros(&space, &backend, slot, 1);
+    last_page_is_read_only(&space, &backend, slot);
+    // Truncate (a free with a hole): the pages past the hole and the rows ahead go back.
+    space.grow(slot, 12).unwrap();
+    wait_ahead(&space, ROW);
+    space.evict_page(slot, 1).unwrap();
+    let index = slot.index();
+    space.free(slot).unwrap();
+    ok(&space);
+    assert_eq!(
+        space.stats().pages_ahead,
+        0,
+        "a freed slot keeps nothing ahead"
+    );
+    assert_eq!(
+        space.stats().pages_mapped,
+        ROW,
+        "truncated to its first hole"
+    );
+    let again = space.admit().unwrap();
+    assert_eq!(again.index(), index, "the deferred slot comes back");
+    space.shrink(again, 0).unwrap();
+    // Release: out of memory for another space takes the rows ahead back; here the space's
+    // drop does, and the zero page is laid back before the tables go.
+    wait_ahead(&space, ROW);
+    ok(&space);
+    drop(space);
+    assert_eq!(pool.stats().in_use, 0);
+}
+
+#[test]
+fn zero_page_rows_ahead_go_back_when_the_pool_runs_out() {
+    let Some((backend, pool)) = rig(Some(12)) else {
+        return;
+    };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), true)).unwrap();
+    space.start_map_ahead(8).unwrap();
+    let a = space.admit().unwrap();
+    let b = space.admit().unwrap();
+    space.grow(a, 4).unwrap();
+    wait_ahead(&space, 2 * ROW);
+    assert_eq!(pool.stats().in_use, 12);
+    space
+        .grow(b, 8)
+        .expect("the rows ahead went back for a synchronous grow");
+    ok(&space);
+    // a's row ahead went back with the zero page behind it.
+    tail_reads_zeros(&space, &backend, a, 1);
+    last_page_is_read_only(&space, &backend, a);
+    tail_reads_zeros(&space, &backend, b, 2);
 }

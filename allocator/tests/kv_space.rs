@@ -1368,10 +1368,10 @@ fn check_resident(
     }
 }
 
-/// `ahead`: the map-ahead budget in pages (ignored with a zero page, which it does not support).
+/// `ahead`: the map-ahead budget in pages (with or without a zero page).
 fn walk(rig: &Rig, cfg: KvConfig, ops: &[Op], ahead: Option<usize>) {
     let mut space = KvSpace::new(Arc::clone(&rig.pool), cfg).expect("space");
-    if let Some(budget) = ahead.filter(|_| !cfg.zero_page) {
+    if let Some(budget) = ahead {
         space.start_map_ahead(budget).expect("map ahead");
     }
     // Reference model: live slots and their token counts; ids freed so far.

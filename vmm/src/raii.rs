@@ -280,6 +280,23 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// Lets the mapping go without unmapping it: someone else took over its address range
+    /// (unmapped it already, or owns the unmap from now on). Only the handles it held drop.
+    pub fn disown(self) {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never used or dropped again after these reads; each field is moved
+        // out exactly once and dropped here, so no double drop happens.
+        let (reservation, phys) = unsafe {
+            (
+                std::ptr::read(&this.reservation),
+                std::ptr::read(&this.phys),
+            )
+        };
+        drop((reservation, phys));
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         undo(|| self.reservation.backend().unmap(self.va, self.size));

@@ -37,8 +37,26 @@
 //!   of memory stays a normal outcome for the caller; for the mapper it only means "not now".
 //! - Each claimed job carries its slot's *epoch*; a shrink, free, reclaim or a failed grow bumps
 //!   it, and a job that lands for an old epoch (or a slot whose extent moved) is unmapped.
-//! - Not with a zero page: a row's addresses would first have to lose their zero mapping, an
-//!   owner that stays with the space's tables (`KvSpace::start_map_ahead` refuses).
+//! - With a zero page ([`KvConfig::zero_page`](super::KvConfig::zero_page)) every row past the
+//!   extent is mapped read-only to the shared zero page, a mapping the space's tables own
+//!   (`Backing::Zero`). A claimed row's zero mappings are *lent* to the mapper: it unmaps them
+//!   (outside the lock, like its maps) just before it maps the fresh pages, and whenever it gives
+//!   a row up unpublished (a shrink, free with holes, out of memory, a stale job, the space's
+//!   drop) it unmaps the fresh pages and lays the zero page back (read-only, one `set_access`
+//!   per run) before the row leaves its hands; a grow that publishes the row consumes the
+//!   tables' zero mapping without a driver call (`Mapping::disown`: the address is the fresh
+//!   page's now). The mapper zero-fills a job's fresh pages (a memset on its own stream, waited
+//!   for) before it publishes the job, so outside a job every address past a slot's extent
+//!   reads zeros as before (masked attention never meets stale bytes there), and a row grown
+//!   from ahead starts as zeros (a row a grow maps itself holds whatever its pool page held).
+//! - **The swap window.** The driver has no atomic remap: for one job (per page, one unmap and
+//!   one map; ~30 µs on an H200) a row past the extent has no mapping at all. A kernel that
+//!   reads past a slot's extent (masked attention over the whole range, a CUDA graph over
+//!   `max_tokens`) *while the mapper swaps that row* faults on a GPU. Grows on the caller's path
+//!   have the same window over the rows they map, but only while the caller is inside the grow;
+//!   the mapper's window is at any time. So map-ahead stays off by default, and an engine whose
+//!   kernels read past the extent turns it on only if its reads past the extent stop short of
+//!   the rows the mapper may claim (beyond the ready rows) or its steps do not overlap growth.
 //!
 //! # Why the caller and the mapper cannot race
 //!
@@ -56,6 +74,14 @@
 //!   `extent` down (bumping the epoch), which cannot reach a claimed row above it, and only
 //!   after the tables gave those pages up (a shrink unmaps first, then retires; a free makes
 //!   the slot inactive, so nothing is claimed until the next admit sets the extent again).
+//! - With a zero page, a row's zero mappings follow the row: the tables own them (as
+//!   `Backing::Zero`) at every address, but while the row is claimed or ready the mapper holds
+//!   the address (zero page lifted, fresh page mapped) and the tables touch neither; the mapper
+//!   lays the zero page back before a row it gives up leaves the in-flight job or the ready
+//!   queue (under the rules above, before the tables or a later job may own the address again),
+//!   and a publish (a grow, or a free that keeps the ready rows) disowns the tables' zero
+//!   mapping, whose address the fresh page now holds. Shrinks, truncating frees, reclaims and
+//!   evictions lay the zero page behind the tables' own pages as without a mapper.
 //! - A job that finds its addresses already mapped would mean these rules broke: it is kept
 //!   in `State::overlap` and [`MapAhead::settled`] (the space's invariant check) reports it.
 //! - Page counts: the pool counts ready and in-flight pages in `in_use` from the take on, and
@@ -71,7 +97,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use strata_vmm::{record_deferred, Access, DevicePtr, Location, Reservation, Result};
+use strata_vmm::{record_deferred, Access, DevicePtr, Location, PhysicalMemory, Reservation};
+use strata_vmm::{Result, Stream};
+
+use super::ahead_zero::{ZeroCalls, ZeroPage};
 
 use crate::mapped::{unmap_pages, MappedPage, MappedRun, PageLease};
 use crate::pool::{Page, PagePool};
@@ -173,6 +202,9 @@ struct Shared {
     location: Location,
     page: u64,
     pages_per_slot: usize,
+    /// The space's zero page, lifted off a row before it is mapped and laid back when a row is
+    /// given up unpublished.
+    zero: Option<ZeroPage>,
 }
 
 /// The mapper of one space: its thread and the state it shares with the space.
@@ -190,10 +222,26 @@ pub(super) struct AheadSetup {
     pub(super) pages_per_slot: usize,
     pub(super) slots: usize,
     pub(super) budget_pages: usize,
+    pub(super) zero: Option<Arc<PhysicalMemory>>,
 }
 
 impl MapAhead {
     pub(super) fn start(setup: AheadSetup) -> Result<MapAhead> {
+        let zero = match setup.zero {
+            Some(phys) => {
+                let device = match setup.location {
+                    Location::Device(d) => d,
+                    Location::Host => 0,
+                };
+                Some(ZeroPage {
+                    phys,
+                    location: setup.location,
+                    page: setup.page,
+                    stream: Stream::new(setup.pool.backend(), device)?,
+                })
+            }
+            None => None,
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 slots: (0..setup.slots).map(|_| SlotAhead::default()).collect(),
@@ -215,6 +263,7 @@ impl MapAhead {
             location: setup.location,
             page: setup.page,
             pages_per_slot: setup.pages_per_slot,
+            zero,
         });
         let worker = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -345,10 +394,11 @@ impl MapAhead {
             return;
         }
         let n: usize = rows.iter().map(Vec::len).sum();
-        self.shared.release(rows);
+        let zero = self.shared.release(rows);
         let mut g = self.shared.state.lock();
         g.counters.unmap_calls += n as u64;
         g.counters.pages_unmapped_total += n as u64;
+        g.counters.add_zero(zero);
     }
 
     pub(super) fn counters(&self) -> AheadCounters {
@@ -421,6 +471,15 @@ impl Drop for MapAhead {
                 .collect::<Vec<_>>()
         };
         self.shared.release(rows);
+    }
+}
+
+impl AheadCounters {
+    /// Counts the zero-page swaps' driver calls.
+    fn add_zero(&mut self, calls: ZeroCalls) {
+        self.map_calls += calls.map;
+        self.unmap_calls += calls.unmap;
+        self.set_access_calls += calls.set_access;
     }
 }
 
@@ -575,9 +634,11 @@ impl Shared {
         g.held += pages;
         drop(g);
         let started = Instant::now();
-        let mapped = self.map_rows(job);
+        let mut zero = ZeroCalls::default();
+        let mapped = self.map_rows(job, &mut zero);
         let took = started.elapsed().as_secs_f64();
         let mut g = self.state.lock();
+        g.counters.add_zero(zero);
         match mapped {
             Ok(rows) => {
                 g.job_secs = if g.job_secs == 0.0 {
@@ -595,8 +656,9 @@ impl Shared {
                 } else {
                     // Still in flight (its addresses stay claimed) until it is unmapped.
                     drop(g);
-                    self.release(rows);
+                    let zero = self.release(rows);
                     g = self.state.lock();
+                    g.counters.add_zero(zero);
                     g.held -= pages;
                     g.counters.unmap_calls += pages as u64;
                     g.counters.pages_unmapped_total += pages as u64;
@@ -617,9 +679,10 @@ impl Shared {
     }
 
     /// Takes the job's pages and maps them at its rows' addresses, read-write, one run per
-    /// tensor with one `set_access`; all or nothing (a failed run's pages and every run built
-    /// so far go back to the pool unmapped).
-    fn map_rows(&self, job: Job) -> Result<Vec<Row>> {
+    /// tensor with one `set_access` (lifting the zero page off each run first); all or nothing
+    /// (a failed run's pages and every run built so far go back to the pool unmapped, with the
+    /// zero page laid back behind every run it was lifted from).
+    fn map_rows(&self, job: Job, zero: &mut ZeroCalls) -> Result<Vec<Row>> {
         let tensors = self.reservations.len();
         let mut pages = self.pool.take(job.rows * tensors)?;
         let leases: Vec<PageLease> = (0..tensors)
@@ -629,7 +692,34 @@ impl Shared {
         let mut runs = Vec::with_capacity(tensors);
         for ((t, reservation), lease) in self.reservations.iter().enumerate().zip(leases) {
             let va = self.va(t, job.slot, job.row);
-            runs.push(MappedRun::map(lease, reservation, va, &grants)?);
+            let mapped = match &self.zero {
+                Some(z) => z.lift(reservation, va, job.rows, zero).and_then(|()| {
+                    MappedRun::map(lease, reservation, va, &grants).inspect_err(|_| {
+                        self.lay_zero(t, job, zero);
+                    })
+                }),
+                None => MappedRun::map(lease, reservation, va, &grants),
+            };
+            match mapped {
+                Ok(run) => runs.push(run),
+                Err(e) => {
+                    let built = runs.len();
+                    drop(runs);
+                    (0..built).for_each(|t| self.lay_zero(t, job, zero));
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(z) = &self.zero {
+            // A row ahead reads zeros like the zero page it replaced (on failure `runs` drop,
+            // unmapping their pages, and the zero page goes back).
+            let vas = (0..tensors).map(|t| self.va(t, job.slot, job.row));
+            let bytes = job.rows as u64 * self.page;
+            if let Err(e) = z.fill(self.reservations[0].backend(), vas, bytes) {
+                drop(runs);
+                (0..tensors).for_each(|t| self.lay_zero(t, job, zero));
+                return Err(e);
+            }
         }
         let mut columns: Vec<_> = runs
             .into_iter()
@@ -645,7 +735,26 @@ impl Shared {
             .collect())
     }
 
-    fn release(&self, rows: Vec<Row>) {
+    /// Lays the zero page back behind `job`'s rows in tensor `t` (a space without one: no-op).
+    fn lay_zero(&self, t: usize, job: Job, calls: &mut ZeroCalls) {
+        if let Some(z) = &self.zero {
+            let va = self.va(t, job.slot, job.row);
+            if let Err(e) = z.lay(&self.reservations[t], va, job.rows, calls) {
+                record_deferred(e);
+            }
+        }
+    }
+
+    /// Unmaps `rows`, gives their pages back to the pool and lays the zero page (if any) back
+    /// behind them; errors are recorded. Returns the zero page's driver calls.
+    fn release(&self, rows: Vec<Row>) -> ZeroCalls {
+        let mut calls = ZeroCalls::default();
+        let vas: Vec<Vec<DevicePtr>> = match &self.zero {
+            Some(_) => (0..self.reservations.len())
+                .map(|t| rows.iter().map(|row| row[t].mapping.va()).collect())
+                .collect(),
+            None => Vec::new(),
+        };
         let mut returned: Vec<Page> = Vec::new();
         if let Err(stuck) = unmap_pages(&self.pool, rows.into_iter().flatten(), &mut returned) {
             record_deferred(stuck.first);
@@ -653,5 +762,11 @@ impl Shared {
         if !returned.is_empty() {
             self.pool.give(returned);
         }
+        if let Some(z) = &self.zero {
+            for (reservation, vas) in self.reservations.iter().zip(vas) {
+                z.lay_all(reservation, vas, &mut calls);
+            }
+        }
+        calls
     }
 }

@@ -9,8 +9,8 @@ use super::ahead::{AheadSetup, MapAhead, Row};
 use super::tensor::Backing;
 use super::{invalid, KvSpace, SlotState};
 
-/// Env switch for benches and tests: pages (all tensors together) that a space with no zero page
-/// keeps mapped ahead, as if [`KvSpace::start_map_ahead`] had been called at creation.
+/// Env switch: pages (all tensors together) that every space keeps mapped ahead, as if
+/// [`KvSpace::start_map_ahead`] had been called at creation; `0` or unset: off.
 pub const MAP_AHEAD_ENV: &str = "STRATA_KV_MAP_AHEAD";
 
 impl KvSpace {
@@ -22,12 +22,14 @@ impl KvSpace {
     /// [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and the pool's `in_use`), go back
     /// first when the pool is out of memory, and no lock is held across a wait on the mapper.
     ///
-    /// A space with a zero page, a budget below one row (`2 × layers` pages) or a mapper already
-    /// running is [`Error::InvalidArgument`].
+    /// With a zero page, the mapper lifts it off a row before mapping fresh pages there and lays
+    /// it back behind any row it gives up unpublished; a row past a slot's extent has no mapping
+    /// while its job runs (the driver has no atomic remap): see "The swap window" in
+    /// `kv/ahead.rs` before turning it on for kernels that read past the extent.
+    ///
+    /// A budget below one row (`2 × layers` pages) or a mapper already running is
+    /// [`Error::InvalidArgument`].
     pub fn start_map_ahead(&mut self, budget_pages: usize) -> Result<()> {
-        if self.zero.is_some() {
-            return Err(invalid("kv map-ahead needs a space without a zero page"));
-        }
         if budget_pages < self.tensors.len() {
             return Err(invalid(format!(
                 "kv map-ahead budget of {budget_pages} pages is below one row of {} pages",
@@ -49,6 +51,7 @@ impl KvSpace {
             pages_per_slot: self.pages_per_slot,
             slots: self.slots.len(),
             budget_pages,
+            zero: self.zero.clone(),
         })?;
         for (i, slot) in self.slots.iter().enumerate() {
             if slot.state == SlotState::Active {
@@ -64,7 +67,7 @@ impl KvSpace {
         self.ahead.is_some()
     }
 
-    /// Starts the mapper when [`MAP_AHEAD_ENV`] names a budget and the space has no zero page.
+    /// Starts the mapper when [`MAP_AHEAD_ENV`] names a budget (raised to one row if below).
     pub(super) fn map_ahead_from_env(&mut self) -> Result<()> {
         let Ok(value) = std::env::var(MAP_AHEAD_ENV) else {
             return Ok(());
@@ -72,7 +75,7 @@ impl KvSpace {
         let budget: usize = value.trim().parse().map_err(|_| {
             Error::InvalidArgument(format!("{MAP_AHEAD_ENV}={value:?} is not a page count"))
         })?;
-        if budget == 0 || self.zero.is_some() {
+        if budget == 0 {
             return Ok(());
         }
         self.start_map_ahead(budget.max(self.tensors.len()))
@@ -97,12 +100,16 @@ impl KvSpace {
         Ok(())
     }
 
-    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables.
+    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables. A zero mapping
+    /// there was lent to the mapper, which unmapped it: it goes without a driver call.
     fn publish_rows(&mut self, index: usize, at: usize, rows: Vec<Row>) {
         let base = index * self.pages_per_slot + at;
         for (k, row) in rows.into_iter().enumerate() {
             for (tensor, mapped) in self.tensors.iter_mut().zip(row) {
-                tensor.pages[base + k] = Backing::Real(mapped);
+                let lent = std::mem::replace(&mut tensor.pages[base + k], Backing::Real(mapped));
+                if let Backing::Zero(zero) = lent {
+                    zero.disown();
+                }
                 self.counters.pages_mapped += 1;
             }
         }

@@ -61,6 +61,7 @@ use crate::mapped::unmap_pages;
 use crate::pool::{Page, PagePool};
 
 mod ahead;
+mod ahead_zero;
 mod check;
 mod grow_ahead;
 mod holes;

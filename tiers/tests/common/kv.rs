@@ -30,17 +30,18 @@ pub fn manager(
     disk_chunks: u64,
     dir: &std::path::Path,
 ) -> KvBlockManager {
-    manager_ahead(pool_pages, host_chunks, disk_chunks, dir, None)
+    manager_ahead(pool_pages, host_chunks, disk_chunks, dir, None, true)
 }
 
-/// [`manager`], with the background mapper on (`ahead`: its budget in pages; the space then has
-/// no zero page, which the mapper does not support).
+/// [`manager`], with the background mapper on (`ahead`: its budget in pages) and a zero page or
+/// not ([`manager`]'s space has one).
 pub fn manager_ahead(
     pool_pages: u64,
     host_chunks: u64,
     disk_chunks: u64,
     dir: &std::path::Path,
     ahead: Option<usize>,
+    zero_page: bool,
 ) -> KvBlockManager {
     let b = backend(None);
     let pool = PagePool::new(
@@ -53,7 +54,7 @@ pub fn manager_ahead(
         },
     )
     .unwrap();
-    let m = build(pool, host_chunks, disk_chunks, dir, ahead.is_none());
+    let m = build(pool, host_chunks, disk_chunks, dir, zero_page);
     if let Some(budget) = ahead {
         m.start_map_ahead(budget).unwrap();
     }
