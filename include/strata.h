@@ -462,7 +462,10 @@ typedef struct strata_kv_stats_t {
                                     or the device had free take nothing from it) */
     uint64_t staged_objects;     /* store objects strata_kv_stage moved up, ever */
     uint64_t staged_evicted;     /* of those, dropped before a restore read them */
-    uint64_t spare[6];           /* zero */
+    uint64_t pages_ahead;        /* pages the background mapper (STRATA_KV_MAP_AHEAD) holds mapped
+                                    ahead of growing requests now, not yet appended */
+    uint64_t pages_from_ahead;   /* pages appends took from the mapper (no driver call), ever */
+    uint64_t spare[4];           /* zero */
 } strata_kv_stats_t;
 
 /* Called once per block lost to a revocation of a STRATA_KV_LOSSY space, on the thread of the

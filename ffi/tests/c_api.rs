@@ -344,8 +344,8 @@ fn c_kv_random_walk() {
     c_test("kv_walk");
 }
 
-/// The revoker storm with every KV space's background mapper on (`STRATA_KV_MAP_AHEAD`, spaces
-/// without a zero page): appends publish pages mapped ahead while the revoker, spills and
+/// The revoker storm with every KV space's background mapper on (`STRATA_KV_MAP_AHEAD`; the
+/// space has a zero page): appends publish pages mapped ahead while the revoker, spills and
 /// releases race with the mapper.
 #[test]
 fn c_kv_threads_with_a_revoker_and_the_mapper_on() {
@@ -356,7 +356,7 @@ fn c_kv_threads_with_a_revoker_and_the_mapper_on() {
     );
 }
 
-/// The C random walk with the mapper on (its spaces without a zero page).
+/// The C random walk with the mapper on in both its spaces (one with a zero page).
 #[test]
 fn c_kv_random_walk_with_the_mapper_on() {
     c_variant(

@@ -102,9 +102,9 @@ class Stats(ctypes.Structure):
             "disk_used_bytes disk_capacity_bytes bytes_to_device bytes_from_device "
             "disk_read_bytes disk_write_bytes spills clean_spills clean_revocations restores "
             "prefetch_hits prefetch_misses stalls evictions lost_blocks pages_revoked "
-            "staged_objects staged_evicted"
+            "staged_objects staged_evicted pages_ahead pages_from_ahead"
         ).split()
-    ] + [("spare", _u64 * 6)]
+    ] + [("spare", _u64 * 4)]
 
 
 class TokenCopy(ctypes.Structure):

@@ -2,7 +2,9 @@
 this runs in strict mode too), typed exceptions, lost-block callbacks exactly once per block.
 (cargo test runs this through ffi/tests/python.rs.)"""
 
+import os
 import tempfile
+import time
 import unittest
 
 import strata
@@ -254,6 +256,47 @@ class KvSpaceTest(unittest.TestCase):
             self.assertEqual(r.residency(), ["host"])
             self.assertEqual(r.read(1, "v", 0, 4096), want)
             self.assertEqual(s.stats()["lost_blocks"], 0)
+
+    def test_map_ahead_env_grows_a_zero_page_space_from_pages_mapped_ahead(self):
+        """STRATA_KV_MAP_AHEAD, read when a space is created, starts its background mapper in a
+        space with the zero page too (the default): appends then take pages it mapped ahead."""
+
+        def grow(env):
+            old = os.environ.get("STRATA_KV_MAP_AHEAD")
+            if env is None:
+                os.environ.pop("STRATA_KV_MAP_AHEAD", None)
+            else:
+                os.environ["STRATA_KV_MAP_AHEAD"] = env
+            try:
+                s = space(max_tokens=16 * 4096)
+            finally:
+                if old is None:
+                    os.environ.pop("STRATA_KV_MAP_AHEAD", None)
+                else:
+                    os.environ["STRATA_KV_MAP_AHEAD"] = old
+            with s:
+                r = s.admit()
+                want = pattern(5, 4096 * BPT)
+                for step in range(8):
+                    # An admitted request gets a row (a page in each of the 4 tensors) ahead;
+                    # each append of one page's tokens then takes it, decode steps apart.
+                    deadline = time.monotonic() + 10
+                    while env and s.stats()["pages_ahead"] < 4 and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                    r.append(4096)
+                    r.write(1, "v", step * 4096, want)
+                    s.check()
+                for step in range(8):
+                    self.assertEqual(r.read(1, "v", step * 4096, 4096), want)
+                stats = s.stats()
+                r.release()
+                s.check()
+                return stats
+
+        on = grow("64")
+        self.assertEqual(on["pages_from_ahead"], 8 * 4, on)
+        off = grow(None)
+        self.assertEqual((off["pages_from_ahead"], off["pages_ahead"]), (0, 0), off)
 
 
 if __name__ == "__main__":

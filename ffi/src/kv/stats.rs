@@ -46,7 +46,9 @@ pub struct strata_kv_stats_t {
     pub pages_revoked: u64,
     pub staged_objects: u64,
     pub staged_evicted: u64,
-    pub spare: [u64; 6],
+    pub pages_ahead: u64,
+    pub pages_from_ahead: u64,
+    pub spare: [u64; 4],
 }
 
 /// The space's figures.
@@ -63,6 +65,7 @@ pub unsafe extern "C" fn strata_kv_stats(kv: u64, out: *mut strata_kv_stats_t) -
         let k = m.stats();
         let st = m.store().stats();
         let pool = m.store().pool().stats();
+        let space = m.space_stats();
         let b = st.block_size;
         let stats = strata_kv_stats_t {
             page_size: pool.page_size,
@@ -100,7 +103,9 @@ pub unsafe extern "C" fn strata_kv_stats(kv: u64, out: *mut strata_kv_stats_t) -
             pages_revoked: k.pages_revoked,
             staged_objects: st.staged,
             staged_evicted: st.staged_evicted,
-            spare: [0; 6],
+            pages_ahead: space.pages_ahead,
+            pages_from_ahead: space.pages_from_ahead,
+            spare: [0; 4],
         };
         // SAFETY: non-NULL and writable by this function's contract.
         unsafe { out.write(stats) };
