@@ -21,6 +21,9 @@ impl KvSpace {
     /// - in every tensor, page `p` of slot `s` is a pool page exactly when `p < mapped(s)` and
     ///   `p` is not a hole of `s`;
     ///   every other page is the zero page (with [`KvConfig::zero_page`](super::KvConfig::zero_page)) or unmapped;
+    ///   with the mapper on, that includes the rows it holds ahead: their zero mapping stays in
+    ///   the tables, lent to the mapper (which checks that each row ahead sits at the slot's
+    ///   extent onwards);
     /// - every mapping is one page at its own address inside its tensor's reservation; pool pages
     ///   are page-sized; no pool page is mapped twice and none is the zero page;
     /// - the pages counted as mapped equal the pool pages found, and equal the growth of the
