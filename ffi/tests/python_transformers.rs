@@ -68,21 +68,17 @@ fn python_transformers_offload_layers_within_a_device_budget() {
 /// and waited for on the compute stream, no synchronizing call while generating.
 #[test]
 fn python_transformers_offload_streams_overlap_compute() {
-    run_unittest(
-        "test_offload_streams",
-        &[
-            "test_half_the_kv_streams_ahead_without_synchronizing",
-            "test_a_budget_of_one_layer_streams_through_one_slot",
-            "test_swap_modes_and_host_limit_are_checked",
-            "test_a_synchronizing_call_on_the_path_would_be_caught",
-        ],
-        &[
-            ("test_half_the_kv_streams_ahead_without_synchronizing", "CPU only: the stand-in replaces CUDA"),
-            ("test_a_budget_of_one_layer_streams_through_one_slot", "CPU only: the stand-in replaces CUDA"),
-            ("test_swap_modes_and_host_limit_are_checked", "CPU only: the stand-in replaces CUDA"),
-            ("test_a_synchronizing_call_on_the_path_would_be_caught", "CPU only: the stand-in replaces CUDA"),
-        ],
-    );
+    let tests = [
+        "test_half_the_kv_streams_ahead_without_synchronizing",
+        "test_a_budget_of_one_layer_streams_through_one_slot",
+        "test_swap_modes_and_host_limit_are_checked",
+        "test_a_synchronizing_call_on_the_path_would_be_caught",
+    ];
+    let cpu_only: Vec<_> = tests
+        .iter()
+        .map(|t| (*t, "CPU only: the stand-in replaces CUDA"))
+        .collect();
+    run_unittest("test_offload_streams", &tests, &cpu_only);
 }
 
 /// `StrataCache(compileable=True)` under torch.compile (`python/tests/test_transformers_compiled.py`):

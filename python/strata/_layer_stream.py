@@ -21,12 +21,14 @@ on CUDA) and is read from one of the ring's slots (the groups of the first offlo
 - demotion: when the tokens grow so that the budget holds fewer layers, the layers to offload
   (a nested, evenly spread order: `spread_order`) are copied whole to new host buffers on the
   side stream, and their groups' pages are truncated once an event after the copy is done (a
-  query at each update: the device may hold one layer more than the budget until then; on the
-  CPU the copy is done at once). Layers do not come back to the device before `reset`.
+  query at each update: until then the device holds those layers' pages beyond the budget; on
+  the CPU the copy is done at once). Their host buffers are allocated then (pinned memory: a
+  host call on that step's path, once per layer). Layers do not come back to the device before
+  `reset`, which drops the host buffers.
 
 The budget holds `g = budget // layer_bytes` layers (K and V of every row for the tokens held,
-whole pages): with `g >= layers` nothing is offloaded; otherwise `min(2, g)` slots and `g - 2`
-resident layers. Nothing on a step's path waits for the device: no synchronization, no
+whole pages): with `g >= layers` nothing is offloaded; otherwise `s = min(2, g)` slots and
+`g - s` resident layers, and `layers - g + s` layers stream each step. Nothing on a step's path waits for the device: no synchronization, no
 `.item()`; waits are stream waits on events (`strata._streams`). Host calls on the path: the
 pages a group needs as tokens grow (`strata_kv_append`, whole pages), as in `StrataCache`."""
 
