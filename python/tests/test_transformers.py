@@ -591,11 +591,17 @@ class OffloadTest(unittest.TestCase):
     @unittest.skipIf(os.environ.get("STRATA_HOST_LINK"), "already under a link model")
     @unittest.skipIf(DEVICE == "cuda", "host backend only: STRATA_HOST_LINK models the host backend's link")
     def test_offload_under_host_link_matches_dynamic_cache(self):
-        """The same in a process whose host backend pays a modelled link for every copy, so the
-        swaps take time and overlap the layers' compute."""
+        """Pie's swapping in a process whose host backend pays a modelled link for every copy of
+        strata's, so the swaps take time and overlap the layers' compute (layer streaming copies
+        with torch, which the link model does not see)."""
         env = dict(os.environ, STRATA_HOST_LINK="2GB,20us")
         run = subprocess.run(
-            [sys.executable, "-m", "unittest", "test_transformers.OffloadTest.test_qwen2_gqa_offload_matches_dynamic_cache"],
+            [
+                sys.executable,
+                "-m",
+                "unittest",
+                "test_transformers.OffloadTest.test_pie_swapping_in_host_memory_matches_dynamic_cache",
+            ],
             cwd=os.path.dirname(os.path.abspath(__file__)),
             env=env,
             capture_output=True,
