@@ -65,11 +65,14 @@ class LayerStreamer:
         self.held = [0] * self.n  # tokens mapped per group
         self.offloaded = set()
         self.host = {}  # offloaded layer -> (K, V) host buffers
+        self.host_rows = {}  # offloaded layer -> its host buffers' rows (K rows, then V rows)
+        self.groups = {}  # group -> ((K, V) device tensors, their rows), made once
         self.ring = []  # the slots' groups
         self.owner = []  # per slot: the layer fetched into it, or None
         self.issued = {}  # layer fetched and not yet read -> its slot
         self.ready = {}  # layer -> the side stream's event after its fetch
         self.in_use = None  # the offloaded layer whose attention reads its slot now
+        self.in_use_slot = None
         self.releasing = []  # (event, group): pages truncated once the event is done
         self.budget_tokens = 0
 
@@ -90,16 +93,23 @@ class LayerStreamer:
                 r.truncate(tokens)
             self.held[g] = tokens
 
-    def _rows(self, k, v, first, end):
-        """(K rows, V rows): per batch row, the contiguous run of tokens first..end."""
-        return [t[i, first:end] for t in (k, v) for i in range(self.rows)]
+    def _rows(self, pair):
+        """The K rows, then the V rows, of a (K, V) pair: each row's tokens are contiguous (one
+        copy each; a strided copy between host and device would stage through unpinned memory)."""
+        return [t[i] for t in pair for i in range(self.rows)]
 
-    def _copy(self, dst, src, first, end):
-        """Tokens first..end of every row, K and V, from `src` to `dst` ((K, V) pairs) on the
-        side stream; returns the bytes copied."""
+    def _device(self, g):
+        """((K, V), rows) of group g's device tensors."""
+        if g not in self.groups:
+            pair = self.cache._tensors(g)
+            self.groups[g] = (pair, self._rows(pair))
+        return self.groups[g]
+
+    def _copy(self, dst_rows, src_rows, first, end):
+        """Tokens first..end of every row, K and V, on the side stream; returns the bytes."""
         if end <= first:
             return 0
-        pairs = list(zip(self._rows(*dst, first, end), self._rows(*src, first, end)))
+        pairs = [(d[first:end], s[first:end]) for d, s in zip(dst_rows, src_rows)]
         self.streams.copy(pairs)
         return sum(d.nbytes for d, _ in pairs)
 
@@ -144,10 +154,10 @@ class LayerStreamer:
 
     def _demote(self, d):
         """Layer d's KV goes to new host buffers (its group's pages once the copy is done)."""
-        layer = self.cache.layers[d]
-        k, v = self.cache._tensors(d)
+        (k, _), rows = self._device(d)
         host = self._host_buffers(k)
-        moved = self._copy(host, (k, v), 0, layer.length)
+        self.host_rows[d] = self._rows(host)
+        moved = self._copy(self.host_rows[d], rows, 0, self.cache.layers[d].length)
         self.host[d] = host
         self.offloaded.add(d)
         self.counts["demotions"] += 1
@@ -192,8 +202,8 @@ class LayerStreamer:
         if s is None:
             return None
         self.streams.side_waits(self.streams.record())  # the slot's last reader is done
-        k, v = self.cache._tensors(self.ring[s])
-        self.counts["bytes_to_device"] += self._copy((k, v), self.host[m], 0, self.cache.layers[m].length)
+        rows = self._device(self.ring[s])[1]
+        self.counts["bytes_to_device"] += self._copy(rows, self.host_rows[m], 0, self.cache.layers[m].length)
         self.ready[m] = self.streams.record(on_side=True)
         self.owner[s] = m
         self.issued[m] = s
@@ -224,7 +234,7 @@ class LayerStreamer:
         state = self.cache.layers[layer]
         if layer not in self.offloaded:
             self._map(layer, upto)
-            state._k, state._v = self.cache._tensors(layer)
+            state._k, state._v = self._device(layer)[0]
             return
         s = self.issued.pop(layer, None)
         if s is None:
@@ -234,17 +244,17 @@ class LayerStreamer:
         else:
             self.counts["prefetch_hits"] += 1
         self.streams.compute_waits(self.ready.pop(layer))
-        self.in_use = layer
-        state._k, state._v = self.cache._tensors(self.ring[s])
+        self.in_use, self.in_use_slot = layer, s
+        state._k, state._v = self._device(self.ring[s])[0]
 
     def after(self, layer, start, end):
         """After `layer`'s update wrote tokens start..end: an offloaded layer's new tokens go to
         its host buffer; the next offloaded layer's fetch is queued (before this update
         returns, so it overlaps this layer's attention and the layers up to it)."""
         if layer in self.offloaded:
-            state = self.cache.layers[layer]
+            rows = self._device(self.ring[self.in_use_slot])[1]
             self.streams.side_waits(self.streams.record())
-            self.counts["bytes_from_device"] += self._copy(self.host[layer], (state._k, state._v), start, end)
+            self.counts["bytes_from_device"] += self._copy(self.host_rows[layer], rows, start, end)
             self.counts["swap_outs"] += 1
         m = self._next_offloaded(layer)
         if m is not None and m not in self.issued and m != layer:
