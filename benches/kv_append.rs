@@ -5,7 +5,8 @@
 //! already mapped (recycled slots, no mapper): the same loop's floor on this machine.
 //!
 //! Run: `STRATA_HOST_LATENCY=h200 cargo bench --bench kv_append` (options: `-- --rounds N`,
-//! default 400; `--gap-us U`, the step gap, default 500). The host backend charges the profile's
+//! default 400; `--gap-us U`, the step gap, default 500; `--zero-page`, spaces with the zero page
+//! behind their tails, as `strata_kv_create` makes them). The host backend charges the profile's
 //! per-call costs (`strata-latency`); a 64 KiB granule keeps the memory small (costs are per call).
 
 use std::sync::Arc;
@@ -43,7 +44,7 @@ enum Mode {
     Recycled,
 }
 
-fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration) -> Run {
+fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration, zero_page: bool) -> Run {
     let page = pool.page_size();
     let mut space = KvSpace::new(
         Arc::clone(pool),
@@ -52,7 +53,7 @@ fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration) -> Run {
             max_slots: SLOTS,
             max_tokens: MAX_TOKENS,
             bytes_per_token: page / TOKENS_PER_PAGE,
-            zero_page: false,
+            zero_page,
         },
     )
     .expect("space");
@@ -103,7 +104,7 @@ fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration) -> Run {
 }
 
 fn main() {
-    let (mut rounds, mut gap_us) = (400usize, 500u64);
+    let (mut rounds, mut gap_us, mut zero_page) = (400usize, 500u64, false);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -119,6 +120,7 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .expect("--gap-us U")
             }
+            "--zero-page" => zero_page = true,
             _ => {} // cargo bench passes --bench
         }
     }
@@ -148,8 +150,10 @@ fn main() {
     let row = 2 * LAYERS as usize;
     println!(
         "backend {}, latency profile {profile}; {LAYERS} layers ({row} pages a row), {SLOTS} \
-         requests, one fresh row per append, {rounds} rounds, {gap_us} µs between rounds",
-        backend.kind()
+         requests, one fresh row per append, {rounds} rounds, {gap_us} µs between rounds, zero \
+         page {}",
+        backend.kind(),
+        if zero_page { "on" } else { "off" }
     );
     println!(
         "| mapper | appends | mean µs | p50 µs | p95 µs | p99 µs | max µs | over 5 µs | pages \
@@ -162,7 +166,13 @@ fn main() {
         ("recycled (floor)", Mode::Recycled),
     ];
     for (name, mode) in modes {
-        let r = run(&pool, mode, rounds, Duration::from_micros(gap_us));
+        let r = run(
+            &pool,
+            mode,
+            rounds,
+            Duration::from_micros(gap_us),
+            zero_page,
+        );
         let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
         println!(
             "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {} | {:.3} |",

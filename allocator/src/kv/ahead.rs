@@ -49,8 +49,11 @@
 //!   for) before it publishes the job, so outside a job every address past a slot's extent
 //!   reads zeros as before (masked attention never meets stale bytes there), and a row grown
 //!   from ahead starts as zeros (a row a grow maps itself holds whatever its pool page held).
-//! - **The swap window.** The driver has no atomic remap: for one job (per page, one unmap and
-//!   one map; ~30 µs on an H200) a row past the extent has no mapping at all. A kernel that
+//! - **The swap window.** The driver has no atomic remap: from the zero page's unmap to the
+//!   run's `set_access` (per tensor of a job: an unmap and a map per page and one access call;
+//!   on an H200 roughly the 53 µs per page of map, access and unmap, derived from the issue's
+//!   figures, not measured for this path) a row past the extent has no readable mapping, and
+//!   until the job's memset lands it reads stale bytes. A kernel that
 //!   reads past a slot's extent (masked attention over the whole range, a CUDA graph over
 //!   `max_tokens`) *while the mapper swaps that row* faults on a GPU. Grows on the caller's path
 //!   have the same window over the rows they map, but only while the caller is inside the grow;
