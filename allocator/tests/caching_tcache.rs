@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
 
@@ -15,6 +17,26 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use strata_allocator::{CachingConfig, TagId};
 use strata_vmm::{Error, StreamHandle};
+
+/// A thread's first panic, kept so that a failed check ends the test instead of leaving the
+/// other threads waiting at a barrier.
+type Failure = Mutex<Option<Box<dyn Any + Send>>>;
+
+/// Runs `work` unless a thread failed already; a panic in it is recorded, not propagated.
+fn guarded(failure: &Failure, work: impl FnOnce()) {
+    if failure.lock().unwrap().is_some() {
+        return;
+    }
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(work)) {
+        failure.lock().unwrap().get_or_insert(panic);
+    }
+}
+
+fn rethrow(failure: Failure) {
+    if let Some(panic) = failure.into_inner().unwrap() {
+        std::panic::resume_unwind(panic);
+    }
+}
 
 fn env_cache(on: bool) -> Env {
     env_with(CachingConfig {
@@ -237,31 +259,41 @@ fn empty_cache_and_sleep_reclaim_other_threads_cached_blocks() {
     let e = env_cache(true);
     let s1 = e.backend.stream_create(0).unwrap();
     let parked = Barrier::new(2);
+    let failure: Failure = Mutex::new(None);
     std::thread::scope(|scope| {
-        let (e, parked) = (&e, &parked);
+        let (e, parked, failure) = (&e, &parked, &failure);
         scope.spawn(move || {
-            warm(e, s1, &[(4096, 0), (8192, 3)]);
+            guarded(failure, || warm(e, s1, &[(4096, 0), (8192, 3)]));
             parked.wait(); // its cache holds free blocks of both tags
             parked.wait();
-            warm(e, s1, &[(4096, 0), (8192, 3)]);
+            guarded(failure, || warm(e, s1, &[(4096, 0), (8192, 3)]));
             parked.wait();
             parked.wait();
-            warm(e, s1, &[(8192, 3)]); // tag 3 awake again: served again
+            // Tag 3 awake again: served again.
+            guarded(failure, || warm(e, s1, &[(8192, 3)]));
         });
         parked.wait();
-        consistent(e, "cached on another thread");
-        assert!(e.alloc.empty_cache().unwrap() > 0);
-        assert_eq!(e.alloc.stats().reserved_bytes, 0, "every page released");
-        consistent(e, "after empty_cache");
+        guarded(failure, || {
+            // (The invariant checker looks into the caches without absorbing them, as `stats`
+            // would: empty_cache itself must take their blocks.)
+            e.alloc.check_invariants().unwrap();
+            assert!(e.alloc.empty_cache().unwrap() > 0);
+            assert_eq!(e.alloc.stats().reserved_bytes, 0, "every page released");
+            consistent(e, "after empty_cache");
+        });
         parked.wait();
         parked.wait();
-        e.alloc.sleep(3, false).unwrap();
-        let s = e.alloc.stats();
-        assert_eq!(s.tag(3).unwrap().reserved_bytes, 0, "asleep: no pages");
-        consistent(e, "asleep");
-        e.alloc.wake(3).unwrap();
+        guarded(failure, || {
+            e.alloc.check_invariants().unwrap();
+            e.alloc.sleep(3, false).unwrap();
+            let s = e.alloc.stats();
+            assert_eq!(s.tag(3).unwrap().reserved_bytes, 0, "asleep: no pages");
+            consistent(e, "asleep");
+            e.alloc.wake(3).unwrap();
+        });
         parked.wait();
     });
+    rethrow(failure);
     consistent(&e, "end");
     e.backend.stream_destroy(s1).unwrap();
 }
@@ -335,9 +367,11 @@ fn walks_with_cross_thread_frees_keep_exact_stats() {
         let mailbox: Mutex<Vec<Block>> = Mutex::new(Vec::new());
         let models = Mutex::new(vec![Counts::default(); WALKERS]);
         let paused = Barrier::new(WALKERS + 1);
+        let failure: Failure = Mutex::new(None);
         std::thread::scope(|scope| {
             for (w, &stream) in streams.iter().enumerate() {
                 let (e, mailbox, models, paused) = (&e, &mailbox, &models, &paused);
+                let failure = &failure;
                 scope.spawn(move || {
                     let mut rng = SmallRng::seed_from_u64(w as u64 + 7);
                     let mut own: Vec<Block> = Vec::new();
@@ -351,48 +385,58 @@ fn walks_with_cross_thread_frees_keep_exact_stats() {
                         m.bytes[b.tag] -= b.size as i64;
                     };
                     for _ in 0..ROUNDS {
-                        for _ in 0..STEPS {
-                            match rng.random_range(0..10) {
-                                0..=4 if own.len() < 16 => {
-                                    let size = rng.random_range(1..32 << 10);
-                                    let tag = rng.random_range(0..3);
-                                    let ptr = e.alloc.allocate_tagged(size, stream, tag as TagId);
-                                    let ptr = ptr.unwrap();
-                                    seed += 1;
-                                    fill(&e.backend, ptr, size, seed);
-                                    own.push(Block {
-                                        ptr,
-                                        size,
-                                        seed,
-                                        tag,
-                                    });
-                                    m.allocs[tag] += 1;
-                                    m.bytes[tag] += size as i64;
-                                }
-                                5 if !own.is_empty() => {
-                                    let i = rng.random_range(0..own.len());
-                                    mailbox.lock().unwrap().push(own.swap_remove(i));
-                                }
-                                6 if !own.is_empty() => {
-                                    let b = &own[rng.random_range(0..own.len())];
-                                    e.alloc.record_stream(b.ptr, S0).unwrap();
-                                }
-                                7 => {
-                                    let got = mailbox.lock().unwrap().pop();
-                                    if let Some(b) = got {
-                                        free(b, &mut m, &mut rng);
+                        let failed = failure.lock().unwrap().is_some();
+                        let steps = catch_unwind(AssertUnwindSafe(|| {
+                            for _ in 0..if failed { 0 } else { STEPS } {
+                                match rng.random_range(0..10) {
+                                    0..=4 if own.len() < 16 => {
+                                        let size = rng.random_range(1..32 << 10);
+                                        let tag = rng.random_range(0..3);
+                                        let ptr =
+                                            e.alloc.allocate_tagged(size, stream, tag as TagId);
+                                        let ptr = ptr.unwrap();
+                                        seed += 1;
+                                        fill(&e.backend, ptr, size, seed);
+                                        own.push(Block {
+                                            ptr,
+                                            size,
+                                            seed,
+                                            tag,
+                                        });
+                                        m.allocs[tag] += 1;
+                                        m.bytes[tag] += size as i64;
                                     }
+                                    5 if !own.is_empty() => {
+                                        let i = rng.random_range(0..own.len());
+                                        mailbox.lock().unwrap().push(own.swap_remove(i));
+                                    }
+                                    6 if !own.is_empty() => {
+                                        let b = &own[rng.random_range(0..own.len())];
+                                        e.alloc.record_stream(b.ptr, S0).unwrap();
+                                    }
+                                    7 => {
+                                        let got = mailbox.lock().unwrap().pop();
+                                        if let Some(b) = got {
+                                            free(b, &mut m, &mut rng);
+                                        }
+                                    }
+                                    _ if !own.is_empty() => {
+                                        let i = rng.random_range(0..own.len());
+                                        free(own.swap_remove(i), &mut m, &mut rng);
+                                    }
+                                    _ => {}
                                 }
-                                _ if !own.is_empty() => {
-                                    let i = rng.random_range(0..own.len());
-                                    free(own.swap_remove(i), &mut m, &mut rng);
-                                }
-                                _ => {}
                             }
+                        }));
+                        if let Err(panic) = steps {
+                            failure.lock().unwrap().get_or_insert(panic);
                         }
                         models.lock().unwrap()[w] = m;
                         paused.wait();
                         paused.wait();
+                    }
+                    if failure.lock().unwrap().is_some() {
+                        return;
                     }
                     for b in own {
                         free(b, &mut m, &mut rng);
@@ -402,34 +446,37 @@ fn walks_with_cross_thread_frees_keep_exact_stats() {
             }
             for round in 0..ROUNDS {
                 paused.wait();
-                let held: Vec<(usize, u64)> = mailbox
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|b| (b.tag, b.size))
-                    .collect();
-                exact(&e, &models.lock().unwrap(), &held, round, on);
-                match round {
-                    0 => drop(e.alloc.empty_cache().unwrap()),
-                    1 => {
-                        e.alloc.sleep(2, true).unwrap();
-                        e.alloc.wake(2).unwrap();
+                guarded(&failure, || {
+                    let held: Vec<(usize, u64)> = mailbox
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .map(|b| (b.tag, b.size))
+                        .collect();
+                    exact(&e, &models.lock().unwrap(), &held, round, on);
+                    match round {
+                        0 => drop(e.alloc.empty_cache().unwrap()),
+                        1 => {
+                            e.alloc.sleep(2, true).unwrap();
+                            e.alloc.wake(2).unwrap();
+                        }
+                        2 => {
+                            e.alloc.offload(1, &e.host, S0).unwrap();
+                            e.alloc.onload(1, S0).unwrap();
+                        }
+                        _ => {
+                            e.alloc.reset_peak_stats();
+                            let s = e.alloc.stats();
+                            assert_eq!(s.peak_allocated_bytes, s.allocated_bytes);
+                            assert_eq!(s.peak_allocated_block_bytes, s.allocated_block_bytes);
+                        }
                     }
-                    2 => {
-                        e.alloc.offload(1, &e.host, S0).unwrap();
-                        e.alloc.onload(1, S0).unwrap();
-                    }
-                    _ => {
-                        e.alloc.reset_peak_stats();
-                        let s = e.alloc.stats();
-                        assert_eq!(s.peak_allocated_bytes, s.allocated_bytes);
-                        assert_eq!(s.peak_allocated_block_bytes, s.allocated_block_bytes);
-                    }
-                }
-                consistent(&e, &format!("round {round} flushed"));
+                    consistent(&e, &format!("round {round} flushed"));
+                });
                 paused.wait();
             }
         });
+        rethrow(failure);
         for b in mailbox.into_inner().unwrap() {
             e.alloc.deallocate(b.ptr, S0).unwrap();
         }
