@@ -24,9 +24,10 @@ impl CachingAllocator {
     /// - the pointer table, the bins and the pending list agree with the block table;
     /// - each small block's run count slot is its run's, every run's count is the number of its
     ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
-    /// - every block a thread cache holds is [`BlockState::Cached`] under that cache's slot, of
-    ///   an awake tag, with its size, tag and class; a free one sits in exactly one magazine of
-    ///   its tag, class and stream, within the bounds; every cached block is in its cache;
+    /// - every block a thread cache holds is cached (`BlockState::Cached`) under that cache's
+    ///   slot, of an awake tag, with its size, tag and class; a free one sits in exactly one
+    ///   magazine of its tag, class and stream, within the bounds; every cached block is in its
+    ///   cache;
     /// - allocated, live and mapped-page figures (total and per tag, and the pages not of the
     ///   device's own memory) agree with the tables (the caches' live blocks and not yet
     ///   folded counts included), and pages held = reserved bytes / page size.
