@@ -33,7 +33,7 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use strata_vmm::{DevicePtr, Error, Result, StreamHandle};
+use strata_vmm::{process_is_exiting, DevicePtr, Error, Result, StreamHandle};
 
 use super::stats::{AllocatedBytes, Peaked};
 use super::{BlockState, CachingAllocator, Mode, State, TagId};
@@ -225,6 +225,11 @@ struct Local {
 
 impl Drop for Local {
     fn drop(&mut self) {
+        // At process exit (the main thread's thread-locals) nothing needs the blocks back, and
+        // another thread may hold the lock for good.
+        if process_is_exiting() {
+            return;
+        }
         if let Some(state) = self.state.upgrade() {
             state.lock().unregister(&self.cache);
         }
