@@ -26,9 +26,9 @@
 //!   complete. Streams that may touch pages are synchronized before the pages are unmapped.
 //! - **Tags** and **sleep/wake**: see [`CachingAllocator::sleep`].
 //!
-//! The fast path (a cached small allocate or free) is a pop or push on the calling thread's
-//! own cache of small blocks, under that cache's own lock (`tcache.rs`; with
-//! `STRATA_THREAD_CACHE=0`, a bin pop or push under the allocator's one lock): no driver call,
+//! The fast path (a cached small allocate or free) is a bin pop or push under the allocator's
+//! one lock (with `STRATA_THREAD_CACHE=1`, a pop or push on the calling thread's own cache of
+//! small blocks under that cache's own lock, `tcache.rs`): no driver call,
 //! no logging, no heap allocation once warm. Growth, trimming and everything
 //! involving the backend live in `#[cold]` functions. Growth and `empty_cache` never hold the
 //! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
@@ -123,7 +123,9 @@ pub struct CachingConfig {
     /// (never while the process is exiting).
     pub report_leaks: bool,
     /// Per-thread caches of small blocks in front of the shared bins (`tcache.rs`). Default:
-    /// on, unless the environment sets `STRATA_THREAD_CACHE=0`.
+    /// off, unless the environment sets `STRATA_THREAD_CACHE=1`: on the 2-vCPU development
+    /// machine they made pairs slower at 1 and 2 threads (BENCHMARKS.md); the 8-thread case
+    /// they are for (the H200's lock convoy) is not yet measured with them.
     pub thread_cache: bool,
 }
 
@@ -135,7 +137,7 @@ impl Default for CachingConfig {
             limit: None,
             freed_history: 4096,
             report_leaks: true,
-            thread_cache: std::env::var("STRATA_THREAD_CACHE").map_or(true, |v| v.trim() != "0"),
+            thread_cache: std::env::var("STRATA_THREAD_CACHE").is_ok_and(|v| v.trim() == "1"),
         }
     }
 }

@@ -24,8 +24,8 @@
 //!   allocator's drop do it first, so they see every block where it was before caches existed.
 //!   A thread's exit absorbs its own cache (the thread-local's drop).
 //!
-//! `STRATA_THREAD_CACHE=0` ([`CachingConfig::thread_cache`](super::CachingConfig)) turns the
-//! caches off: every call takes the allocator's lock, as before.
+//! Off by default: `STRATA_THREAD_CACHE=1` ([`CachingConfig::thread_cache`](super::CachingConfig))
+//! turns the caches on; off, every call takes the allocator's lock.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
