@@ -5,6 +5,7 @@ decode time per token and peak KV bytes at a short and a long context.
     python -m strata.examples.bench_cache --quick         # a smoke run
     python -m strata.examples.bench_cache --compile       # decode steps compiled (static caches)
     python -m strata.examples.bench_cache --device cuda --compile   # on a GPU (CUDA backend)
+    python -m strata.examples.bench_cache --layouts       # StrataCache's two layouts side by side
 
 StrataCache runs twice: with transformers' "sdpa" attention, as the other caches, and with
 "strata_sdpa" (decode steps read adjacent heads' rows together; `strata._row_attention`).
@@ -20,6 +21,11 @@ compileable caches, StaticCache and `StrataCache(compileable=True)`, on any devi
 (`compile_config`); DynamicCache is not compileable and runs eagerly, as generate() runs it.
 `--device cuda` runs the model on the GPU (strata's CUDA backend for StrataCache). The warm-up
 run of each cache compiles; the timed runs reuse the compiled step.
+
+StrataCache takes its default `layout="auto"` ("token" for this model: a page holds a token
+range of every row and layer, so the views' token stride spans them all); `--layouts` adds
+StrataCache with `layout="request"` (a page per row, layer and K/V; the token stride is one
+row's heads) beside each StrataCache configuration, to measure what the strides cost.
 """
 
 import argparse
@@ -27,11 +33,14 @@ import argparse
 from ._bench import alternate, median, model_and_prompts, rounds_line, setting, timed_generate
 
 NAMES = ("dynamic", "static", "strata", "strata_rows")
+REQUEST = "@request"  # a StrataCache name with this suffix: layout="request"
 LABEL = {
     "dynamic": "DynamicCache",
     "static": "StaticCache",
     "strata": "StrataCache",
     "strata_rows": 'StrataCache, "strata_sdpa"',
+    "strata" + REQUEST: 'StrataCache, layout="request"',
+    "strata_rows" + REQUEST: 'StrataCache, "strata_sdpa", layout="request"',
 }
 
 
@@ -52,13 +61,14 @@ def run(model, ids, name, new_tokens, max_len, compiled=False):
 
     from strata.transformers import ATTENTION, StrataCache
 
-    model.set_attn_implementation(ATTENTION if name == "strata_rows" else "sdpa")
+    model.set_attn_implementation(ATTENTION if name.startswith("strata_rows") else "sdpa")
     if name == "dynamic":
         cache = DynamicCache()
     elif name == "static":
         cache = StaticCache(config=model.config, max_cache_len=max_len)
     else:
-        cache = StrataCache(model.config, max_cache_len=max_len, compileable=compiled)
+        layout = "request" if name.endswith(REQUEST) else "auto"
+        cache = StrataCache(model.config, max_cache_len=max_len, compileable=compiled, layout=layout)
     kw = {"compile_config": compile_config()} if compiled and name != "dynamic" else {"disable_compile": True}
     elapsed, out = timed_generate(model, ids, cache, new_tokens, **kw)
     if name.startswith("strata"):
@@ -81,11 +91,14 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="short 32 and long 128 new tokens, one round")
     p.add_argument("--compile", action="store_true", help="compile the decode step of StaticCache and StrataCache")
     p.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda)")
+    p.add_argument("--layouts", action="store_true", help='each StrataCache also with layout="request"')
     args = p.parse_args(argv)
     if args.quick:
         args.short, args.long, args.rounds = 32, 128, 1
     model, ids = model_and_prompts(args.batch, args.prompt, device=args.device)
     names = NAMES[:3] if args.compile else NAMES  # "strata_sdpa" is an eager CPU path
+    if args.layouts:
+        names = tuple(n for name in names for n in ((name, name + REQUEST) if name.startswith("strata") else (name,)))
     c = model.config
     bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     compiled = "compiled decode steps (StaticCache, StrataCache)" if args.compile else "eager"
