@@ -68,6 +68,10 @@ together (`strata._row_attention`), everything else is transformers' "sdpa" unch
 
     model.set_attn_implementation("strata_sdpa")
 
+The "token" layout's longer token stride is slower still on the CPU (decode steps 1.1-1.5× the
+"request" layout's at 1024 tokens, BENCHMARKS.md): there `layout="request"` is the fast choice
+where memory is not the constraint.
+
 The tensors are DLPack exports of strata memory (CUDA tensors on the CUDA backend, CPU tensors
 on the host backend outside strict mode). Errors are strata's typed exceptions
 (`strata.InvalidArgument`, `strata.OutOfMemory`, `strata.InvalidState`, `strata.Unsupported`).
