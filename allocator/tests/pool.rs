@@ -358,6 +358,65 @@ fn a_take_that_runs_out_looks_again_when_a_refill_landed_meanwhile() {
     pool.give(held);
 }
 
+/// Pages the refill worker is creating count against the pool's limit until they land in the
+/// free list: a take that needs them waits for them instead of failing at the limit they hold
+/// for a moment. (A revocation racing the refill moved a lent segment to host memory although
+/// the device had room: `test_kv_torch`'s lender test, 1-2 failures in 10-12 runs.)
+#[test]
+fn a_take_at_the_limit_waits_for_the_pages_the_refill_is_creating() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let b = backend(16);
+    let config = PoolConfig {
+        low_watermark: 4,
+        high_watermark: 4,
+        limit: Some(8 * PAGE),
+        idle_trim_after: None,
+        background: true,
+    };
+    let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
+    assert!(eventually(|| pool.stats().free == 4), "{:?}", pool.stats());
+    // The worker's next creates wait at the gate until `release`; `creating` says it is there.
+    let (creating, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let gate: OpGate = {
+        let (creating, release) = (Arc::clone(&creating), Arc::clone(&release));
+        Arc::new(move |_| {
+            if std::thread::current().name() == Some("strata-pool-0") {
+                creating.store(true, Ordering::Release);
+                assert!(
+                    eventually(|| release.load(Ordering::Acquire)),
+                    "refill held"
+                );
+            }
+        })
+    };
+    host(&b).set_op_gate(FaultOp::Create, Some(gate));
+    let first = pool.take(4).unwrap(); // the free list; the worker refills 4 more
+    assert!(
+        eventually(|| creating.load(Ordering::Acquire)),
+        "no refill started"
+    );
+    // 4 in use + 4 being created = the limit: the take can only have the refill's pages.
+    let opener = {
+        let release = Arc::clone(&release);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            release.store(true, Ordering::Release);
+        })
+    };
+    let second = pool.take(4);
+    opener.join().unwrap();
+    host(&b).set_op_gate(FaultOp::Create, None);
+    let second = second.unwrap_or_else(|e| panic!("{e} with {:?}", pool.stats()));
+    let s = pool.stats();
+    assert_eq!((s.in_use, s.held_bytes()), (8, 8 * PAGE), "{s:?}");
+    pool.give(first);
+    pool.give(second);
+}
+
 // PageLease and MappedRun: all or nothing under injected faults, pages and pool counters back
 // on drop, one set_access per run.
 

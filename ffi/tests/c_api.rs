@@ -377,45 +377,33 @@ fn c_dlopen_like_pytorch() {
 }
 
 /// The fuzz target `fuzz.c` (libFuzzer's entry point over a byte-coded call sequence with a
-/// model) driven without libFuzzer: the committed corpus `ffi/tests/fuzz/corpus/`, then random
-/// mutations of it for `STRATA_FUZZ_SECONDS` (default 20) per build, plain and under ASan.
-/// `STRATA_FUZZ_SEED` repeats a run (the seed is printed); a failing input is saved as
-/// `fuzz-failure.bin` in the test's output folder.
+/// model), over the committed corpus `ffi/tests/fuzz/corpus/` and its mutations ([`c_fuzz`]).
 #[test]
 fn c_fuzz_call_sequences() {
-    let seconds = std::env::var("STRATA_FUZZ_SECONDS").unwrap_or_else(|_| "20".into());
-    let seed = std::env::var("STRATA_FUZZ_SEED").unwrap_or_else(|_| {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        now.map_or(1, |d| d.as_secs()).to_string()
-    });
-    let corpus = repo().join("ffi/tests/fuzz/corpus");
-    let artifacts = profile_dir().join("strata-c-tests");
-    let corpus = corpus.to_string_lossy();
-    let artifacts = artifacts.to_string_lossy();
-    c_program(
-        "fuzz",
-        &[("STRATA_FUZZ_ARTIFACTS", &artifacts)],
-        &["STRATA_FUZZ_DRIVER"],
-        &[&corpus, &seconds, &seed],
-    );
+    c_fuzz("fuzz", "ffi/tests/fuzz/corpus");
 }
 
 /// The KV fuzz target `kv_fuzz.c` (random shapes, sizes at the type limits, random, stale and
-/// foreign handles, against a model), driven as [`c_fuzz_call_sequences`] drives `fuzz.c`: the
-/// corpus `ffi/tests/fuzz/kv-corpus/`, then mutations for `STRATA_FUZZ_SECONDS` (default 20)
-/// per build, plain and under ASan; `STRATA_FUZZ_SEED` repeats a run; a failing input is saved
-/// as `kv_fuzz-failure.bin` in the test's output folder.
+/// foreign handles, against a model), over the corpus `ffi/tests/fuzz/kv-corpus/` ([`c_fuzz`]).
 #[test]
 fn c_kv_fuzz_call_sequences() {
+    c_fuzz("kv_fuzz", "ffi/tests/fuzz/kv-corpus");
+}
+
+/// Drives the fuzz target `name.c` without libFuzzer, plain and under ASan: the corpus folder
+/// `corpus` (from the repository root), then mutations for `STRATA_FUZZ_SECONDS` (default 20)
+/// per build from `STRATA_FUZZ_SEED` (default: the clock; printed). A failing input is saved as
+/// `NAME-failure.bin` in the test's output folder.
+fn c_fuzz(name: &str, corpus: &str) {
     let seconds = std::env::var("STRATA_FUZZ_SECONDS").unwrap_or_else(|_| "20".into());
     let seed = std::env::var("STRATA_FUZZ_SEED").unwrap_or_else(|_| {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         now.map_or(1, |d| d.as_secs()).to_string()
     });
-    let corpus = repo().join("ffi/tests/fuzz/kv-corpus");
+    let corpus = repo().join(corpus);
     let artifacts = profile_dir().join("strata-c-tests");
     c_program(
-        "kv_fuzz",
+        name,
         &[("STRATA_FUZZ_ARTIFACTS", &artifacts.to_string_lossy())],
         &["STRATA_FUZZ_DRIVER"],
         &[&corpus.to_string_lossy(), &seconds, &seed],

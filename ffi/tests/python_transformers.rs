@@ -57,7 +57,8 @@ fn python_transformers_layouts_keep_kv_bytes_within_the_targets() {
     );
 }
 
-/// `OffloadedStrataCache`: layers swapped to host memory and disk within a device budget.
+/// `OffloadedStrataCache`: layers streamed from host memory, or swapped to host memory and disk
+/// (Pie), within a device budget.
 #[test]
 fn python_transformers_offload_layers_within_a_device_budget() {
     run_unittest(
@@ -68,6 +69,7 @@ fn python_transformers_offload_layers_within_a_device_budget() {
             "test_mixtral_moe_offload_matches_dynamic_cache",
             "test_offload_with_strata_sdpa_attention_matches_dynamic_cache",
             "test_mistral_offload_matches_dynamic_cache",
+            "test_pie_swapping_in_host_memory_matches_dynamic_cache",
             "test_disk_tier_holds_what_host_memory_cannot_with_and_without_the_lookahead",
             "test_adaptive_expansion_moves_layers_in_a_generate_run",
             "test_offload_under_host_link_matches_dynamic_cache",
@@ -79,6 +81,24 @@ fn python_transformers_offload_layers_within_a_device_budget() {
             "host backend only",
         )],
     );
+}
+
+/// `OffloadedStrataCache`'s layer streaming under a stand-in for `torch.cuda` whose side stream
+/// lags (`python/tests/test_offload_streams.py`): DynamicCache's tokens, every fetch queued ahead
+/// and waited for on the compute stream, no synchronizing call while generating.
+#[test]
+fn python_transformers_offload_streams_overlap_compute() {
+    let tests = [
+        "test_half_the_kv_streams_ahead_without_synchronizing",
+        "test_a_budget_of_one_layer_streams_through_one_slot",
+        "test_swap_modes_and_host_limit_are_checked",
+        "test_a_synchronizing_call_on_the_path_would_be_caught",
+    ];
+    let cpu_only: Vec<_> = tests
+        .iter()
+        .map(|t| (*t, "CPU only: the stand-in replaces CUDA"))
+        .collect();
+    run_unittest("test_offload_streams", &tests, &cpu_only);
 }
 
 /// `StrataCache(compileable=True)` under torch.compile (`python/tests/test_transformers_compiled.py`):

@@ -6,7 +6,24 @@ KV lives in host memory or on disk while other layers compute, within a device b
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=1024)
     cache.stats()["offload"]   # swaps, prefetch hits, stalls, the lookahead's figures
 
-Layout. One strata KV space whose requests are (layer, batch row) pairs: slot `layer × batch +
+Two ways to move layers (`swap`):
+
+- "stream" (the default without a disk tier or `expand`; `strata._layer_stream`): the layers the
+  budget cannot hold live in host buffers (pinned on CUDA) and stream through two device slots;
+  each layer's fetch is queued on the cache's side stream by the update of the layer before it,
+  after an event of the compute stream, and the layer's update makes the compute stream wait
+  for the event after its fetch. Only an offloaded layer's new tokens are copied back. Nothing
+  on a step's path waits for the device (no synchronization, no `.item()`, no strata call that
+  waits): so the host keeps queueing kernels ahead of the GPU and the copies hide behind the
+  compute, as transformers' own offloaded cache prefetches layer i+1 while layer i computes.
+  Resident layers keep their addresses; an offloaded layer's views are its slot's.
+- "pie" (the rest of this documentation): whole layers spilled to strata's host and disk tiers
+  and made resident again at their own addresses, by Pie's and TierKV's policies. Moving a layer
+  maps and unmaps its pages, and a swap-in needs the device slot of a swap-out, which waits for
+  the device to finish reading the layer: on a GPU the host waits for the device whenever the
+  swaps fall behind (the H200 run: 4.4× DynamicCache's time at half the KV on the device).
+
+Pie's layout. One strata KV space whose requests are (layer, batch row) pairs: slot `layer × batch +
 row`, tensors `[layers × batch, max_cache_len, kv_heads, head_dim]`, and layer l's K and V are
 rows `l × batch ...` of them (views; the addresses never move). A layer is the unit of
 residency: swapping it out spills its rows to the host tier (`strata_kv_spill`; full pages keep
@@ -70,6 +87,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import _lib
+from ._layer_stream import LayerStreamer
+from ._streams import Streams
 from ._swapper import Pie, Swapper
 from .transformers import StrataCache, _checked_space, _kept
 
@@ -78,8 +97,13 @@ __all__ = ["OffloadedStrataCache", "Pie"]
 
 class OffloadedStrataCache(StrataCache):
     """A `StrataCache` that keeps at most `device_budget` bytes of KV pages on the device (see the
-    module documentation). `host_bytes` is the host tier of all layers together (default: every
-    layer's full reservation), `disk_bytes` in `disk_dir` their disk tier (default: none);
+    module documentation). `swap` is how layers move: "stream" (the default without a disk tier
+    or `expand`: offloaded layers stream through two device slots from pinned host buffers, the
+    copies on a side stream overlapped with compute; `strata._layer_stream`) or "pie" (whole
+    layers spilled to strata's host and disk tiers and made resident again at their own
+    addresses, Pie's and TierKV's policies). `host_bytes` is the host memory of all layers
+    together (default: every layer's full reservation; with "stream" the limit of the host
+    buffers, default none), `disk_bytes` in `disk_dir` their disk tier (default: none; "pie");
     `expand` turns on Pie's adaptive expansion above the budget's floor; `lookahead=False`
     turns off TierKV's disk hop ahead of need (only Pie's swaps remain)."""
 
@@ -94,10 +118,18 @@ class OffloadedStrataCache(StrataCache):
         disk_dir=None,
         expand=False,
         lookahead=True,
+        swap=None,
     ):
         if isinstance(device_budget, bool) or not isinstance(device_budget, int) or device_budget <= 0:
             raise _lib.error(
                 _lib.Status.INVALID_ARGUMENT, f"device_budget {device_budget!r}: a positive number of bytes"
+            )
+        if swap is None:
+            swap = "pie" if disk_bytes or expand else "stream"
+        if swap not in ("stream", "pie") or (swap == "stream" and (disk_bytes or expand)):
+            raise _lib.error(
+                _lib.Status.INVALID_ARGUMENT,
+                f"swap={swap!r}: \"stream\" (host memory only, no expand) or \"pie\"",
             )
         super().__init__(config, max_cache_len, device=device)
         self.device_budget = device_budget
@@ -105,6 +137,8 @@ class OffloadedStrataCache(StrataCache):
         self._disk = dict(disk_bytes=disk_bytes, disk_dir=disk_dir)
         self._expand = expand
         self._lookahead = lookahead
+        self.swap = swap
+        self._streams_for = Streams.for_device  # torch device -> Streams (tests pass a stand-in)
         self._pie = None
         self._swap = None  # set with the space
         self._base = None  # the space's K and V tensors, every layer's rows
@@ -113,10 +147,13 @@ class OffloadedStrataCache(StrataCache):
 
     def _open_space(self, batch, heads, dim, dtype, device, torch_device_type):
         n = len(self.layers)
-        elem = torch.empty((), dtype=dtype).element_size()
-        host = self._host_bytes
-        if host is None:
-            host = n * 2 * batch * (self.max_cache_len * heads * dim * elem + (2 << 20))
+        tiers = {}  # "stream": no strata tiers (the streamer's host buffers hold the layers)
+        if self.swap == "pie":
+            host = self._host_bytes
+            if host is None:
+                elem = torch.empty((), dtype=dtype).element_size()
+                host = n * 2 * batch * (self.max_cache_len * heads * dim * elem + (2 << 20))
+            tiers = dict(host_bytes=host, **self._disk)
         space = _checked_space(
             torch_device_type,
             layers=1,
@@ -126,22 +163,24 @@ class OffloadedStrataCache(StrataCache):
             max_requests=n * batch,
             max_tokens=self.max_cache_len,
             device=device,
-            host_bytes=host,
-            **self._disk,
+            **tiers,
         )
         try:
-            self._pie = Pie(n, n - 1 if self._expand else 0)
-            self._swap = Swapper(
-                self, space, n, batch, torch_device_type == "cuda", bool(self._disk["disk_bytes"]), self._lookahead
-            )
+            if self.swap == "stream":
+                where = torch.device("cuda", device) if torch_device_type == "cuda" else torch.device("cpu")
+                self._swap = LayerStreamer(self, space, n, batch, self._streams_for(where), self._host_bytes)
+            else:
+                self._pie = Pie(n, n - 1 if self._expand else 0)
+                cuda, disk = torch_device_type == "cuda", bool(self._disk["disk_bytes"])
+                self._swap = Swapper(self, space, n, batch, cuda, disk, self._lookahead)
         except BaseException:
             if self._pie is not None:
                 self._pie.close()
                 self._pie = None
             space.close()
             raise
-        # StrataLayer.update never calls StrataCache._hold (its appends): update maps each
-        # layer's pages itself.
+        # StrataLayer.update never calls StrataCache._hold (its appends): the swapper or the
+        # streamer maps each layer's pages itself.
         self._mapped = self.max_cache_len
         return space
 
@@ -170,8 +209,14 @@ class OffloadedStrataCache(StrataCache):
                 f"{end} tokens do not fit: this StrataCache was reserved for max_cache_len = "
                 f"{self.max_cache_len} per sequence",
             )
-        self._swap.acquire(layer_idx, end)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.swap == "pie":
+            self._swap.acquire(layer_idx, end)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        start = layer.length
+        self._swap.before(layer_idx, end)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._swap.after(layer_idx, start, end)
+        return out
 
     def crop(self, tokens):
         """As `StrataCache.crop`, layer by layer (after the transfers in flight)."""
@@ -198,13 +243,16 @@ class OffloadedStrataCache(StrataCache):
             return {"tokens": 0, "token_bytes": 0, "kv_bytes": 0, "pages": 0, "offload": {}}
         s = self._space.stats()
         tokens = self.get_seq_length()
+        offload = self._swap.stats()
         s.update(
             tokens=tokens,
             token_bytes=2 * len(self.layers) * self._shape[0] * tokens * self._space.bytes_per_token,
             kv_bytes=s["blocks_resident"] * s["block_bytes"],
             pages=s["blocks_resident"] * 2,
-            offload=self._swap.stats(),
+            offload=offload,
         )
+        if self.swap == "stream":  # the streamer's copies, not the space's tiers
+            s.update(bytes_to_device=offload["bytes_to_device"], bytes_from_device=offload["bytes_from_device"])
         return s
 
     def close(self):

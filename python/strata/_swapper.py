@@ -51,6 +51,21 @@ _c = _lib.binder(
 )
 
 
+def layers_in_budget(cache, rows, page_size, tokens):
+    """How many layers of `rows` rows holding `tokens` tokens (K and V, whole pages) the cache's
+    device budget holds; below one, strata.OutOfMemory."""
+    layer_bytes = 2 * rows * -(-tokens // cache._tokens_per_page) * page_size
+    fits = cache.device_budget // layer_bytes
+    if fits == 0:
+        raise _lib.error(
+            _lib.Status.OUT_OF_MEMORY,
+            f"device_budget {cache.device_budget} bytes is smaller than one layer's KV "
+            f"({layer_bytes} bytes for {tokens} tokens of {rows} rows): "
+            "OffloadedStrataCache needs room for at least one layer",
+        )
+    return fits
+
+
 class Pie:
     """Pie's controller (`strata_pie_*`): mapping table, FIFO protocol, adaptive expansion, and
     TierKV's overlap condition from the compute and transfer times reported to it."""
@@ -300,22 +315,10 @@ class Swapper:
 
     # ---- the per-layer hook ------------------------------------------------------------------
 
-    def _layer_bytes(self, tokens):
-        """K and V of every row for `tokens` tokens, in whole pages."""
-        return 2 * self.rows * -(-tokens // self.cache._tokens_per_page) * self.page_size
-
     def _set_budget(self, tokens):
         if tokens == self.budget_tokens:
             return
-        layer_bytes = self._layer_bytes(tokens)
-        fits = self.cache.device_budget // layer_bytes
-        if fits == 0:
-            raise _lib.error(
-                _lib.Status.OUT_OF_MEMORY,
-                f"device_budget {self.cache.device_budget} bytes is smaller than one layer's KV "
-                f"({layer_bytes} bytes for {tokens} tokens of {self.rows} rows): "
-                "OffloadedStrataCache needs room for at least one layer",
-            )
+        fits = layers_in_budget(self.cache, self.rows, self.page_size, tokens)
         self.budget_tokens = tokens
         self.shedding = fits < self.fits
         self.fits = fits

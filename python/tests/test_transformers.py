@@ -489,7 +489,16 @@ class OffloadTest(unittest.TestCase):
             got = generate(model, cache, logits_processor=LogitsProcessorList([watch]))
             self.assertTrue(torch.equal(got, expected), f"{name}: {(got != expected).sum()} tokens differ")
             self.assertEqual(watch.steps, NEW_TOKENS)
-            self.assertEqual(len(watch.addresses), 1)
+            if cache.swap == "pie":  # every layer at its own addresses
+                self.assertEqual(len(watch.addresses), 1)
+            else:  # a layer is at its own addresses until it is offloaded, then in one of <= 2 slots
+                streamer = cache._swap
+                pair = lambda g: tuple(t.data_ptr() for t in cache._tensors(g))  # noqa: E731
+                slots = {pair(g) for g in streamer.ring}
+                self.assertLessEqual(len(slots), 2)
+                for i in range(len(cache.layers)):
+                    seen = set(step[i] for step in watch.addresses)
+                    self.assertLessEqual(seen, ({pair(i)} | slots) if i in streamer.offloaded else {pair(i)})
             self.assertTrue(watch.views_at_base)
             # The device never held more than the budget, and layers really moved.
             self.assertLessEqual(max(watch.kv_bytes), budget)
@@ -501,24 +510,37 @@ class OffloadTest(unittest.TestCase):
             self.assertGreater(off["swap_ins"], 0, off)
             self.assertGreater(off["swap_outs"], 0, off)
             self.assertGreater(off["prefetch_hits"] + off["stalls"], 0, off)
-            # Eq. 1's predictions are a subset of what was launched; "early and hidden" of both.
-            self.assertLessEqual(off["swap_ins_early"], off["swap_ins"], off)
-            self.assertLessEqual(off["swap_ins_early_hidden"], min(off["swap_ins_early"], off["prefetch_hits"]), off)
+            if cache.swap == "pie":
+                # Eq. 1's predictions are a subset of what was launched; "early and hidden" of both.
+                self.assertLessEqual(off["swap_ins_early"], off["swap_ins"], off)
+                self.assertLessEqual(
+                    off["swap_ins_early_hidden"], min(off["swap_ins_early"], off["prefetch_hits"]), off
+                )
+            else:
+                # Streamed: every fetch of a decode step was queued ahead (by the layer before it,
+                # the first one by the last layer of the step before); only a prefill's first
+                # offloaded layer, and the layers offloaded mid-run, fetch at their own update;
+                # the last step's last layer fetches the first one of a step that never comes.
+                self.assertIn(off["swap_ins"] - off["prefetch_hits"] - off["stalls"], (0, 1), off)
+                self.assertLessEqual(off["stalls"], 1 + off["demotions"], off)
             self.assertGreater(s["bytes_to_device"], 0)
             self.assertGreater(s["bytes_from_device"], 0)
             self.assertLessEqual(s["kv_bytes"], budget)
             cache.space.check()
         return s, watch
 
-    def full_offload(self, name, **extra):
+    def full_offload(self, name, swap=None, **extra):
         """Half the final KV off the device: a floor of two layers, every token swapping."""
-        s, _ = self.offload_matches_dynamic(name, model=offload_model(name, **extra) if extra else None)
+        model = offload_model(name, **extra) if extra else None
+        s, _ = self.offload_matches_dynamic(name, model=model, swap=swap)
         off = s["offload"]
+        self.assertEqual(off.get("mode", "pie"), swap or "stream", off)
         self.assertGreaterEqual(off["floor"], 2, off)
         self.assertGreater(off["swap_ins"], NEW_TOKENS, off)
         self.assertGreater(off["swap_outs"], NEW_TOKENS, off)
-        # Full pages swapped out again copy nothing (their clean copy stayed in host memory).
-        self.assertGreater(s["clean_spills"], 0)
+        if swap == "pie":
+            # Full pages swapped out again copy nothing (their clean copy stayed in host memory).
+            self.assertGreater(s["clean_spills"], 0)
         self.assertEqual(s["disk_write_bytes"], 0)
         return off
 
@@ -542,6 +564,10 @@ class OffloadTest(unittest.TestCase):
 
     def test_mistral_offload_matches_dynamic_cache(self):
         self.full_offload("Mistral", sliding_window=4096)
+
+    def test_pie_swapping_in_host_memory_matches_dynamic_cache(self):
+        # swap="pie" without a disk tier: whole layers spilled and made resident at their addresses.
+        self.full_offload("Qwen2", swap="pie")
 
     def test_disk_tier_holds_what_host_memory_cannot_with_and_without_the_lookahead(self):
         """A host tier of a quarter of the final KV, with half of it off the device: layers go on
@@ -585,11 +611,17 @@ class OffloadTest(unittest.TestCase):
     @unittest.skipIf(os.environ.get("STRATA_HOST_LINK"), "already under a link model")
     @unittest.skipIf(DEVICE == "cuda", "host backend only: STRATA_HOST_LINK models the host backend's link")
     def test_offload_under_host_link_matches_dynamic_cache(self):
-        """The same in a process whose host backend pays a modelled link for every copy, so the
-        swaps take time and overlap the layers' compute."""
+        """Pie's swapping in a process whose host backend pays a modelled link for every copy of
+        strata's, so the swaps take time and overlap the layers' compute (layer streaming copies
+        with torch, which the link model does not see)."""
         env = dict(os.environ, STRATA_HOST_LINK="2GB,20us")
         run = subprocess.run(
-            [sys.executable, "-m", "unittest", "test_transformers.OffloadTest.test_qwen2_gqa_offload_matches_dynamic_cache"],
+            [
+                sys.executable,
+                "-m",
+                "unittest",
+                "test_transformers.OffloadTest.test_pie_swapping_in_host_memory_matches_dynamic_cache",
+            ],
             cwd=os.path.dirname(os.path.abspath(__file__)),
             env=env,
             capture_output=True,

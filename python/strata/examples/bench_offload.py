@@ -1,7 +1,9 @@
 """Tiered offload (`OffloadedStrataCache`) against `StrataCache` without offload, side by side in
 one process: the slowdown when everything fits the budget, tokens/s when the KV is 2x and 4x
 the device budget, and the same with a host tier too small for what is off the device (the rest
-on disk), with and without TierKV's lookahead (the disk hop ahead of need).
+on disk), with and without TierKV's lookahead (the disk hop ahead of need). Every offload
+configuration runs Pie's swapping (`swap="pie"`); `bench_cache --offload` measures the default
+layer streaming.
 
     python -m strata.examples.bench_offload              # BENCHMARKS.md's table
     python -m strata.examples.bench_offload --quick      # a smoke run
@@ -48,7 +50,13 @@ def run(model, ids, config, new_tokens, max_len, disk_parent):
         else:
             tiers = dict(disk_bytes=disk, disk_dir=d) if disk else {}
             cache = OffloadedStrataCache(
-                model.config, max_cache_len=max_len, device_budget=budget, host_bytes=host, lookahead=lookahead, **tiers
+                model.config,
+                max_cache_len=max_len,
+                device_budget=budget,
+                host_bytes=host,
+                lookahead=lookahead,
+                swap="pie",
+                **tiers,
             )
         elapsed, out = timed_generate(model, ids, cache, new_tokens)
         s = cache.stats()

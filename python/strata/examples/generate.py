@@ -3,7 +3,8 @@
 pages mapped and the tier traffic.
 
     python -m strata.examples.generate --batch 4 --prompt 64 --new-tokens 512
-    python -m strata.examples.generate --device-budget 4MiB   # tiered offload (Pie's swapping)
+    python -m strata.examples.generate --device-budget 4MiB   # offload (layers streamed from host)
+    python -m strata.examples.generate --device-budget 4MiB --swap pie   # Pie's swapping
     python -m strata.examples.generate --device-budget 4MiB --host-bytes 2MiB --disk-bytes 64MiB
                                         # host memory too small: the rest on disk (TierKV's lookahead)
 
@@ -37,6 +38,8 @@ def parse_args(argv=None):
         default=None,
         help="offload: device bytes for the KV (e.g. 4MiB); layers beyond it swap to host memory",
     )
+    p.add_argument("--swap", choices=("stream", "pie"), default=None,
+                   help="offload: how layers move (default: stream, or pie with --expand or a disk tier)")
     p.add_argument("--expand", action="store_true", help="offload: Pie's adaptive expansion above the budget's floor")
     p.add_argument("--host-bytes", type=size, default=None, help="offload: the host tier (default: all of the KV)")
     p.add_argument("--disk-bytes", type=size, default=0, help="offload: a disk tier for what host memory cannot hold")
@@ -127,6 +130,7 @@ def main(argv=None):
                 host_bytes=args.host_bytes,
                 expand=args.expand,
                 lookahead=not args.no_lookahead,
+                swap=args.swap,
                 **disk,
             )
         try:
@@ -144,7 +148,7 @@ def report(args, model, ids, mask, cache, max_len, device):
         s = cache.stats()
         peak["kv_bytes"] = max(peak["kv_bytes"], s["kv_bytes"])
         if s.get("offload"):
-            cpu_layers.append(s["offload"]["cpu_layers"])
+            cpu_layers.append(s["offload"]["floor" if cache.swap == "stream" else "cpu_layers"])
 
     out, elapsed = generate_with_progress(model, ids, mask, cache, args.new_tokens, "generate", watch)
 
@@ -161,7 +165,13 @@ def report(args, model, ids, mask, cache, max_len, device):
           f"disk {human(s['disk_used_bytes'])} ({human(s['disk_read_bytes'])} read, "
           f"{human(s['disk_write_bytes'])} written)")
     off = s.get("offload")
-    if off:
+    if off and cache.swap == "stream":
+        print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers "
+              f"on the device, {off['floor']} streamed through {off['slots']} slots from "
+              f"{human(off['host_buffer_bytes'])} of host buffers; {off['swap_ins']} fetches "
+              f"({off['prefetch_hits']} queued ahead, {off['stalls']} at their own layer), {off['swap_outs']} "
+              f"write-backs, {off['demotions']} layers moved off the device")
+    elif off:
         print(f"offload    budget {human(off['device_budget'])}: {off['layers_on_device']} of {args.layers} layers "
               f"on the device now ({off['cpu_layers']} aimed at the CPU, floor {off['floor']}, at most "
               f"{max(cpu_layers)} during the run); {off['swap_ins']} swap-ins ({off['two_hop_swap_ins']} from disk), "
