@@ -4,8 +4,12 @@
 //! it, so perfect scaling on two cores halves the 1-thread figure and a lock convoy raises it
 //! (the H200 run: 52 ns on one thread, 854 ns with 8).
 //!
+//! Each figure is measured twice in one run: with the per-thread caches of small blocks
+//! (`thread_cache: true`, what `STRATA_THREAD_CACHE=1` sets) and with them off (the default),
+//! where every pair takes the allocator's one lock.
+//!
 //! Run: `cargo bench --bench threads` (STRATA_BACKEND=cuda on a GPU machine). On a shared
-//! machine compare the three lines of one run, not runs.
+//! machine compare the lines of one run, not runs.
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
@@ -41,25 +45,36 @@ fn round(caching: &CachingAllocator, streams: &[StreamHandle], pairs: u64) -> Du
 
 fn bench(c: &mut Criterion) {
     let backend = vmm::from_env().expect("backend");
-    let pool = PagePool::new(Arc::clone(&backend), 0, PoolConfig::default()).expect("pool");
-    let caching = CachingAllocator::new(pool, CachingConfig::default()).expect("allocator");
     let streams: Vec<StreamHandle> = (0..8)
         .map(|_| backend.stream_create(0).expect("stream"))
         .collect();
-    // Warm: each stream's first pair carves its block; every measured pair is a cache hit.
-    for &s in &streams {
-        let p = caching.allocate(SIZE, s).expect("warm");
-        caching.deallocate(p, s).expect("warm");
+    // Per-thread caches on (STRATA_THREAD_CACHE=1) and off (the default), side by side.
+    for cached in [true, false] {
+        let pool = PagePool::new(Arc::clone(&backend), 0, PoolConfig::default()).expect("pool");
+        let config = CachingConfig {
+            thread_cache: cached,
+            ..CachingConfig::default()
+        };
+        let caching = CachingAllocator::new(pool, config).expect("allocator");
+        // Warm: each stream's first pair carves its block; every measured pair is a cache hit.
+        for &s in &streams {
+            let p = caching.allocate(SIZE, s).expect("warm");
+            caching.deallocate(p, s).expect("warm");
+        }
+        let mode = if cached {
+            "thread_cache"
+        } else {
+            "shared_bins"
+        };
+        let mut group = c.benchmark_group(format!("pair_per_thread/{}/{mode}", backend.kind()));
+        group.measurement_time(Duration::from_secs(3));
+        for threads in [1usize, 2, 8] {
+            group.bench_function(BenchmarkId::new("4KiB_aggregate", threads), |b| {
+                b.iter_custom(|pairs| round(&caching, &streams[..threads], pairs))
+            });
+        }
+        group.finish();
     }
-    let mut group = c.benchmark_group(format!("pair_per_thread/{}", backend.kind()));
-    group.measurement_time(Duration::from_secs(3));
-    for threads in [1usize, 2, 8] {
-        group.bench_function(BenchmarkId::new("4KiB_aggregate", threads), |b| {
-            b.iter_custom(|pairs| round(&caching, &streams[..threads], pairs))
-        });
-    }
-    group.finish();
-    drop(caching);
     for s in streams {
         backend.stream_destroy(s).expect("stream");
     }

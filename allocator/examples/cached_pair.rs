@@ -13,10 +13,13 @@
 //! (`benches/callgrind_pairs.sh` does this for several sizes and prints the figures.)
 //! Host backend unless `STRATA_BACKEND` says otherwise; the pool runs no background thread, so
 //! the count does not depend on timing. It also prints the wall-clock time per pair of the
-//! loop (`benches/pair_rounds.sh` alternates builds and keeps each one's best).
+//! loop (`benches/pair_rounds.sh` alternates builds and keeps each one's best). With
+//! `PAIR_THREADS=N` (N > 1) the pairs are split among N threads, each on a stream of its own
+//! (and its own warm-up pair), and the figure is the aggregate: wall time over all pairs.
+//! `STRATA_THREAD_CACHE=1` turns the per-thread caches on for comparison (off by default).
 
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use strata_allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
@@ -35,14 +38,47 @@ fn main() {
     };
     let pool = PagePool::new(Arc::clone(&backend), 0, config).expect("pool");
     let caching = CachingAllocator::new(pool, CachingConfig::default()).expect("allocator");
-    let s = StreamHandle::DEFAULT;
-    let p = caching.allocate(size, s).expect("warm-up allocate");
-    caching.deallocate(p, s).expect("warm-up free");
-    let start = Instant::now();
-    for _ in 0..pairs {
-        let p = caching.allocate(black_box(size), s).expect("allocate");
-        caching.deallocate(black_box(p), s).expect("deallocate");
+    let threads: u64 = std::env::var("PAIR_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    if threads <= 1 {
+        let s = StreamHandle::DEFAULT;
+        let p = caching.allocate(size, s).expect("warm-up allocate");
+        caching.deallocate(p, s).expect("warm-up free");
+        let start = Instant::now();
+        for _ in 0..pairs {
+            let p = caching.allocate(black_box(size), s).expect("allocate");
+            caching.deallocate(black_box(p), s).expect("deallocate");
+        }
+        let ns = start.elapsed().as_nanos() as f64 / pairs.max(1) as f64;
+        println!("{size} B: {ns:.2} ns per pair");
+        return;
     }
-    let ns = start.elapsed().as_nanos() as f64 / pairs.max(1) as f64;
-    println!("{size} B: {ns:.2} ns per pair");
+    // Threads, each on a stream of its own, `pairs` split among them: the wall time over all
+    // pairs (aggregate ns per pair; perfect scaling on two cores halves one thread's).
+    let streams: Vec<StreamHandle> = (0..threads)
+        .map(|_| backend.stream_create(0).expect("stream"))
+        .collect();
+    let per_thread = pairs / threads;
+    let start = Barrier::new(threads as usize + 1);
+    let elapsed = std::thread::scope(|scope| {
+        for &s in &streams {
+            let (caching, start) = (&caching, &start);
+            scope.spawn(move || {
+                let p = caching.allocate(size, s).expect("warm-up allocate");
+                caching.deallocate(p, s).expect("warm-up free");
+                start.wait();
+                for _ in 0..per_thread {
+                    let p = caching.allocate(black_box(size), s).expect("allocate");
+                    caching.deallocate(black_box(p), s).expect("deallocate");
+                }
+            });
+        }
+        start.wait();
+        Instant::now()
+    })
+    .elapsed();
+    let ns = elapsed.as_nanos() as f64 / (per_thread * threads).max(1) as f64;
+    println!("{size} B x {threads} threads: {ns:.2} ns per pair");
 }

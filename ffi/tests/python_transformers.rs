@@ -3,7 +3,8 @@
 //! model's parameters reclaimed as KV pages, streamed back with the look-ahead, reverted)
 //! against the `libstrata.so` cargo built, on the host backend outside strict mode, where KV
 //! tensors are CPU tensors torch's kernels read. Pages of 64 KiB make the tiny models' sequences
-//! cross page boundaries while they generate; torch uses one thread. With torch and
+//! cross page boundaries while they generate (`test_transformers_layout.py` measures KV bytes at
+//! real models' shapes in a process of its own with 2 MiB pages); torch uses one thread. With torch and
 //! transformers installed (as in `.ci/run`'s virtual environment) the tests must run, not skip;
 //! without them this test says why and returns. On a GPU run (`STRATA_BACKEND=cuda`) they run on
 //! `cuda`, all but the host link model's.
@@ -23,6 +24,9 @@ fn python_transformers_generate_on_strata_kv() {
         &[
             "test_llama_greedy_matches_dynamic_cache",
             "test_qwen2_greedy_matches_dynamic_cache",
+            "test_llama_every_row_in_a_page_matches_dynamic_cache",
+            "test_qwen2_request_layout_matches_dynamic_cache",
+            "test_beam_search_matches_dynamic_cache",
             "test_llama_with_strata_sdpa_attention_matches_dynamic_cache",
             "test_mixtral_with_strata_sdpa_attention_matches_dynamic_cache",
             "test_mixtral_moe_greedy_matches_dynamic_cache",
@@ -32,6 +36,22 @@ fn python_transformers_generate_on_strata_kv() {
             "test_crop_with_a_positive_count_keeps_that_many_tokens",
             "test_every_update_checks_batch_heads_head_dim_and_dtype_and_keeps_the_cache",
             "test_transformers_outside_the_supported_range_is_refused",
+        ],
+        &[],
+    );
+}
+
+/// `StrataCache`'s layouts: KV bytes within issue 27's targets at the H200 run's shape and a
+/// Llama-3-8B shape with 2 MiB pages (a process of its own, which the test starts), the choice
+/// of "auto", typed errors for a bad `layout`.
+#[test]
+fn python_transformers_layouts_keep_kv_bytes_within_the_targets() {
+    run_unittest(
+        "test_transformers_layout",
+        &[
+            "test_kv_bytes_within_the_targets_at_the_h200_and_llama3_8b_shapes",
+            "test_auto_takes_the_layout_that_maps_less",
+            "test_a_bad_layout_is_a_typed_error",
         ],
         &[],
     );

@@ -1,9 +1,10 @@
 """`attn_implementation="strata_sdpa"`: transformers' SDPA attention, except for one query token
 on the CPU over K/V stored token-major, as `StrataCache` holds them.
 
-`StrataCache` keeps each layer's K and V as `[batch, token, head, dim]` (a page holds tokens of all
-heads) and hands the model `[batch, head, token, dim]` views of them: head `h`'s keys are rows of
-`dim` elements, `heads × dim` apart. GPU attention kernels read that stride as is. Torch's CPU
+`StrataCache` keeps a token's heads of each layer and row together (`[batch, token, head, dim]` in
+its "request" layout; in its "token" layout a token's row holds those of every layer and row) and
+hands the model `[batch, head, token, dim]` views of them: head `h`'s keys are rows of `dim`
+elements, `heads × dim` apart or more. GPU attention kernels read that stride as is. Torch's CPU
 flash attention reads one head at a time, and when a head's row is short (32 float32 = 128 bytes)
 decode attention at a 2048-token context took 2.3× as long as over contiguous K/V (BENCHMARKS.md),
 most likely because the CPU's prefetchers fetch the neighbouring heads' rows too.
@@ -57,10 +58,12 @@ def _block_diagonal(group, dtype, device):
 
 
 def _token_major(t):
-    """`t` ([batch, heads, tokens, dim]) is a view of `[batch, tokens, heads, dim]` memory whose
-    rows of `heads × dim` elements are contiguous."""
-    _, heads, _, dim = t.shape
-    return t.stride(3) == 1 and t.stride(1) == dim and t.stride(2) == heads * dim
+    """`t` ([batch, heads, tokens, dim]) is a view of memory whose heads of one token are one
+    contiguous row of `heads × dim` elements, tokens and batch rows at any stride (StrataCache's
+    "request" layout: `[batch, tokens, heads, dim]`; its "token" layout: tokens of every row and
+    layer interleaved)."""
+    _, heads, tokens, dim = t.shape
+    return t.stride(3) == 1 and t.stride(1) == dim and (tokens == 1 or t.stride(2) >= heads * dim)
 
 
 def _foldable(query, key, value, attention_mask, dropout, kwargs):

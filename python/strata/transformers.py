@@ -14,15 +14,24 @@ module with another version raises `strata.Unsupported` naming the range), decod
 attention (Llama, Mistral, Qwen2, Mixtral, ...; sliding-window or chunked layers only where the
 window is at least `max_cache_len`, which makes them full attention).
 
-Layout. One KV space per cache: for each layer a K and a V tensor of shape
-`[batch, max_cache_len, kv_heads, head_dim]` (strata's `[request, token, head, dim]`), each batch
-row one strata request. A page of one (layer, K/V) tensor holds `page_size / (kv_heads ×
-head_dim × element size)` consecutive tokens of one sequence, all heads together (2 MiB pages of
-a Llama-3-8B layer in bf16: 1024 tokens). So a short sequence maps one page per layer and K/V,
-never one per head; pages are mapped as the sequence grows (`strata_kv_append`: every layer's
-pages for those tokens at once), and the space's whole address range is reserved once, so the
+Layout. One KV space per cache, reserved once for `max_cache_len` tokens per row, so the
 tensors' addresses never move: CUDA graphs and compiled code may bake them in, as with
-`StaticCache`, while memory follows the tokens held, as with `DynamicCache`.
+`StaticCache`, while memory follows the tokens held, as with `DynamicCache`. Pages are mapped
+as the sequences grow (`strata_kv_append`: every tensor's pages for those tokens at once).
+`layout` says what one page holds (`strata._layout`):
+- "token": a token range of every batch row and as many layers as fit evenly (a slot's token
+  row is `[layers_per_page, rows, kv_heads, head_dim]`: every layer and row when that row
+  divides the page, as powers of two do, else every layer of one row). The cache then wastes at
+  most one partly filled page per K/V and group of layers: with 2 MiB pages, issue 27's H200
+  shape (16 layers, 8 KV heads of 128, bf16, batch 4, 1151 tokens) maps 1.001× the KV of the
+  tokens held, where "request" maps 1.78×.
+- "request": one batch row of one (layer, K/V) tensor, `page_size / (kv_heads × head_dim ×
+  element size)` consecutive tokens of it, all heads together (1024 tokens of a Llama-3-8B
+  layer in bf16), so each row, layer and K/V rounds up to its own page.
+- "auto" (the default): "token" when its pages, summed over every length up to `max_cache_len`,
+  cost less than "request"'s (whenever it groups anything), else "request".
+Either way each layer's K and V are `[batch, max_cache_len, kv_heads, head_dim]` strided views.
+`OffloadedStrataCache` keeps a page per (layer, row): a layer is its unit of residency.
 
 `update` writes the new tokens in place and returns views of the filled prefix, transposed to
 transformers' `[batch, kv_heads, tokens, head_dim]` (strided; no concatenation, no copy of old
@@ -47,7 +56,8 @@ compile with a backend that writes mutated inputs in place, as inductor (the def
 Why this cannot race: on the CPU the steps run in order on the calling thread; on CUDA a
 `prepare` that maps pages first waits for the steps in flight (they read the tail whose backing
 changes), which happens once per `margin` tokens, and the steps queued after it see the new
-pages. Cost: the margin's pages (per row, layer and K/V), one stream synchronization per margin
+pages. Cost: the margin's pages (`margin` tokens of every row and layer, rounded up to whole pages:
+one page per row, layer and K/V in the "request" layout), one stream synchronization per margin
 on CUDA, and attention over all `max_cache_len` positions (masked), as `StaticCache`. The
 first update (the prefill) runs eagerly; mixing host tiers with compileable is refused.
 
@@ -57,6 +67,10 @@ attention to "strata_sdpa" (registered on import): decode steps then read adjace
 together (`strata._row_attention`), everything else is transformers' "sdpa" unchanged:
 
     model.set_attn_implementation("strata_sdpa")
+
+The "token" layout's longer token stride is slower still on the CPU (decode steps 1.1-1.5× the
+"request" layout's at 1024 tokens, BENCHMARKS.md): there `layout="request"` is the fast choice
+where memory is not the constraint.
 
 The tensors are DLPack exports of strata memory (CUDA tensors on the CUDA backend, CPU tensors
 on the host backend outside strict mode). Errors are strata's typed exceptions
@@ -69,7 +83,8 @@ import torch
 import transformers
 from packaging.version import Version
 
-from . import _lib, kv
+from . import _layout, _lib, kv
+from . import stats as _strata_stats
 
 # The transformers versions StrataCache runs on: the oldest 5.x whose cache interface it fits
 # (5.x before it lack pieces StrataCache uses) through the last 5.x tested; 6 may change the
@@ -308,6 +323,11 @@ class StrataCache(Cache):
     documentation, "Compiled steps"): transformers' `generate` then compiles it as it compiles
     StaticCache's. `margin` (tokens, default one page's worth, at least 64) is what stays mapped
     past the tokens held; it needs no host or disk tier.
+
+    `layout` ("auto", "token" or "request"; else `strata.InvalidArgument`) says what a page holds
+    (the module documentation, "Layout"); `cache.layout` is the one chosen, from the first
+    update on. "token" where no rows or layers can share a page is `strata.InvalidArgument` at
+    the first update.
     """
 
     def __init__(
@@ -321,6 +341,7 @@ class StrataCache(Cache):
         on_out_of_memory=None,
         compileable=False,
         margin=None,
+        layout="auto",
     ):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise _lib.error(3, f"max_cache_len {max_cache_len!r}: a positive int")
@@ -341,6 +362,9 @@ class StrataCache(Cache):
                     f"layer {i} is {kind!r} (window {window}): StrataCache holds full-attention "
                     f"layers (or windows of at least max_cache_len = {max_cache_len})",
                 )
+        self._layout_choice = _layout.checked_choice(layout)
+        self._layout = None  # the `_layout.Layout`, once the first update gives the shapes
+        self._space_tensors = {}  # (space layer, kind) -> its torch tensor (zeroed whole per margin)
         self._max_cache_len = max_cache_len
         self._compileable = bool(compileable)
         self._margin = margin
@@ -349,7 +373,7 @@ class StrataCache(Cache):
         self._tiers = dict(host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=disk_dir)
         self._space = None
         self._on_out_of_memory = on_out_of_memory
-        self._requests = []  # batch row i -> the request at slot i
+        self._requests = []  # the space's requests (a batch row each, or all rows: the layout's)
         self._held = []  # tokens appended per request
         self._mapped = 0  # every request holds this many (update's fast path: no call below it)
         self._closed = False
@@ -405,6 +429,10 @@ class StrataCache(Cache):
             return
         batch, heads, _, dim = key_states.shape
         device = key_states.device.index if key_states.device.type == "cuda" else self._device
+        row_bytes = heads * dim * key_states.element_size()
+        # One slot per row and layer unless `_open_space` groups them (OffloadedStrataCache's
+        # space of (layer, row) requests is laid out so).
+        self._layout = _layout.Layout(len(self.layers), batch, heads, row_bytes)
         self._space = self._open_space(batch, heads, dim, key_states.dtype, device, key_states.device.type)
         self._space_device = device
         self._shape = (batch, heads, dim, key_states.dtype)
@@ -414,21 +442,41 @@ class StrataCache(Cache):
             self._margin = max(self._tokens_per_page, 64)
 
     def _open_space(self, batch, heads, dim, dtype, device, torch_device_type):
-        """The KV space of every layer (`strata.transformers.OffloadedStrataCache`: one per layer)."""
+        """The KV space of every layer, laid out as `layout` chose (`_layout.plan`, with the
+        device's page size)."""
+        page = _strata_stats(device)["page_size"]
+        row_bytes = self._layout.row_bytes
+        self._layout = _layout.plan(
+            self._layout_choice, len(self.layers), batch, heads, row_bytes, page, self.max_cache_len
+        )
         return _checked_space(
             torch_device_type,
-            layers=len(self.layers),
-            kv_heads=heads,
+            layers=self._layout.space_layers,
+            kv_heads=self._layout.space_heads,
             head_dim=dim,
             dtype=str(dtype),
-            max_requests=batch,
+            max_requests=self._layout.requests,
             max_tokens=self.max_cache_len,
             device=device,
             **self._tiers,
         )
 
+    def _space_tensor(self, space_layer, kind):
+        """The torch tensor of a (space layer, K/V) tensor, exported once (for zeroing)."""
+        key = (space_layer, kind)
+        if key not in self._space_tensors:
+            self._space_tensors[key] = _torch_tensor(self._space.tensor(space_layer, kind))
+        return self._space_tensors[key]
+
     def _tensors(self, layer):
-        return tuple(_torch_tensor(self._space.tensor(layer, kind)) for kind in ("k", "v"))
+        """Layer `layer`'s K and V, `[batch, max_cache_len, kv_heads, head_dim]` views, each of an
+        export of its own. Layers that share a space tensor ("token" layout) interleave in memory
+        but share no element; as views of one torch storage a compiled step would take them for
+        aliases and write the whole storage back, the tail on the zero page included (a fault)."""
+        where = self._layout.space_layer(layer)
+        return tuple(
+            self._layout.view(_torch_tensor(self._space.tensor(where, kind)), layer) for kind in ("k", "v")
+        )
 
     def _hold(self, tokens):
         """Every row holds at least `tokens` positions (pages mapped in every layer)."""
@@ -471,7 +519,7 @@ class StrataCache(Cache):
                 if self._on_out_of_memory is None:
                     raise
                 page = self._tokens_per_page
-                pages = (-(-upto // page) - -(-held // page)) * 2 * len(self.layers)
+                pages = (-(-upto // page) - -(-held // page)) * 2 * self._layout.space_layers
                 short = max(1, pages - self._space.stats()["pool_free_pages"])
                 if not self._on_out_of_memory(short, device=self._space_device):
                     raise
@@ -517,14 +565,13 @@ class StrataCache(Cache):
             torch.cuda.current_stream(self._torch_device).synchronize()
         old = self._mapped
         self._hold(want)
-        for layer in self.layers:
-            for t in (layer._k, layer._v) if layer.is_initialized else self._tensors(layer.layer_idx):
-                t[:, old : self._mapped].zero_()
+        for space_layer in range(self._layout.space_layers):
+            for kind in ("k", "v"):
+                self._space_tensor(space_layer, kind)[:, old : self._mapped].zero_()
 
     def _admit(self):
-        batch = self._shape[0]
-        self._requests = self._space.admit_many(batch)
-        self._held = [0] * batch
+        self._requests = self._space.admit_many(self._layout.requests)
+        self._held = [0] * len(self._requests)
 
     def _release_requests(self):
         requests, self._requests, self._held, self._mapped = self._requests, [], [], 0
@@ -580,20 +627,30 @@ class StrataCache(Cache):
         """(K, V) base addresses of each layer's tensors (fixed for the cache's life)."""
         return [(l._k.data_ptr(), l._v.data_ptr()) for l in self.layers if l.is_initialized]
 
+    @property
+    def layout(self):
+        """"token" or "request" (`strata._layout`: what one page holds), None before the first
+        update (the choice depends on the batch and the shapes)."""
+        return None if self._space is None else self._layout.name
+
     def stats(self):
         """Tokens held and what they cost: `tokens` (per row), `token_bytes` (the KV of the tokens
-        held, all rows and layers), `kv_bytes` (mapped for them: whole pages), `pages`, and the
-        space's figures (`strata_kv_stats_t`: tier occupancy, bytes moved, prefetch hits, ...)."""
+        held, all rows and layers), `kv_bytes` (mapped for them: whole pages), `pages`,
+        `rows_per_page` and `layers_per_page` (the layout: what a page holds tokens of), and the
+        space's figures (`strata_kv_stats_t`: tier occupancy, bytes moved, prefetch hits, ...;
+        a block is one page index of a request in every space tensor)."""
         if self._space is None:
             return {"tokens": 0, "token_bytes": 0, "kv_bytes": 0, "pages": 0}
         s = self._space.stats()
         tokens = self.get_seq_length()
-        layers = len(self.layers)
+        layout = self._layout
         s.update(
             tokens=tokens,
-            token_bytes=2 * layers * len(self._held) * tokens * self._space.bytes_per_token,
+            token_bytes=2 * layout.layers * layout.batch * tokens * layout.row_bytes,
             kv_bytes=s["blocks_resident"] * s["block_bytes"],
-            pages=s["blocks_resident"] * 2 * layers,
+            pages=s["blocks_resident"] * 2 * layout.space_layers,
+            rows_per_page=layout.rows_per_page,
+            layers_per_page=layout.layers_per_page,
         )
         return s
 
@@ -605,6 +662,7 @@ class StrataCache(Cache):
         if self._space is not None:
             for layer in self.layers:
                 layer._release()
+            self._space_tensors = {}
             self._release_requests()
             self._space.close()
             self._space = None

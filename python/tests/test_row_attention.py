@@ -66,6 +66,20 @@ class RowAttentionTest(unittest.TestCase):
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
+    def test_decode_over_token_layout_views_matches_sdpa(self):
+        """StrataCache's "token" layout: a token's row holds every layer's and row's heads, so the
+        token stride spans all of them; the fold reads the same memory through it."""
+        torch.manual_seed(4)
+        layers, batch, heads, rep, dim, tokens = 3, 2, 4, 2, 32, 200
+        memory = [torch.randn(tokens + 5, layers, batch, heads, dim) for _ in "kv"]
+        k, v = (m[:tokens, 1].permute(1, 2, 0, 3) for m in memory)
+        self.assertEqual(k.stride(2), layers * batch * heads * dim)
+        q = torch.randn(batch, heads * rep, 1, dim)
+        got, fell_back = self.folded(Attention(rep), q, k, v, None)
+        expected, _ = sdpa_attention_forward(Attention(rep), q, k, v, None)
+        self.assertFalse(fell_back)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
     def test_the_default_scale_is_one_over_the_root_of_the_head_dim(self):
         torch.manual_seed(1)
         q = torch.randn(2, 8, 1, 32)

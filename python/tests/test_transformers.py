@@ -134,26 +134,35 @@ def folding_from_the_first_step():
 
 
 def mapped_bytes(cache):
-    """What whole pages for the tokens held cost: rows x blocks x block bytes."""
+    """What whole pages for the tokens held cost: the space's requests (rows, or one for all rows
+    in the "token" layout) x blocks x block bytes."""
     s = cache.stats()
-    return len(PROMPTS) * math.ceil(s["tokens"] / s["tokens_per_block"]) * s["block_bytes"]
+    return len(cache._requests) * math.ceil(s["tokens"] / s["tokens_per_block"]) * s["block_bytes"]
 
 
 @unittest.skipUnless(transformers, f"needs transformers; {NO_DEVICE}")
 class StrataCacheTest(unittest.TestCase):
-    def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, attention=None, **extra):
-        """`attention`: the StrataCache run's attn_implementation (DynamicCache's stays "sdpa")."""
+    def same_tokens_as_dynamic(self, name, new_tokens=NEW_TOKENS, attention=None, prompts=PROMPTS, layout=None, **extra):
+        """`attention`: the StrataCache run's attn_implementation (DynamicCache's stays "sdpa").
+        `layout`: (the cache's `layout` argument, the layout's rows per page); by default "auto",
+        which groups a page's tokens of every layer (2) of one row (3 rows of 128 bytes do not
+        divide a page), or of every row when there are 2 or 4."""
         from strata.transformers import StrataCache
 
+        argument, rows_per_page = layout or ("auto", len(prompts) if len(prompts) in (2, 4) else 1)
         model = tiny(name, **extra)
-        expected = generate(model, DynamicCache(), new_tokens)
+        expected = generate(model, DynamicCache(), new_tokens, prompts=prompts)
         if attention:
             model.set_attn_implementation(attention)
-        total = max(PROMPTS) + new_tokens
-        with StrataCache(model.config, max_cache_len=total + 100) as cache:
+        total = max(prompts) + new_tokens
+        with StrataCache(model.config, max_cache_len=total + 100, layout=argument) as cache:
             watch = Watch(cache)
             with folding_from_the_first_step() as to_sdpa:
-                got = generate(model, cache, new_tokens, logits_processor=LogitsProcessorList([watch]))
+                got = generate(
+                    model, cache, new_tokens, prompts=prompts, logits_processor=LogitsProcessorList([watch])
+                )
+            want_layout = "request" if argument == "request" else "token"
+            self.assertEqual((cache.layout, cache.stats()["rows_per_page"]), (want_layout, rows_per_page))
             if attention == "strata_sdpa":
                 # Only the prefill goes to SDPA: every decode step of every layer reads rows.
                 self.assertEqual(len(to_sdpa), len(model.model.layers))
@@ -178,6 +187,12 @@ class StrataCacheTest(unittest.TestCase):
     def test_qwen2_greedy_matches_dynamic_cache(self):
         self.same_tokens_as_dynamic("Qwen2")
 
+    def test_llama_every_row_in_a_page_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Llama", prompts=PROMPTS + (5,))
+
+    def test_qwen2_request_layout_matches_dynamic_cache(self):
+        self.same_tokens_as_dynamic("Qwen2", prompts=PROMPTS + (5,), layout=("request", 1))
+
     def test_mixtral_moe_greedy_matches_dynamic_cache(self):
         self.same_tokens_as_dynamic("Mixtral", num_local_experts=4, num_experts_per_tok=2)
 
@@ -185,10 +200,12 @@ class StrataCacheTest(unittest.TestCase):
         self.same_tokens_as_dynamic("Llama", attention="strata_sdpa")
 
     def test_mixtral_with_strata_sdpa_attention_matches_dynamic_cache(self):
-        # 8 query heads over 2 KV heads of 32: rows of one head reach 128 bytes, so two heads fold.
+        # 8 query heads over 2 KV heads of 32: rows of one head reach 128 bytes, so two heads fold;
+        # 4 rows: a page holds tokens of every row and layer, so the token stride spans them all.
         self.same_tokens_as_dynamic(
             "Mixtral",
             attention="strata_sdpa",
+            prompts=PROMPTS + (5,),
             hidden_size=256,
             num_attention_heads=8,
             num_local_experts=4,
@@ -202,10 +219,13 @@ class StrataCacheTest(unittest.TestCase):
         from strata.transformers import StrataCache
 
         model = tiny("Llama")
-        expected = generate(model, DynamicCache(), new_tokens=24, num_beams=3)
-        with StrataCache(model.config, max_cache_len=64) as cache:
-            got = generate(model, cache, new_tokens=24, num_beams=3)
-            self.assertTrue(torch.equal(got, expected))
+        # 9 rows (a page per row of both layers), and 4 rows (every row in a page).
+        for prompts, beams, rows_per_page in ((PROMPTS, 3, 1), (PROMPTS[:2], 2, 4)):
+            expected = generate(model, DynamicCache(), new_tokens=24, num_beams=beams, prompts=prompts)
+            with StrataCache(model.config, max_cache_len=64) as cache:
+                got = generate(model, cache, new_tokens=24, num_beams=beams, prompts=prompts)
+                self.assertEqual((cache.layout, cache.stats()["rows_per_page"]), ("token", rows_per_page))
+                self.assertTrue(torch.equal(got, expected), f"{beams} beams")
 
     def test_crop_then_continue_matches_dynamic_cache(self):
         from strata.transformers import StrataCache

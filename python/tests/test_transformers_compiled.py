@@ -67,19 +67,27 @@ class CompiledStrataCacheTest(unittest.TestCase):
         want = min(held + MARGIN, cache.max_cache_len)
         self.assertGreaterEqual(mapped_tokens(cache), want, f"{held} tokens held")
 
-    def compiled_matches_dynamic(self, name, **extra):
+    def compiled_matches_dynamic(self, name, prompts=PROMPTS, rows_per_page=1, **extra):
+        """`prompts`: the batch; `rows_per_page`: how many of its rows share pages in the "token"
+        layout the cache chooses (1: a page holds one row's tokens of every layer)."""
         from strata.transformers import StrataCache
 
         model = offload_model(name, **extra)
-        expected = generate(model, DynamicCache(), NEW_TOKENS)
+        expected = generate(model, DynamicCache(), NEW_TOKENS, prompts=prompts)
         counters.clear()
-        total = max(PROMPTS) + NEW_TOKENS
+        total = max(prompts) + NEW_TOKENS
         with StrataCache(model.config, max_cache_len=total + 200, compileable=True, margin=MARGIN) as cache:
             self.assertTrue(cache.is_compileable)
             watch = MarginWatch(self, cache)
             got = generate(
-                model, cache, NEW_TOKENS, compile_config=compile_config(), logits_processor=LogitsProcessorList([watch])
+                model,
+                cache,
+                NEW_TOKENS,
+                prompts=prompts,
+                compile_config=compile_config(),
+                logits_processor=LogitsProcessorList([watch]),
             )
+            self.assertEqual((cache.layout, cache.stats()["rows_per_page"]), ("token", rows_per_page))
             self.assertTrue(torch.equal(got, expected), f"{name}: {(got != expected).sum()} tokens differ")
             self.assertEqual(watch.steps, NEW_TOKENS)
             self.assertEqual(len(watch.addresses), 1)
@@ -92,12 +100,14 @@ class CompiledStrataCacheTest(unittest.TestCase):
             page = s["tokens_per_block"]
             self.assertLess(page, total, "the test needs sequences over one page")
             pages = -(-min(s["tokens"] + MARGIN, cache.max_cache_len) // page)
-            self.assertEqual(s["kv_bytes"], len(PROMPTS) * pages * s["block_bytes"])
-            self.assertLess(s["kv_bytes"], len(PROMPTS) * -(-cache.max_cache_len // page) * s["block_bytes"])
+            slots = len(cache._requests)
+            self.assertEqual(s["kv_bytes"], slots * pages * s["block_bytes"])
+            self.assertLess(s["kv_bytes"], slots * -(-cache.max_cache_len // page) * s["block_bytes"])
             cache.space.check()
 
     def test_llama_compiled_decode_matches_dynamic_cache(self):
-        self.compiled_matches_dynamic("Llama")
+        # Four rows: the "token" layout puts every row's tokens in one page.
+        self.compiled_matches_dynamic("Llama", prompts=PROMPTS + (5,), rows_per_page=len(PROMPTS) + 1)
 
     def test_qwen2_compiled_decode_matches_dynamic_cache(self):
         self.compiled_matches_dynamic("Qwen2")
@@ -113,7 +123,7 @@ class CompiledStrataCacheTest(unittest.TestCase):
 
         model = offload_model("Llama")
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=BACKEND)
-        rows = len(PROMPTS)
+        rows = 4  # the "token" layout with every row's tokens in one page
         torch.manual_seed(11)
         prompt = torch.randint(3, VOCAB, (rows, 30)).to(DEVICE)
         calls = []
@@ -147,7 +157,8 @@ class CompiledStrataCacheTest(unittest.TestCase):
                     token = want.argmax(-1)
                 return token
 
-            token = decode(prefill(prompt), 100)  # crosses pages (64 tokens each)
+            token = decode(prefill(prompt), 100)  # crosses pages (4 tokens each) and margins
+            self.assertEqual((cache.layout, cache.stats()["rows_per_page"]), ("token", rows))
             self.assertEqual(calls, [], "the compiled step called strata")
             for crop in (-50, 40):
                 cache.crop(crop)

@@ -30,6 +30,45 @@ pub(super) enum VaChoice {
 }
 
 impl CachingAllocator {
+    /// After a failed growth: absorbs the thread caches; true when that freed blocks (the
+    /// error is then not counted: the caller tries again).
+    #[cold]
+    pub(super) fn absorb_after_oom(&self) -> bool {
+        let mut st = self.state.lock();
+        let freed = st.absorb_caches() > 0;
+        if freed {
+            st.totals.counts.ooms = st.totals.counts.ooms.saturating_sub(1);
+        }
+        freed
+    }
+
+    /// A small allocation through the shared bins; out of memory, it absorbs the thread
+    /// caches (their free blocks may make a run wholly free) and tries once more.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn allocate_shared(
+        &self,
+        st: &mut Guard<'_>,
+        size: u64,
+        class: usize,
+        stream: StreamHandle,
+        tag: TagId,
+    ) -> Result<DevicePtr> {
+        if let Some(ptr) = st.pop_small(tag, class, size, stream) {
+            st.totals.counts.cache_hits += 1;
+            return Ok(ptr);
+        }
+        match self.allocate_small_slow(st, size, class, stream, tag) {
+            Err(Error::OutOfMemory { .. } | Error::LimitExceeded { .. })
+                if st.absorb_caches() > 0 =>
+            {
+                st.totals.counts.ooms = st.totals.counts.ooms.saturating_sub(1);
+                self.allocate_small_slow(st, size, class, stream, tag)
+            }
+            r => r,
+        }
+    }
+
     /// Small allocation when the bin of `stream` is empty: completed pending frees, blocks
     /// freed on other streams (ordered by an event), then a new segment.
     #[cold]
@@ -94,7 +133,12 @@ impl CachingAllocator {
             Some(chunks) => {
                 let len = chunks * self.classes.chunk_size();
                 let room = match self.find_room(guard, ti, len) {
-                    None if self.reclaim_empty_runs(guard, ti, stream)? > 0 => {
+                    // Free blocks in thread caches keep their runs carved: back to the bins
+                    // first, so that runs they empty can serve this class.
+                    None if guard.absorb_caches()
+                        + self.reclaim_empty_runs(guard, ti, stream)?
+                        > 0 =>
+                    {
                         self.find_room(guard, ti, len)
                     }
                     room => room,

@@ -3,6 +3,7 @@
 use rustc_hash::FxHashMap;
 
 use super::supply::elsewhere;
+use super::tcache;
 use super::{
     run_slot, BlockState, CachingAllocator, Mode, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN,
     NO_SEGMENT,
@@ -23,15 +24,20 @@ impl CachingAllocator {
     /// - the pointer table, the bins and the pending list agree with the block table;
     /// - each small block's run count slot is its run's, every run's count is the number of its
     ///   blocks out of bins (live or pending), and slots where no run starts hold 0;
+    /// - every block a thread cache holds is cached (`BlockState::Cached`) under that cache's
+    ///   slot, of an awake tag, with its size, tag and class; a free one sits in exactly one
+    ///   magazine of its tag, class and stream, within the bounds; every cached block is in its
+    ///   cache;
     /// - allocated, live and mapped-page figures (total and per tag, and the pages not of the
-    ///   device's own memory) agree with the tables, and pages held = reserved bytes / page
-    ///   size.
+    ///   device's own memory) agree with the tables (the caches' live blocks and not yet
+    ///   folded counts included), and pages held = reserved bytes / page size.
     pub fn check_invariants(&self) -> Result<(), String> {
         let st = self.state.lock();
         self.check_state(&st)
     }
 
     fn check_state(&self, st: &State) -> Result<(), String> {
+        let caches = st.lock_caches();
         st.va.check()?;
         st.cache.check()?;
         st.extents.check()?;
@@ -247,10 +253,33 @@ impl CachingAllocator {
         let mut live = 0u64;
         let mut by_tag: FxHashMap<u32, (u64, u64, u64)> = FxHashMap::default();
         let mut alive = 0usize;
+        let mut cached: FxHashMap<u32, (u32, tcache::Held)> = FxHashMap::default();
+        for (slot, h) in tcache::cached_blocks(&caches)? {
+            if cached.insert(h.id, (slot, h)).is_some() {
+                return Err(format!("block {} is in two thread caches", h.id));
+            }
+        }
         for (id, b) in st.blocks.iter().enumerate() {
             let id = id as u32;
             if b.state == BlockState::Dead {
                 continue;
+            }
+            // Requested bytes of a live block (one a thread cache handed out included).
+            let mut held_live = (b.state == BlockState::Live).then_some(b.requested);
+            if let BlockState::Cached(slot) = b.state {
+                let Some((s, h)) = cached.remove(&id) else {
+                    return Err(format!("block {id} is cached by {slot}, which lacks it"));
+                };
+                if s != slot
+                    || (h.size, h.ti, h.class) != (b.size, b.tag, b.class)
+                    || st.tags[b.tag as usize].mode != Mode::Awake
+                    || h.tag != st.tags[b.tag as usize].tag
+                {
+                    return Err(format!("block {id} disagrees with its thread cache {s}"));
+                }
+                if h.live {
+                    held_live = Some(h.requested);
+                }
             }
             alive += 1;
             if st.by_ptr.get(&b.ptr) != Some(&id) {
@@ -315,21 +344,26 @@ impl CachingAllocator {
                     *run_live.entry(b.counter).or_default() += 1;
                 }
             }
-            if b.state == BlockState::Live {
-                allocated += b.requested;
+            if let Some(requested) = held_live {
+                allocated += requested;
                 blocks_bytes += b.size;
                 live += 1;
                 let e = by_tag.entry(b.tag).or_default();
-                e.0 += b.requested;
+                e.0 += requested;
                 e.1 += b.size;
                 e.2 += 1;
-                if b.requested == 0 || b.requested > b.size {
+                if requested == 0 || requested > b.size {
                     return Err(format!(
-                        "block {id}: {} bytes requested in {}",
-                        b.requested, b.size
+                        "block {id}: {requested} bytes requested in {}",
+                        b.size
                     ));
                 }
             }
+        }
+        if let Some(id) = cached.keys().next() {
+            return Err(format!(
+                "a thread cache holds block {id}, not cached in the table"
+            ));
         }
         if alive != st.by_ptr.len() {
             return Err(format!("{alive} blocks, {} pointers", st.by_ptr.len()));
@@ -404,27 +438,43 @@ impl CachingAllocator {
         if !run_live.is_empty() {
             return Err(format!("blocks counted where no run starts: {run_live:?}"));
         }
+        let (delta, tag_deltas) = tcache::cache_deltas(&caches, st.tags.len());
         let t = &st.totals;
-        if (allocated, blocks_bytes, live) != (t.allocated, t.allocated_blocks, t.live) {
+        let said = (
+            t.bytes.requested.get(),
+            t.bytes.blocks.get(),
+            t.live.wrapping_add_signed(delta.live),
+        );
+        if (allocated, blocks_bytes, live) != said {
             return Err(format!(
-                "tables hold {allocated}/{blocks_bytes} bytes in {live} allocations, stats say {}/{} in {}",
-                t.allocated, t.allocated_blocks, t.live
+                "tables hold {allocated}/{blocks_bytes} bytes in {live} allocations, stats say {said:?}"
             ));
         }
         for (i, tag) in st.tags.iter().enumerate() {
             let (a, bb, n) = by_tag.get(&(i as u32)).copied().unwrap_or_default();
             let tt = &tag.totals;
-            if (a, bb, n) != (tt.allocated, tt.allocated_blocks, tt.live) {
+            let d = tag_deltas[i];
+            let said = (
+                tt.allocated.get(),
+                tt.allocated_blocks.wrapping_add_signed(d.blocks),
+                tt.live.wrapping_add_signed(d.live),
+            );
+            if (a, bb, n) != said {
                 return Err(format!(
-                    "tag {}: tables hold {a}/{bb} in {n}, stats say {}/{} in {}",
-                    tag.tag, tt.allocated, tt.allocated_blocks, tt.live
+                    "tag {}: tables hold {a}/{bb} in {n}, stats say {said:?}",
+                    tag.tag
                 ));
+            }
+            if tt.allocated.peak() < tt.allocated.get() {
+                return Err(format!("tag {}: peak allocated below allocated", tag.tag));
             }
             if !tag.asleep() && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
                 return Err(format!("awake tag {} keeps host copies", tag.tag));
             }
         }
-        if t.peak_allocated < t.allocated || t.peak_allocated_blocks < t.allocated_blocks {
+        if t.bytes.requested.peak() < t.bytes.requested.get()
+            || t.bytes.blocks.peak() < t.bytes.blocks.get()
+        {
             return Err("peak allocated below allocated".into());
         }
         Ok(())

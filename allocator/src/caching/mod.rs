@@ -26,8 +26,10 @@
 //!   complete. Streams that may touch pages are synchronized before the pages are unmapped.
 //! - **Tags** and **sleep/wake**: see [`CachingAllocator::sleep`].
 //!
-//! The fast path (a cached small allocate or free) is a bin pop or push under one lock: no
-//! driver call, no logging, no heap allocation once warm. Growth, trimming and everything
+//! The fast path (a cached small allocate or free) is a bin pop or push under the allocator's
+//! one lock (with `STRATA_THREAD_CACHE=1`, a pop or push on the calling thread's own cache of
+//! small blocks under that cache's own lock, `tcache.rs`): no driver call,
+//! no logging, no heap allocation once warm. Growth, trimming and everything
 //! involving the backend live in `#[cold]` functions. Growth and `empty_cache` never hold the
 //! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
 //! against the limit under it (an in-flight record, `inflight.rs`), make the driver calls with
@@ -57,6 +59,7 @@ mod stats;
 mod streams;
 mod supply;
 mod tags;
+mod tcache;
 mod unmap;
 
 use std::collections::BTreeMap;
@@ -64,10 +67,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use strata_vmm::{
-    process_is_exiting, round_up, Backend, DevicePtr, Error, Event, Reservation, Result,
-    StreamHandle,
-};
+use strata_vmm::{round_up, Backend, DevicePtr, Error, Event, Reservation, Result, StreamHandle};
 
 use crate::mapped::MappedPage;
 use crate::pool::PagePool;
@@ -122,6 +122,11 @@ pub struct CachingConfig {
     /// Print live allocations to stderr when the allocator is dropped with some still live
     /// (never while the process is exiting).
     pub report_leaks: bool,
+    /// Per-thread caches of small blocks in front of the shared bins (`tcache.rs`). Default:
+    /// off, unless the environment sets `STRATA_THREAD_CACHE=1`: on the 2-vCPU development
+    /// machine they made pairs slower at 1 and 2 threads (BENCHMARKS.md); the 8-thread case
+    /// they are for (the H200's lock convoy) is not yet measured with them.
+    pub thread_cache: bool,
 }
 
 impl Default for CachingConfig {
@@ -132,6 +137,7 @@ impl Default for CachingConfig {
             limit: None,
             freed_history: 4096,
             report_leaks: true,
+            thread_cache: std::env::var("STRATA_THREAD_CACHE").is_ok_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -144,6 +150,9 @@ enum BlockState {
     Free,
     /// Freed, waiting for events on the streams that used it.
     Pending,
+    /// Held by the thread cache in this slot of [`State::caches`] (free in a magazine, or
+    /// live after the cache handed it out): the cache knows which (`tcache.rs`).
+    Cached(u32),
     /// Unused table slot.
     Dead,
 }
@@ -244,6 +253,8 @@ struct State {
     revoked: Vec<revoke::Revoked>,
     /// Arena pages taken for good: their unmap failed and they may still be mapped.
     stuck_pages: Vec<u64>,
+    /// Registered thread caches by slot (`tcache.rs`).
+    caches: Vec<Option<Arc<tcache::ThreadCache>>>,
 }
 
 impl State {
@@ -295,6 +306,11 @@ impl State {
         } else {
             Error::UnknownPointer(ptr)
         }
+    }
+
+    /// A live block a thread cache holds: (requested, tag).
+    fn live_cached(&self, ptr: DevicePtr) -> Option<(u64, TagId)> {
+        self.peek_cached(*self.by_ptr.get(&ptr)?)
     }
 
     fn live_block(&self, ptr: DevicePtr) -> Result<&Block> {
@@ -365,7 +381,14 @@ pub struct CachingAllocator {
     classes: SizeClasses,
     report_leaks: bool,
     arena: Arc<Reservation>,
-    state: Mutex<State>,
+    /// Shared with the thread-locals of the thread caches, which absorb theirs at thread exit.
+    state: Arc<Mutex<State>>,
+    /// Identity of this allocator for the thread-locals.
+    id: u64,
+    /// Whether small blocks go through per-thread caches.
+    thread_cache: bool,
+    /// The allocated bytes (`State::totals`' own), counted without the lock by thread caches.
+    bytes: Arc<stats::AllocatedBytes>,
     /// Notified whenever an in-flight growth ends (`sleep` waits for those of its tag).
     settled: Condvar,
     /// Addresses of pages whose unmap failed (they may still be mapped): when the range
@@ -433,7 +456,9 @@ impl CachingAllocator {
             migrating: Vec::new(),
             revoked: Vec::new(),
             stuck_pages: Vec::new(),
+            caches: Vec::new(),
         };
+        let bytes = Arc::clone(&state.totals.bytes);
         Ok(CachingAllocator {
             pool,
             backend,
@@ -444,7 +469,10 @@ impl CachingAllocator {
             classes,
             report_leaks: config.report_leaks,
             arena,
-            state: Mutex::new(state),
+            state: Arc::new(Mutex::new(state)),
+            id: tcache::next_allocator_id(),
+            thread_cache: config.thread_cache,
+            bytes,
             settled: Condvar::new(),
             stuck_va: Mutex::new(Vec::new()),
         })
@@ -492,6 +520,12 @@ impl CachingAllocator {
         }
         if size < self.classes.threshold() {
             let class = class_index(size);
+            if self.thread_cache {
+                if let Some(ptr) = self.cached_alloc(size, class, stream, tag) {
+                    return Ok(ptr);
+                }
+                return self.allocate_refill(size, class, stream, tag);
+            }
             let mut st = self.state.lock();
             if let Some(ptr) = st.pop_small(tag, class, size, stream) {
                 st.totals.counts.cache_hits += 1;
@@ -499,7 +533,14 @@ impl CachingAllocator {
             }
             return self.allocate_small_slow(&mut st, size, class, stream, tag);
         }
-        self.allocate_large(size, stream, tag)
+        match self.allocate_large(size, stream, tag) {
+            Err(Error::OutOfMemory { .. } | Error::LimitExceeded { .. })
+                if self.thread_cache && self.absorb_after_oom() =>
+            {
+                self.allocate_large(size, stream, tag)
+            }
+            r => r,
+        }
     }
 
     /// Frees `ptr` on `stream`: reusable at once by allocations on `stream`, elsewhere after an
@@ -510,11 +551,15 @@ impl CachingAllocator {
         if ptr == 0 {
             return Ok(());
         }
+        if self.thread_cache && self.cached_free(ptr, stream)? {
+            return Ok(());
+        }
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let Some(&id) = st.by_ptr.get(&ptr) else {
             return Err(st.unknown_pointer(ptr));
         };
+        st.reclaim(id);
         let b = &mut st.blocks[id as usize];
         if b.state != BlockState::Live {
             return Err(Error::DoubleFree(ptr));
@@ -527,7 +572,11 @@ impl CachingAllocator {
         b.state = BlockState::Free;
         t.totals.on_free(b.requested, b.size);
         st.totals.on_free(b.requested, b.size);
-        t.bins[b.class as usize].push(stream, id);
+        if self.thread_cache && self.stash_freed(st, id) {
+            return Ok(());
+        }
+        let b = &st.blocks[id as usize];
+        st.tags[b.tag as usize].bins[b.class as usize].push(stream, id);
         if let Some(n) = st.run_live.get_mut(b.counter as usize) {
             *n -= 1;
         }
@@ -541,6 +590,7 @@ impl CachingAllocator {
         let Some(&id) = st.by_ptr.get(&ptr) else {
             return Err(Error::UnknownPointer(ptr));
         };
+        st.reclaim(id);
         let b = &mut st.blocks[id as usize];
         if b.state != BlockState::Live {
             return Err(Error::UnknownPointer(ptr));
@@ -554,13 +604,20 @@ impl CachingAllocator {
     /// The tag of a live allocation.
     pub fn tag_of(&self, ptr: DevicePtr) -> Result<TagId> {
         let st = self.state.lock();
+        if let Some((_, tag)) = st.live_cached(ptr) {
+            return Ok(tag);
+        }
         let b = st.live_block(ptr)?;
         Ok(st.tags[b.tag as usize].tag)
     }
 
     /// The requested size of a live allocation.
     pub fn size_of(&self, ptr: DevicePtr) -> Result<u64> {
-        Ok(self.state.lock().live_block(ptr)?.requested)
+        let st = self.state.lock();
+        if let Some((size, _)) = st.live_cached(ptr) {
+            return Ok(size);
+        }
+        Ok(st.live_block(ptr)?.requested)
     }
 
     /// Unmaps every cached page (freed large runs, small segments with no live block) and
@@ -613,63 +670,5 @@ impl MemoryResource for CachingAllocator {
 
     fn device(&self) -> u32 {
         self.device
-    }
-}
-
-impl Drop for CachingAllocator {
-    fn drop(&mut self) {
-        let exiting = process_is_exiting();
-        let st = self.state.get_mut();
-        if self.report_leaks && st.totals.live > 0 && !exiting {
-            let live = Self::live_of(st);
-            let bytes: u64 = live.iter().map(|a| a.size).sum();
-            let mut msg = format!(
-                "strata: CachingAllocator on device {} dropped with {} live allocations ({}):\n",
-                self.device,
-                live.len(),
-                human_size(bytes)
-            );
-            stats::write_allocations(&mut msg, live.iter());
-            eprint!("{msg}");
-        }
-        if exiting {
-            // No driver calls once exit began: the owners below leak instead.
-            return;
-        }
-        let mut streams: Vec<StreamHandle> = st
-            .blocks
-            .iter()
-            .filter(|b| b.state != BlockState::Dead)
-            .map(|b| b.stream)
-            .collect();
-        streams.extend(st.blocks.iter().flat_map(|b| b.used_on.iter().copied()));
-        streams.extend(st.cache.iter().map(|(_, r)| r.stream));
-        streams.extend(st.large.values().map(|s| s.stream));
-        streams.sort_unstable();
-        streams.dedup();
-        for s in streams {
-            let _ = self.backend.stream_synchronize(s);
-        }
-        st.pending.clear();
-        let mut mapped: Vec<MappedPage> = Vec::new();
-        for seg in st.segments.iter_mut().flatten() {
-            mapped.append(&mut seg.mapped);
-        }
-        for seg in st.large.values_mut() {
-            mapped.append(&mut seg.mapped);
-        }
-        for s in st.cache.starts_smallest_first() {
-            if let Some(mut r) = st.cache.remove(s) {
-                mapped.append(&mut r.payload);
-            }
-        }
-        let mut pages = Vec::with_capacity(mapped.len());
-        for MappedPage { mapping, page } in mapped {
-            if let Err(e) = mapping.unmap() {
-                strata_vmm::record_deferred(e);
-            }
-            pages.push(page);
-        }
-        self.pool.give(pages);
     }
 }

@@ -48,6 +48,8 @@ impl<'a> Quiet<'a> {
     /// it still holds.
     pub(super) fn claim_now(&mut self, ti: usize) {
         debug_assert!(self.guard.tags[ti].mode != Mode::Moving);
+        // The tag's blocks leave the thread caches (whose fast paths only see awake tags).
+        self.guard.absorb_caches();
         if self.guard.tags[ti].mode == Mode::Awake {
             self.guard.tags[ti].mode = Mode::Moving;
         }

@@ -2,6 +2,8 @@
 //! allocations and the printable report, and human-readable sizes.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 
 use strata_vmm::{DevicePtr, StreamHandle};
 
@@ -109,17 +111,75 @@ impl AllocatorStats {
     }
 }
 
-/// Running totals kept under the allocator's lock.
-#[derive(Clone, Copy, Debug, Default)]
+/// A byte figure with its peak, shared by every thread: the thread caches (`tcache.rs`) count
+/// without the allocator's lock. One ordered counter per figure keeps the peak exact: the peak
+/// is the largest value the counter ever held, whichever threads moved it.
+#[derive(Debug, Default)]
+pub(super) struct Peaked {
+    value: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Peaked {
+    #[inline]
+    pub fn add(&self, n: u64) {
+        let now = self.value.fetch_add(n, Relaxed) + n;
+        if now > self.peak.load(Relaxed) {
+            self.peak.fetch_max(now, Relaxed);
+        }
+    }
+
+    #[inline]
+    pub fn sub(&self, n: u64) {
+        self.value.fetch_sub(n, Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.value.load(Relaxed)
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Relaxed)
+    }
+
+    /// Resets the peak to the current value (exact once no other thread moves the figure).
+    pub fn reset_peak(&self) {
+        self.peak.store(self.get(), Relaxed);
+        self.peak.fetch_max(self.get(), Relaxed);
+    }
+}
+
+/// The allocator's two allocated-byte figures (requested and block-rounded), side by side:
+/// an allocation or free moves both.
+#[derive(Debug, Default)]
+pub(super) struct AllocatedBytes {
+    pub requested: Peaked,
+    pub blocks: Peaked,
+}
+
+impl AllocatedBytes {
+    #[inline]
+    pub fn add(&self, requested: u64, block: u64) {
+        self.requested.add(requested);
+        self.blocks.add(block);
+    }
+
+    #[inline]
+    pub fn sub(&self, requested: u64, block: u64) {
+        self.requested.sub(requested);
+        self.blocks.sub(block);
+    }
+}
+
+/// Running totals kept under the allocator's lock (the allocated bytes are shared atomics; the
+/// counts of the thread caches join these when the caches are absorbed, `tcache.rs`).
+#[derive(Clone, Debug, Default)]
 pub(super) struct Totals {
-    pub allocated: u64,
-    pub allocated_blocks: u64,
+    pub bytes: Arc<AllocatedBytes>,
     pub live: u64,
     pub mapped_pages: u64,
     /// Of `mapped_pages`, pages of host memory or of a peer: not counted against the limit.
     pub elsewhere_pages: u64,
-    pub peak_allocated: u64,
-    pub peak_allocated_blocks: u64,
     pub peak_mapped_pages: u64,
     pub counts: AllocatorCounts,
 }
@@ -127,22 +187,14 @@ pub(super) struct Totals {
 impl Totals {
     #[inline]
     pub fn on_alloc(&mut self, requested: u64, block: u64) {
-        self.allocated += requested;
-        self.allocated_blocks += block;
+        self.bytes.add(requested, block);
         self.live += 1;
         self.counts.allocs += 1;
-        if self.allocated > self.peak_allocated {
-            self.peak_allocated = self.allocated;
-        }
-        if self.allocated_blocks > self.peak_allocated_blocks {
-            self.peak_allocated_blocks = self.allocated_blocks;
-        }
     }
 
     #[inline]
     pub fn on_free(&mut self, requested: u64, block: u64) {
-        self.allocated -= requested;
-        self.allocated_blocks -= block;
+        self.bytes.sub(requested, block);
         self.live -= 1;
         self.counts.frees += 1;
     }
@@ -159,14 +211,13 @@ impl Totals {
     }
 }
 
-/// Per-tag running totals.
-#[derive(Clone, Copy, Debug, Default)]
+/// Per-tag running totals (the requested bytes shared with the thread caches).
+#[derive(Clone, Debug, Default)]
 pub(super) struct TagTotals {
-    pub allocated: u64,
+    pub allocated: Arc<Peaked>,
     pub allocated_blocks: u64,
     pub live: u64,
     pub mapped_pages: u64,
-    pub peak_allocated: u64,
     pub allocs: u64,
     pub frees: u64,
 }
@@ -174,18 +225,15 @@ pub(super) struct TagTotals {
 impl TagTotals {
     #[inline]
     pub fn on_alloc(&mut self, requested: u64, block: u64) {
-        self.allocated += requested;
+        self.allocated.add(requested);
         self.allocated_blocks += block;
         self.live += 1;
         self.allocs += 1;
-        if self.allocated > self.peak_allocated {
-            self.peak_allocated = self.allocated;
-        }
     }
 
     #[inline]
     pub fn on_free(&mut self, requested: u64, block: u64) {
-        self.allocated -= requested;
+        self.allocated.sub(requested);
         self.allocated_blocks -= block;
         self.live -= 1;
         self.frees += 1;
@@ -213,17 +261,18 @@ pub struct LiveAllocation {
 impl CachingAllocator {
     /// A snapshot of the accounting.
     pub fn stats(&self) -> AllocatorStats {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.absorb_caches();
         let page = self.page;
         let mut tags: Vec<TagStats> = st
             .tags
             .iter()
             .map(|t| TagStats {
                 tag: t.tag,
-                allocated_bytes: t.totals.allocated,
+                allocated_bytes: t.totals.allocated.get(),
                 allocated_block_bytes: t.totals.allocated_blocks,
                 reserved_bytes: t.totals.mapped_pages * page,
-                peak_allocated_bytes: t.totals.peak_allocated,
+                peak_allocated_bytes: t.totals.allocated.peak(),
                 live_allocations: t.totals.live,
                 allocs: t.totals.allocs,
                 frees: t.totals.frees,
@@ -238,8 +287,8 @@ impl CachingAllocator {
             page_size: page,
             arena_bytes: self.arena.size(),
             free_va_bytes: st.va.free_units() * page,
-            allocated_bytes: st.totals.allocated,
-            allocated_block_bytes: st.totals.allocated_blocks,
+            allocated_bytes: st.totals.bytes.requested.get(),
+            allocated_block_bytes: st.totals.bytes.blocks.get(),
             reserved_bytes: st.totals.mapped_pages * page,
             mapped_pages: st.totals.mapped_pages,
             cached_large_bytes: st.cache.pages() * page,
@@ -250,8 +299,8 @@ impl CachingAllocator {
                 .filter(|&(id, s)| st.segment_live(id) == 0 && !s.mapped.is_empty())
                 .map(|(_, s)| s.pages * page)
                 .sum(),
-            peak_allocated_bytes: st.totals.peak_allocated,
-            peak_allocated_block_bytes: st.totals.peak_allocated_blocks,
+            peak_allocated_bytes: st.totals.bytes.requested.peak(),
+            peak_allocated_block_bytes: st.totals.bytes.blocks.peak(),
             peak_reserved_bytes: st.totals.peak_mapped_pages * page,
             live_allocations: st.totals.live,
             pending_blocks: st.pending.len() as u64,
@@ -264,17 +313,19 @@ impl CachingAllocator {
     /// Resets the peaks to the current figures.
     pub fn reset_peak_stats(&self) {
         let mut st = self.state.lock();
-        st.totals.peak_allocated = st.totals.allocated;
-        st.totals.peak_allocated_blocks = st.totals.allocated_blocks;
+        st.absorb_caches();
+        st.totals.bytes.requested.reset_peak();
+        st.totals.bytes.blocks.reset_peak();
         st.totals.peak_mapped_pages = st.totals.mapped_pages;
         for t in &mut st.tags {
-            t.totals.peak_allocated = t.totals.allocated;
+            t.totals.allocated.reset_peak();
         }
     }
 
     /// Every live allocation, by address.
     pub fn live_allocations(&self) -> Vec<LiveAllocation> {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.absorb_caches();
         Self::live_of(&st)
     }
 
@@ -441,8 +492,11 @@ mod tests {
         t.on_alloc(100, 256);
         t.on_alloc(300, 512);
         t.on_free(100, 256);
-        assert_eq!((t.allocated, t.allocated_blocks, t.live), (300, 512, 1));
-        assert_eq!((t.peak_allocated, t.peak_allocated_blocks), (400, 768));
+        let b = &t.bytes;
+        assert_eq!((b.requested.get(), b.blocks.get(), t.live), (300, 512, 1));
+        assert_eq!((b.requested.peak(), b.blocks.peak()), (400, 768));
+        b.requested.reset_peak();
+        assert_eq!(b.requested.peak(), 300);
         t.add_pages(3);
         t.sub_pages(2);
         assert_eq!((t.mapped_pages, t.peak_mapped_pages), (1, 3));

@@ -83,6 +83,7 @@ impl CachingAllocator {
     /// keep everything.
     pub fn retire_tag(&self, tag: TagId) -> bool {
         let mut st = self.state.lock();
+        st.absorb_caches();
         let Some(ti) = st.tag_slot(tag) else {
             return true;
         };
@@ -92,7 +93,7 @@ impl CachingAllocator {
         let t = &mut st.tags[ti];
         t.totals.allocs = 0;
         t.totals.frees = 0;
-        t.totals.peak_allocated = t.totals.allocated;
+        t.totals.allocated.reset_peak();
         t.spill = offload::SpillCounts::default();
         t.overflow = None;
         true
@@ -101,7 +102,8 @@ impl CachingAllocator {
     /// True when nothing of `tag` is live, asleep, moving or growing (see
     /// [`Self::retire_tag`]).
     pub fn tag_is_idle(&self, tag: TagId) -> bool {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.absorb_caches();
         st.tag_slot(tag).is_none_or(|ti| st.tag_is_idle(ti))
     }
 }

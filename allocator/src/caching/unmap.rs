@@ -3,10 +3,12 @@
 //! mapped, so it is quarantined and its VA stays taken for good (`stuck_va`).
 
 use parking_lot::MutexGuard;
-use strata_vmm::{Error, Result, StreamHandle};
+use strata_vmm::{process_is_exiting, Error, Result};
 
 use super::Guard;
-use super::{internal, BlockState, CachedRun, CachingAllocator, State};
+use super::{
+    human_size, internal, stats, BlockState, CachedRun, CachingAllocator, State, StreamHandle,
+};
 use crate::mapped::{unmap_pages, MappedPage};
 use crate::pool::Page;
 
@@ -119,6 +121,7 @@ impl CachingAllocator {
     /// in no table yet, so they are never touched.
     pub(super) fn release_cached(&self, guard: &mut Guard<'_>) -> Result<u64> {
         let st = &mut **guard;
+        st.absorb_caches();
         self.poll_pending(st)?;
         self.cut_free_pages(st, None, None);
         let runs: Vec<(u64, CachedRun<Vec<MappedPage>>)> = st
@@ -173,5 +176,66 @@ impl CachingAllocator {
         self.settle(st, id, false)?;
         released?;
         first_err.map_or(Ok(count * self.page), Err)
+    }
+}
+
+impl Drop for CachingAllocator {
+    fn drop(&mut self) {
+        let exiting = process_is_exiting();
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        st.absorb_caches();
+        st.caches.clear();
+        if self.report_leaks && st.totals.live > 0 && !exiting {
+            let live = Self::live_of(st);
+            let bytes: u64 = live.iter().map(|a| a.size).sum();
+            let mut msg = format!(
+                "strata: CachingAllocator on device {} dropped with {} live allocations ({}):\n",
+                self.device,
+                live.len(),
+                human_size(bytes)
+            );
+            stats::write_allocations(&mut msg, live.iter());
+            eprint!("{msg}");
+        }
+        if exiting {
+            // No driver calls once exit began: the owners below leak instead.
+            return;
+        }
+        let mut streams: Vec<StreamHandle> = st
+            .blocks
+            .iter()
+            .filter(|b| b.state != BlockState::Dead)
+            .map(|b| b.stream)
+            .collect();
+        streams.extend(st.blocks.iter().flat_map(|b| b.used_on.iter().copied()));
+        streams.extend(st.cache.iter().map(|(_, r)| r.stream));
+        streams.extend(st.large.values().map(|s| s.stream));
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            let _ = self.backend.stream_synchronize(s);
+        }
+        st.pending.clear();
+        let mut mapped: Vec<MappedPage> = Vec::new();
+        for seg in st.segments.iter_mut().flatten() {
+            mapped.append(&mut seg.mapped);
+        }
+        for seg in st.large.values_mut() {
+            mapped.append(&mut seg.mapped);
+        }
+        for s in st.cache.starts_smallest_first() {
+            if let Some(mut r) = st.cache.remove(s) {
+                mapped.append(&mut r.payload);
+            }
+        }
+        let mut pages = Vec::with_capacity(mapped.len());
+        for MappedPage { mapping, page } in mapped {
+            if let Err(e) = mapping.unmap() {
+                strata_vmm::record_deferred(e);
+            }
+            pages.push(page);
+        }
+        self.pool.give(pages);
     }
 }

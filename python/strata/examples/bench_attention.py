@@ -1,6 +1,9 @@
 """One decode step's attention per layer, in microseconds: transformers' "sdpa" over contiguous K/V
-(DynamicCache's layout), "sdpa" over token-major views (StrataCache's layout) and "strata_sdpa"
-over the same views, at several contexts. Where `strata._row_attention.FOLD_FROM_BYTES` comes from.
+(DynamicCache's layout), "sdpa" over token-major views (StrataCache's "request" layout: a token's
+heads of one row and layer, `[batch, tokens, heads, dim]` memory) and "strata_sdpa" over the same
+views, and both over StrataCache's "token" layout (`[tokens, layers, batch, heads, dim]` memory: the
+token stride spans every layer and row), at several contexts. Where
+`strata._row_attention.FOLD_FROM_BYTES` comes from.
 
     python -m strata.examples.bench_attention [--contexts 64,256,512,1024,2048] [--rounds 40]
 
@@ -55,10 +58,12 @@ def main(argv=None):
             rows.FOLD_FROM_BYTES = saved
 
     variants = {
-        "sdpa, contiguous": (sdpa_attention_forward, True),
-        "sdpa, token-major": (sdpa_attention_forward, False),
-        "strata_sdpa, token-major": (rows.row_attention_forward, False),
-        "strata_sdpa forced, token-major": (strata_sdpa_forced, False),
+        "sdpa, contiguous": (sdpa_attention_forward, "contiguous"),
+        "sdpa, token-major": (sdpa_attention_forward, "request"),
+        "strata_sdpa, token-major": (rows.row_attention_forward, "request"),
+        "strata_sdpa forced, token-major": (strata_sdpa_forced, "request"),
+        'sdpa, "token" layout': (sdpa_attention_forward, "token"),
+        'strata_sdpa, "token" layout': (rows.row_attention_forward, "token"),
     }
     print(f"batch {b}, {args.heads} query heads over {h} KV heads of {d}, {args.dtype}; {args.layers} layers; "
           f"{args.weights >> 20} MiB product between attentions; FOLD_FROM_BYTES {rows.FOLD_FROM_BYTES}; "
@@ -70,12 +75,16 @@ def main(argv=None):
         mem = [[torch.randn(b, n + 64, h, d, dtype=dtype) for _ in "kv"] for _ in range(args.layers)]
         token_major = [[t[:, :n].transpose(1, 2) for t in kv] for kv in mem]
         contiguous = [[t.contiguous() for t in kv] for kv in token_major]
+        # The "token" layout: one tensor per K/V, a token's row holds every layer and batch row.
+        shared = [torch.randn(n + 64, args.layers, b, h, d, dtype=dtype) for _ in "kv"]
+        token_layout = [[t[:n, layer].permute(1, 2, 0, 3) for t in shared] for layer in range(args.layers)]
+        memory = {"contiguous": contiguous, "request": token_major, "token": token_layout}
         q = torch.randn(b, args.heads, 1, d, dtype=dtype)
         times = {v: [] for v in variants}
         for _ in range(args.rounds):
-            for name, (forward, contig) in variants.items():
+            for name, (forward, layout) in variants.items():
                 total = 0.0
-                for k, v in contiguous if contig else token_major:
+                for k, v in memory[layout]:
                     x @ weights
                     start = time.perf_counter()
                     forward(module, q, k, v, None, scaling=scale)

@@ -5,6 +5,7 @@ decode time per token and peak KV bytes at a short and a long context.
     python -m strata.examples.bench_cache --quick         # a smoke run
     python -m strata.examples.bench_cache --compile       # decode steps compiled (static caches)
     python -m strata.examples.bench_cache --device cuda --compile   # on a GPU (CUDA backend)
+    python -m strata.examples.bench_cache --layouts       # StrataCache's two layouts side by side
     python -m strata.examples.bench_cache --offload       # OffloadedStrataCache at half the KV too
 
 StrataCache runs twice: with transformers' "sdpa" attention, as the other caches, and with
@@ -23,6 +24,11 @@ compileable caches, StaticCache and `StrataCache(compileable=True)`, on any devi
 `--device cuda` runs the model on the GPU (strata's CUDA backend for StrataCache). The warm-up
 run of each cache compiles; the timed runs reuse the compiled step.
 
+StrataCache takes its default `layout="auto"` ("token" for this model: a page holds a token
+range of every row and layer, so the views' token stride spans them all); `--layouts` adds
+StrataCache with `layout="request"` (a page per row, layer and K/V; the token stride is one
+row's heads) beside each StrataCache configuration, to measure what the strides cost.
+
 `--offload` adds `OffloadedStrataCache` with a device budget of half the KV pages the context
 ends with (whole pages, every layer and row), eagerly: layers streamed from pinned host memory
 through two device slots, copies on a side stream (`swap="stream"`, the default); `--offload pie`
@@ -35,11 +41,14 @@ import argparse
 from ._bench import alternate, median, model_and_prompts, rounds_line, setting, timed_generate
 
 NAMES = ("dynamic", "static", "strata", "strata_rows")
+REQUEST = "@request"  # a StrataCache name with this suffix: layout="request"
 LABEL = {
     "dynamic": "DynamicCache",
     "static": "StaticCache",
     "strata": "StrataCache",
     "strata_rows": 'StrataCache, "strata_sdpa"',
+    "strata" + REQUEST: 'StrataCache, layout="request"',
+    "strata_rows" + REQUEST: 'StrataCache, "strata_sdpa", layout="request"',
     "offload_stream": "OffloadedStrataCache, half the KV on the device (stream)",
     "offload_pie": "OffloadedStrataCache, half the KV on the device (pie)",
 }
@@ -77,7 +86,7 @@ def run(model, ids, name, new_tokens, max_len, compiled=False, budget=None):
 
     from strata.transformers import ATTENTION, OffloadedStrataCache, StrataCache
 
-    model.set_attn_implementation(ATTENTION if name == "strata_rows" else "sdpa")
+    model.set_attn_implementation(ATTENTION if name.startswith("strata_rows") else "sdpa")
     if name == "dynamic":
         cache = DynamicCache()
     elif name == "static":
@@ -86,8 +95,9 @@ def run(model, ids, name, new_tokens, max_len, compiled=False, budget=None):
         swap = name.split("_")[1]
         cache = OffloadedStrataCache(model.config, max_cache_len=max_len, device_budget=budget, swap=swap)
     else:
-        cache = StrataCache(model.config, max_cache_len=max_len, compileable=compiled)
-    compiles = compiled and name in ("static", "strata")
+        layout = "request" if name.endswith(REQUEST) else "auto"
+        cache = StrataCache(model.config, max_cache_len=max_len, compileable=compiled, layout=layout)
+    compiles = compiled and name in ("static", "strata", "strata" + REQUEST)
     kw = {"compile_config": compile_config()} if compiles else {"disable_compile": True}
     elapsed, out = timed_generate(model, ids, cache, new_tokens, **kw)
     if name.startswith(("strata", "offload")):
@@ -118,6 +128,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--layouts", action="store_true", help='each StrataCache also with layout="request"')
     args = p.parse_args(argv)
     if args.quick:
         args.short, args.long, args.rounds = 32, 128, 1
@@ -131,6 +142,8 @@ def main(argv=None):
     names = NAMES[:3] if args.compile else NAMES  # "strata_sdpa" is an eager CPU path
     if args.names is not None:
         names = ("dynamic",) + tuple(n for n in names if n in args.names)
+    if args.layouts:
+        names = tuple(n for name in names for n in ((name, name + REQUEST) if name.startswith("strata") else (name,)))
     if args.offload:
         names += tuple(f"offload_{m}" for m in ("stream", "pie") if args.offload in (m, "both"))
     c = model.config
