@@ -13,7 +13,13 @@ mod unittest;
 use std::process::Command;
 
 /// The modules python_transformers.rs runs (outside strict mode, where they do not skip).
-const RUN_ELSEWHERE: [&str; 2] = ["test_transformers", "test_mirage"];
+const RUN_ELSEWHERE: [&str; 5] = [
+    "test_transformers",
+    "test_transformers_compiled",
+    "test_transformers_layout",
+    "test_offload_streams",
+    "test_mirage",
+];
 
 /// `python -m unittest` in `python/tests` against the built library, on the host backend
 /// (unless a GPU run asks for CUDA) with two small devices, strict mode as given ("1" or "0");
