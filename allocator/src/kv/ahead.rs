@@ -85,6 +85,11 @@
 //!   and a publish (a grow, or a free that keeps the ready rows) disowns the tables' zero
 //!   mapping, whose address the fresh page now holds. Shrinks, truncating frees, reclaims and
 //!   evictions lay the zero page behind the tables' own pages as without a mapper.
+//! - Rows the caller takes back to unmap (a shrink's ready rows, a failed grow's stale ones) are
+//!   unmapped outside the lock, after their slot's extent moved below them: the slot takes no
+//!   claims until the caller has unmapped them and resumes it. (Without that the mapper claimed
+//!   a row a shrink was still unmapping: `random_walk_fake` saw "already mapped" about once in
+//!   100 runs of one case.)
 //! - A job that finds its addresses already mapped would mean these rules broke: it is kept
 //!   in `State::overlap` and [`MapAhead::settled`] (the space's invariant check) reports it.
 //! - Page counts: the pool counts ready and in-flight pages in `in_use` from the take on, and
@@ -164,6 +169,9 @@ struct SlotAhead {
     want: usize,
     /// Out of memory: no refill until the next grow.
     held_off: bool,
+    /// Rows handed back to the caller (a shrink's ready rows, a failed grow's stale ones) are
+    /// being unmapped by it outside the lock: no claims for this slot until [`MapAhead::resume`].
+    unmapping: bool,
     /// Rows the last grow needed (1 before the first).
     last_rows: usize,
     last_grow: Option<Instant>,
@@ -340,13 +348,16 @@ impl MapAhead {
     }
 
     /// Undoes a [`MapAhead::take_rows`] whose grow failed: the slot's extent is `mapped` again
-    /// and `rows` its ready rows; rows mapped meanwhile past them come back to be unmapped.
+    /// and `rows` its ready rows; rows mapped meanwhile past them come back to be unmapped
+    /// (then [`MapAhead::resume`]).
     pub(super) fn put_back(&self, index: usize, mapped: usize, rows: Vec<Row>) -> Vec<Row> {
         let tensors = self.tensors();
         let mut g = self.shared.state.lock();
         let s = &mut g.slots[index];
         s.epoch += 1;
         s.extent = mapped;
+        // As in `retire`: the caller unmaps `stale` outside the lock, then resumes the slot.
+        s.unmapping = true;
         let stale: Vec<Row> = s.ready.drain(..).collect();
         let (back, gone) = (rows.len() * tensors, stale.len() * tensors);
         s.ready.extend(rows);
@@ -356,8 +367,9 @@ impl MapAhead {
     }
 
     /// Slot `index` shrinks to `extent` pages (`active`) or is freed or reclaimed (`!active`):
-    /// its ready rows come back (the caller publishes or unmaps them); a job in flight for it
-    /// will be unmapped when it lands.
+    /// its ready rows come back (the caller publishes or unmaps them, then calls
+    /// [`MapAhead::resume`] for an active slot); a job in flight for it will be unmapped when it
+    /// lands.
     pub(super) fn retire(&self, index: usize, extent: usize, active: bool) -> Vec<Row> {
         let tensors = self.tensors();
         let mut g = self.shared.state.lock();
@@ -365,10 +377,21 @@ impl MapAhead {
         s.epoch += 1;
         s.active = active;
         s.extent = extent;
+        // The caller unmaps the rows outside the lock and then resumes the slot; until then the
+        // mapper must not claim their addresses again (an inactive slot is never claimed).
+        s.unmapping = active;
         let rows: Vec<Row> = s.ready.drain(..).collect();
         g.held -= rows.len() * tensors;
         g.counters.pages_ready -= (rows.len() * tensors) as u64;
         rows
+    }
+
+    /// The caller unmapped the rows [`MapAhead::retire`] or [`MapAhead::put_back`] handed it:
+    /// the mapper may claim slot `index`'s rows again.
+    pub(super) fn resume(&self, index: usize) {
+        let mut g = self.shared.state.lock();
+        g.slots[index].unmapping = false;
+        self.wake_if_parked(g);
     }
 
     /// The pool ran out for a synchronous caller: waits for the in-flight job, takes every ready
@@ -574,8 +597,10 @@ impl State {
         for k in 0..n {
             let i = (self.cursor + k) % n;
             let s = &self.slots[i];
-            let short =
-                s.active && s.ready.len() < s.want && s.extent + s.ready.len() < pages_per_slot;
+            let short = s.active
+                && !s.unmapping
+                && s.ready.len() < s.want
+                && s.extent + s.ready.len() < pages_per_slot;
             if short && best.is_none_or(|b| s.ready.len() < self.slots[b].ready.len()) {
                 best = Some(i);
             }

@@ -92,6 +92,7 @@ impl KvSpace {
                 let ahead = self.ahead.as_ref().expect("mapper");
                 let stale = ahead.put_back(index, mapped, rows);
                 ahead.release(stale);
+                ahead.resume(index);
                 return Err(e);
             }
         }

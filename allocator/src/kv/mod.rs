@@ -717,6 +717,7 @@ impl KvSpace {
         if let Some(ahead) = self.ahead.as_ref().filter(|_| need < current.mapped) {
             let rows = ahead.retire(index, need, true);
             ahead.release(rows);
+            ahead.resume(index);
         }
         self.holes[index].retain(|&p| p < need);
         let slot = &mut self.slots[index];
