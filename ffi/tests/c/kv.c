@@ -303,7 +303,8 @@ int main(void) {
     CHECK(st.host_capacity_bytes == 64u << 20 && st.disk_capacity_bytes == 64u << 20);
     /* The one stage above moved `staged` objects; the restore used them all. */
     CHECK(st.staged_objects == staged && st.staged_evicted == 0);
-    for (int k = 0; k < 6; k++) CHECK(st.spare[k] == 0);
+    for (size_t k = 0; k < sizeof st.spare / sizeof st.spare[0]; k++) CHECK(st.spare[k] == 0);
+    CHECK(st.pages_ahead == 0 && st.pages_from_ahead == 0); /* no STRATA_KV_MAP_AHEAD here */
     CHECK(strata_kv_stats(kv, NULL) == STRATA_INVALID_ARGUMENT);
 
     /* Lossy revocation: every block without a clean copy lost, each reported exactly once
