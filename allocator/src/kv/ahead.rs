@@ -222,6 +222,9 @@ struct Shared {
 pub(super) struct MapAhead {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// The buffer [`MapAhead::take_rows`] returns rows in, back from [`MapAhead::recycle`]: no
+    /// allocation on the append path.
+    taken: Vec<Row>,
 }
 
 /// Where the mapper of a space starts: what it maps and its budget.
@@ -284,6 +287,7 @@ impl MapAhead {
         Ok(MapAhead {
             shared,
             thread: Some(thread),
+            taken: Vec::new(),
         })
     }
 
@@ -325,16 +329,27 @@ impl MapAhead {
     /// A grow of slot `index` from `mapped` to `need` pages: waits for an in-flight job inside
     /// that run, then takes the ready rows that cover it (front first). The slot's extent is
     /// `need` from now on; the caller maps the rest itself, and calls [`MapAhead::put_back`] if
-    /// that fails. No syscall unless the mapper is parked (it polls while slots grow).
-    pub(super) fn take_rows(&self, index: usize, mapped: usize, need: usize) -> Vec<Row> {
+    /// that fails. No syscall unless the mapper is parked (it polls while slots grow), and no
+    /// allocation (the rows come in the buffer [`MapAhead::recycle`] gave back). `warm` runs
+    /// first under the lock: loads the caller issues there overlap the misses on this state,
+    /// which after an idle step are most of a grow's cost (BENCHMARKS.md, kv_append).
+    pub(super) fn take_rows(
+        &mut self,
+        index: usize,
+        mapped: usize,
+        need: usize,
+        warm: impl FnOnce(),
+    ) -> Vec<Row> {
+        let mut rows = std::mem::take(&mut self.taken);
         let mut g = self.shared.state.lock();
+        warm();
         while g.in_flight.is_some_and(|j| j.overlaps(index, mapped, need)) {
             self.shared.landed.wait(&mut g);
         }
         let tensors = self.tensors();
         let s = &mut g.slots[index];
         let k = s.ready.len().min(need - mapped);
-        let rows: Vec<Row> = s.ready.drain(..k).collect();
+        rows.extend(s.ready.drain(..k));
         if k < need - mapped {
             s.epoch += 1;
         }
@@ -345,6 +360,12 @@ impl MapAhead {
         g.counters.pages_ready -= (k * tensors) as u64;
         self.wake_if_parked(g);
         rows
+    }
+
+    /// Gives back the (emptied) buffer [`MapAhead::take_rows`] returned, for the next grow.
+    pub(super) fn recycle(&mut self, mut rows: Vec<Row>) {
+        rows.clear();
+        self.taken = rows;
     }
 
     /// Undoes a [`MapAhead::take_rows`] whose grow failed: the slot's extent is `mapped` again
