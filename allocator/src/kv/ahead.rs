@@ -105,13 +105,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use strata_vmm::{record_deferred, Access, DevicePtr, Location, PhysicalMemory, Reservation};
+use strata_vmm::{DevicePtr, Location, PhysicalMemory, Reservation};
 use strata_vmm::{Result, Stream};
 
 use super::ahead_zero::{ZeroCalls, ZeroPage};
 
-use crate::mapped::{unmap_pages, MappedPage, MappedRun, PageLease};
-use crate::pool::{Page, PagePool};
+use crate::mapped::MappedPage;
+use crate::pool::PagePool;
 
 /// One row: a mapped pool page per tensor, in tensor order.
 pub(super) type Row = Vec<MappedPage>;
@@ -146,10 +146,10 @@ pub(super) struct AheadCounters {
 
 /// Rows `row..row + rows` of a slot, claimed by the mapper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Job {
-    slot: usize,
-    row: usize,
-    rows: usize,
+pub(super) struct Job {
+    pub(super) slot: usize,
+    pub(super) row: usize,
+    pub(super) rows: usize,
     epoch: u64,
 }
 
@@ -202,20 +202,20 @@ struct State {
     counters: AheadCounters,
 }
 
-struct Shared {
+pub(super) struct Shared {
     state: Mutex<State>,
     /// The mapper waits here for work.
     wake: Condvar,
     /// Callers wait here for the in-flight job to land.
     landed: Condvar,
-    pool: Arc<PagePool>,
-    reservations: Vec<Arc<Reservation>>,
-    location: Location,
-    page: u64,
+    pub(super) pool: Arc<PagePool>,
+    pub(super) reservations: Vec<Arc<Reservation>>,
+    pub(super) location: Location,
+    pub(super) page: u64,
     pages_per_slot: usize,
     /// The space's zero page, lifted off a row before it is mapped and laid back when a row is
     /// given up unpublished.
-    zero: Option<ZeroPage>,
+    pub(super) zero: Option<ZeroPage>,
 }
 
 /// The mapper of one space: its thread and the state it shares with the space.
@@ -644,7 +644,7 @@ impl State {
 }
 
 impl Shared {
-    fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
+    pub(super) fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
         self.reservations[tensor].ptr() + (slot * self.pages_per_slot + row) as u64 * self.page
     }
 
@@ -725,97 +725,5 @@ impl Shared {
         g.in_flight = None;
         self.landed.notify_all();
         g
-    }
-
-    /// Takes the job's pages and maps them at its rows' addresses, read-write, one run per
-    /// tensor with one `set_access` (lifting the zero page off each run first); all or nothing
-    /// (a failed run's pages and every run built so far go back to the pool unmapped, with the
-    /// zero page laid back behind every run it was lifted from).
-    fn map_rows(&self, job: Job, zero: &mut ZeroCalls) -> Result<Vec<Row>> {
-        let tensors = self.reservations.len();
-        let mut pages = self.pool.take(job.rows * tensors)?;
-        let leases: Vec<PageLease> = (0..tensors)
-            .map(|_| PageLease::from_pages(&self.pool, pages.split_off(pages.len() - job.rows)))
-            .collect();
-        let grants = [(self.location, Access::ReadWrite)];
-        let mut runs = Vec::with_capacity(tensors);
-        for ((t, reservation), lease) in self.reservations.iter().enumerate().zip(leases) {
-            let va = self.va(t, job.slot, job.row);
-            let mapped = match &self.zero {
-                Some(z) => z.lift(reservation, va, job.rows, zero).and_then(|()| {
-                    MappedRun::map(lease, reservation, va, &grants).inspect_err(|_| {
-                        self.lay_zero(t, job, zero);
-                    })
-                }),
-                None => MappedRun::map(lease, reservation, va, &grants),
-            };
-            match mapped {
-                Ok(run) => runs.push(run),
-                Err(e) => {
-                    let built = runs.len();
-                    drop(runs);
-                    (0..built).for_each(|t| self.lay_zero(t, job, zero));
-                    return Err(e);
-                }
-            }
-        }
-        if let Some(z) = &self.zero {
-            // A row ahead reads zeros like the zero page it replaced (on failure `runs` drop,
-            // unmapping their pages, and the zero page goes back).
-            let vas = (0..tensors).map(|t| self.va(t, job.slot, job.row));
-            let bytes = job.rows as u64 * self.page;
-            if let Err(e) = z.fill(self.reservations[0].backend(), vas, bytes) {
-                drop(runs);
-                (0..tensors).for_each(|t| self.lay_zero(t, job, zero));
-                return Err(e);
-            }
-        }
-        let mut columns: Vec<_> = runs
-            .into_iter()
-            .map(|run| run.into_mapped_pages().into_iter())
-            .collect();
-        Ok((0..job.rows)
-            .map(|_| {
-                columns
-                    .iter_mut()
-                    .map(|c| c.next().expect("a page per row in every tensor"))
-                    .collect()
-            })
-            .collect())
-    }
-
-    /// Lays the zero page back behind `job`'s rows in tensor `t` (a space without one: no-op).
-    fn lay_zero(&self, t: usize, job: Job, calls: &mut ZeroCalls) {
-        if let Some(z) = &self.zero {
-            let va = self.va(t, job.slot, job.row);
-            if let Err(e) = z.lay(&self.reservations[t], va, job.rows, calls) {
-                record_deferred(e);
-            }
-        }
-    }
-
-    /// Unmaps `rows`, gives their pages back to the pool and lays the zero page (if any) back
-    /// behind them; errors are recorded. Returns the zero page's driver calls.
-    fn release(&self, rows: Vec<Row>) -> ZeroCalls {
-        let mut calls = ZeroCalls::default();
-        let vas: Vec<Vec<DevicePtr>> = match &self.zero {
-            Some(_) => (0..self.reservations.len())
-                .map(|t| rows.iter().map(|row| row[t].mapping.va()).collect())
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut returned: Vec<Page> = Vec::new();
-        if let Err(stuck) = unmap_pages(&self.pool, rows.into_iter().flatten(), &mut returned) {
-            record_deferred(stuck.first);
-        }
-        if !returned.is_empty() {
-            self.pool.give(returned);
-        }
-        if let Some(z) = &self.zero {
-            for (reservation, vas) in self.reservations.iter().zip(vas) {
-                z.lay_all(reservation, vas, &mut calls);
-            }
-        }
-        calls
     }
 }

@@ -1,3 +1,6 @@
+//! The mapper's driver work ([`super::ahead`]): mapping a job's rows and unmapping rows it gives
+//! up, and the zero-page swaps around both.
+//!
 //! Rows ahead in a zero-page space: the mapper lifts the zero page off a row's addresses before
 //! it maps fresh pages there, and lays it back when it gives a row up unpublished. The zero
 //! mappings stay the tables' (`Backing::Zero`): lent to the mapper while it holds the row, given
@@ -8,6 +11,10 @@ use std::sync::Arc;
 
 use strata_vmm::{record_deferred, Access, DevicePtr, Location, Mapping, PhysicalMemory};
 use strata_vmm::{Backend, Reservation, Result, Stream};
+
+use super::ahead::{Job, Row, Shared};
+use crate::mapped::{unmap_pages, MappedRun, PageLease};
+use crate::pool::Page;
 
 /// Driver calls the swaps made (the mapper's counters).
 #[derive(Clone, Copy, Debug, Default)]
@@ -117,5 +124,99 @@ impl ZeroPage {
             }
             k += n;
         }
+    }
+}
+
+impl Shared {
+    /// Takes the job's pages and maps them at its rows' addresses, read-write, one run per
+    /// tensor with one `set_access` (lifting the zero page off each run first); all or nothing
+    /// (a failed run's pages and every run built so far go back to the pool unmapped, with the
+    /// zero page laid back behind every run it was lifted from).
+    pub(super) fn map_rows(&self, job: Job, zero: &mut ZeroCalls) -> Result<Vec<Row>> {
+        let tensors = self.reservations.len();
+        let mut pages = self.pool.take(job.rows * tensors)?;
+        let leases: Vec<PageLease> = (0..tensors)
+            .map(|_| PageLease::from_pages(&self.pool, pages.split_off(pages.len() - job.rows)))
+            .collect();
+        let grants = [(self.location, Access::ReadWrite)];
+        let mut runs = Vec::with_capacity(tensors);
+        for ((t, reservation), lease) in self.reservations.iter().enumerate().zip(leases) {
+            let va = self.va(t, job.slot, job.row);
+            let mapped = match &self.zero {
+                Some(z) => z.lift(reservation, va, job.rows, zero).and_then(|()| {
+                    MappedRun::map(lease, reservation, va, &grants).inspect_err(|_| {
+                        self.lay_zero(t, job, zero);
+                    })
+                }),
+                None => MappedRun::map(lease, reservation, va, &grants),
+            };
+            match mapped {
+                Ok(run) => runs.push(run),
+                Err(e) => {
+                    let built = runs.len();
+                    drop(runs);
+                    (0..built).for_each(|t| self.lay_zero(t, job, zero));
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(z) = &self.zero {
+            // A row ahead reads zeros like the zero page it replaced (on failure `runs` drop,
+            // unmapping their pages, and the zero page goes back).
+            let vas = (0..tensors).map(|t| self.va(t, job.slot, job.row));
+            let bytes = job.rows as u64 * self.page;
+            if let Err(e) = z.fill(self.reservations[0].backend(), vas, bytes) {
+                drop(runs);
+                (0..tensors).for_each(|t| self.lay_zero(t, job, zero));
+                return Err(e);
+            }
+        }
+        let mut columns: Vec<_> = runs
+            .into_iter()
+            .map(|run| run.into_mapped_pages().into_iter())
+            .collect();
+        Ok((0..job.rows)
+            .map(|_| {
+                columns
+                    .iter_mut()
+                    .map(|c| c.next().expect("a page per row in every tensor"))
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// Lays the zero page back behind `job`'s rows in tensor `t` (a space without one: no-op).
+    fn lay_zero(&self, t: usize, job: Job, calls: &mut ZeroCalls) {
+        if let Some(z) = &self.zero {
+            let va = self.va(t, job.slot, job.row);
+            if let Err(e) = z.lay(&self.reservations[t], va, job.rows, calls) {
+                record_deferred(e);
+            }
+        }
+    }
+
+    /// Unmaps `rows`, gives their pages back to the pool and lays the zero page (if any) back
+    /// behind them; errors are recorded. Returns the zero page's driver calls.
+    pub(super) fn release(&self, rows: Vec<Row>) -> ZeroCalls {
+        let mut calls = ZeroCalls::default();
+        let vas: Vec<Vec<DevicePtr>> = match &self.zero {
+            Some(_) => (0..self.reservations.len())
+                .map(|t| rows.iter().map(|row| row[t].mapping.va()).collect())
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut returned: Vec<Page> = Vec::new();
+        if let Err(stuck) = unmap_pages(&self.pool, rows.into_iter().flatten(), &mut returned) {
+            record_deferred(stuck.first);
+        }
+        if !returned.is_empty() {
+            self.pool.give(returned);
+        }
+        if let Some(z) = &self.zero {
+            for (reservation, vas) in self.reservations.iter().zip(vas) {
+                z.lay_all(reservation, vas, &mut calls);
+            }
+        }
+        calls
     }
 }
