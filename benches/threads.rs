@@ -5,8 +5,8 @@
 //! (the H200 run: 52 ns on one thread, 854 ns with 8).
 //!
 //! Each figure is measured twice in one run: with the per-thread caches of small blocks
-//! (`thread_cache: true`, what `STRATA_THREAD_CACHE=1` sets) and with them off (the default),
-//! where every pair takes the allocator's one lock.
+//! (`thread_cache: true`, the default) and with them off (`STRATA_THREAD_CACHE=0`), where every
+//! pair takes the allocator's one lock.
 //!
 //! Run: `cargo bench --bench threads` (STRATA_BACKEND=cuda on a GPU machine). On a shared
 //! machine compare the lines of one run, not runs.
@@ -48,7 +48,7 @@ fn bench(c: &mut Criterion) {
     let streams: Vec<StreamHandle> = (0..8)
         .map(|_| backend.stream_create(0).expect("stream"))
         .collect();
-    // Per-thread caches on (STRATA_THREAD_CACHE=1) and off (the default), side by side.
+    // Per-thread caches on (the default) and off (STRATA_THREAD_CACHE=0), side by side.
     for cached in [true, false] {
         let pool = PagePool::new(Arc::clone(&backend), 0, PoolConfig::default()).expect("pool");
         let config = CachingConfig {

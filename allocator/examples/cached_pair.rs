@@ -16,7 +16,7 @@
 //! loop (`benches/pair_rounds.sh` alternates builds and keeps each one's best). With
 //! `PAIR_THREADS=N` (N > 1) the pairs are split among N threads, each on a stream of its own
 //! (and its own warm-up pair), and the figure is the aggregate: wall time over all pairs.
-//! `STRATA_THREAD_CACHE=1` turns the per-thread caches on for comparison (off by default).
+//! `STRATA_THREAD_CACHE=0` turns the per-thread caches off for comparison (on by default).
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};

@@ -3,7 +3,7 @@
 //! reuse, `empty_cache` reclaiming other threads' cached blocks, a thread's exit returning its
 //! cache, and a random walk with cross-thread frees, `record_stream` and a flush at each
 //! barrier, its stats exact against a model. Each runs with the caches on and off
-//! (`CachingConfig::thread_cache`, `STRATA_THREAD_CACHE=1`): the figures must not differ.
+//! (`CachingConfig::thread_cache`, `STRATA_THREAD_CACHE`): the figures must not differ.
 
 mod common;
 

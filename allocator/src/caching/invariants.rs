@@ -3,11 +3,11 @@
 use rustc_hash::FxHashMap;
 
 use super::supply::elsewhere;
-use super::tcache;
 use super::{
     run_slot, BlockState, CachingAllocator, Mode, State, CHUNKS_PER_PAGE, LARGE, LARGE_ALIGN,
     NO_SEGMENT,
 };
+use super::{stats, tcache};
 
 impl CachingAllocator {
     /// Checks every structural invariant and returns the first violation:
@@ -439,10 +439,11 @@ impl CachingAllocator {
             return Err(format!("blocks counted where no run starts: {run_live:?}"));
         }
         let (delta, tag_deltas) = tcache::cache_deltas(&caches, st.tags.len());
+        let shares = tcache::cache_shares(&caches, st.tags.len());
         let t = &st.totals;
         let said = (
-            t.bytes.requested.get(),
-            t.bytes.blocks.get(),
+            t.bytes.requested.get() + shares.requested.live,
+            t.bytes.blocks.get() + shares.blocks.live,
             t.live.wrapping_add_signed(delta.live),
         );
         if (allocated, blocks_bytes, live) != said {
@@ -455,7 +456,7 @@ impl CachingAllocator {
             let tt = &tag.totals;
             let d = tag_deltas[i];
             let said = (
-                tt.allocated.get(),
+                tt.allocated.get() + shares.tags[i].live,
                 tt.allocated_blocks.wrapping_add_signed(d.blocks),
                 tt.live.wrapping_add_signed(d.live),
             );
@@ -465,19 +466,14 @@ impl CachingAllocator {
                     tag.tag
                 ));
             }
-            if tt.allocated.peak() < tt.allocated.get() {
-                return Err(format!("tag {}: peak allocated below allocated", tag.tag));
-            }
+            check_peak(&tt.allocated, &shares.tags[i])
+                .map_err(|e| format!("tag {}: {e}", tag.tag))?;
             if !tag.asleep() && (!tag.sleep.copies.is_empty() || tag.sleep.disk.is_some()) {
                 return Err(format!("awake tag {} keeps host copies", tag.tag));
             }
         }
-        if t.bytes.requested.peak() < t.bytes.requested.get()
-            || t.bytes.blocks.peak() < t.bytes.blocks.get()
-        {
-            return Err("peak allocated below allocated".into());
-        }
-        Ok(())
+        check_peak(&t.bytes.requested, &shares.requested)?;
+        check_peak(&t.bytes.blocks, &shares.blocks)
     }
 
     /// Large segments: blocks and extents tile each one; see [`Self::check_invariants`].
@@ -550,4 +546,25 @@ impl CachingAllocator {
         }
         Ok(())
     }
+}
+
+/// A figure's peak bounds everything the caches may hand out without settling (`stats::Peaked`):
+/// `shares` sums every cache's live bytes and caps for it.
+fn check_peak(p: &stats::Peaked, shares: &stats::Headroom) -> Result<(), String> {
+    if p.room() != shares.cap {
+        return Err(format!(
+            "room {} where the caches' caps sum to {}",
+            p.room(),
+            shares.cap
+        ));
+    }
+    if p.get() + p.room() > p.peak() {
+        return Err(format!(
+            "peak {} below the {} allocated plus the caches' room {}",
+            p.peak(),
+            p.get(),
+            p.room()
+        ));
+    }
+    Ok(())
 }

@@ -261,9 +261,12 @@ impl CachingAllocator {
             used_on: Vec::new(),
         });
         st.by_ptr.insert(addr, id);
-        st.tags[ti].totals.on_alloc(requested, len);
-        st.totals.on_alloc(requested, len);
+        let settle =
+            st.tags[ti].totals.on_alloc(requested, len) | st.totals.on_alloc(requested, len);
         st.totals.counts.large_allocs += 1;
+        if settle {
+            st.settle_peaks(ti);
+        }
         Ok(addr)
     }
 

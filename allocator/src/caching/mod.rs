@@ -27,8 +27,8 @@
 //! - **Tags** and **sleep/wake**: see [`CachingAllocator::sleep`].
 //!
 //! The fast path (a cached small allocate or free) is a bin pop or push under the allocator's
-//! one lock (with `STRATA_THREAD_CACHE=1`, a pop or push on the calling thread's own cache of
-//! small blocks under that cache's own lock, `tcache.rs`): no driver call,
+//! one lock (by default a pop or push on the calling thread's own cache of small blocks, under
+//! that cache's own lock, `tcache.rs`; `STRATA_THREAD_CACHE=0` turns that off): no driver call,
 //! no logging, no heap allocation once warm. Growth, trimming and everything
 //! involving the backend live in `#[cold]` functions. Growth and `empty_cache` never hold the
 //! lock across create/map/set_access/unmap/release: they reserve the VA and count the pages
@@ -123,9 +123,12 @@ pub struct CachingConfig {
     /// (never while the process is exiting).
     pub report_leaks: bool,
     /// Per-thread caches of small blocks in front of the shared bins (`tcache.rs`). Default:
-    /// off, unless the environment sets `STRATA_THREAD_CACHE=1`: on the 2-vCPU development
-    /// machine they made pairs slower at 1 and 2 threads (BENCHMARKS.md); the 8-thread case
-    /// they are for (the H200's lock convoy) is not yet measured with them.
+    /// on, unless the environment sets `STRATA_THREAD_CACHE=0`. Threads that allocate at once
+    /// then share no lock and no cache line (two threads: 0.57x one thread's time per pair in
+    /// aggregate on the 2-vCPU development machine, against 1.2x with one lock); one thread
+    /// pays ~100 instructions more per pair (BENCHMARKS.md). Each thread holds up to 4 MiB of
+    /// free small blocks that other threads reach only through `empty_cache`, sleep, out of
+    /// memory and the like.
     pub thread_cache: bool,
 }
 
@@ -137,7 +140,7 @@ impl Default for CachingConfig {
             limit: None,
             freed_history: 4096,
             report_leaks: true,
-            thread_cache: std::env::var("STRATA_THREAD_CACHE").is_ok_and(|v| v.trim() == "1"),
+            thread_cache: !std::env::var("STRATA_THREAD_CACHE").is_ok_and(|v| v.trim() == "0"),
         }
     }
 }
@@ -278,13 +281,26 @@ impl State {
         b.state = BlockState::Live;
         b.requested = size;
         b.stream = stream;
-        t.totals.on_alloc(size, b.size);
-        self.totals.on_alloc(size, b.size);
+        let settle = t.totals.on_alloc(size, b.size) | self.totals.on_alloc(size, b.size);
         self.totals.counts.small_allocs += 1;
         if let Some(n) = self.run_live.get_mut(b.counter as usize) {
             *n += 1;
         }
-        Some(b.ptr)
+        let ptr = b.ptr;
+        if settle {
+            self.settle_peaks(ti);
+        }
+        Some(ptr)
+    }
+
+    /// Puts small block `id`, just freed on `stream` (its own), in its bin.
+    #[inline]
+    fn bin_freed(&mut self, id: u32, stream: StreamHandle) {
+        let b = &self.blocks[id as usize];
+        self.tags[b.tag as usize].bins[b.class as usize].push(stream, id);
+        if let Some(n) = self.run_live.get_mut(b.counter as usize) {
+            *n -= 1;
+        }
     }
 
     fn new_block(&mut self, block: Block) -> u32 {
@@ -387,8 +403,6 @@ pub struct CachingAllocator {
     id: u64,
     /// Whether small blocks go through per-thread caches.
     thread_cache: bool,
-    /// The allocated bytes (`State::totals`' own), counted without the lock by thread caches.
-    bytes: Arc<stats::AllocatedBytes>,
     /// Notified whenever an in-flight growth ends (`sleep` waits for those of its tag).
     settled: Condvar,
     /// Addresses of pages whose unmap failed (they may still be mapped): when the range
@@ -458,7 +472,6 @@ impl CachingAllocator {
             stuck_pages: Vec::new(),
             caches: Vec::new(),
         };
-        let bytes = Arc::clone(&state.totals.bytes);
         Ok(CachingAllocator {
             pool,
             backend,
@@ -472,7 +485,6 @@ impl CachingAllocator {
             state: Arc::new(Mutex::new(state)),
             id: tcache::next_allocator_id(),
             thread_cache: config.thread_cache,
-            bytes,
             settled: Condvar::new(),
             stuck_va: Mutex::new(Vec::new()),
         })
@@ -559,7 +571,9 @@ impl CachingAllocator {
         let Some(&id) = st.by_ptr.get(&ptr) else {
             return Err(st.unknown_pointer(ptr));
         };
-        st.reclaim(id);
+        if self.thread_cache {
+            st.reclaim(id);
+        }
         let b = &mut st.blocks[id as usize];
         if b.state != BlockState::Live {
             return Err(Error::DoubleFree(ptr));
@@ -572,13 +586,15 @@ impl CachingAllocator {
         b.state = BlockState::Free;
         t.totals.on_free(b.requested, b.size);
         st.totals.on_free(b.requested, b.size);
-        if self.thread_cache && self.stash_freed(st, id) {
+        if !self.thread_cache {
+            t.bins[b.class as usize].push(stream, id);
+            if let Some(n) = st.run_live.get_mut(b.counter as usize) {
+                *n -= 1;
+            }
             return Ok(());
         }
-        let b = &st.blocks[id as usize];
-        st.tags[b.tag as usize].bins[b.class as usize].push(stream, id);
-        if let Some(n) = st.run_live.get_mut(b.counter as usize) {
-            *n -= 1;
+        if !self.stash_freed(st, id) {
+            st.bin_freed(id, stream);
         }
         Ok(())
     }

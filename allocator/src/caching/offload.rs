@@ -5,7 +5,7 @@
 //! The tag is claimed for the move (`quiet.rs`): its streams are waited for and each segment
 //! is copied and remapped with the lock dropped, while other tags allocate and free.
 //!
-//! Pages remember their home pool ([`Page`](crate::Page)), so a host page freed while its tag
+//! Pages remember their home pool ([`Page`]), so a host page freed while its tag
 //! is offloaded goes back to the host pool from any of the allocator's release paths, and
 //! growth never maps another pool's cached page behind a new allocation (`grow.rs`).
 

@@ -1,7 +1,7 @@
 //! Revocation of borrowed pages behind live allocations: a lender (a peer device whose pool a
 //! tag overflowed onto) takes its pages back. Every segment on its pages moves to the device's
 //! own pages if there is room, else to host memory, at the same addresses
-//! ([`MappedRun::migrate`]); the lender's pages go back to its pool as each segment moves. Each
+//! ([`MappedRun::migrate`](crate::mapped::MappedRun::migrate)); the lender's pages go back to its pool as each segment moves. Each
 //! move is one [`Revoked`] notice, handed out once by [`CachingAllocator::take_revoked`].
 
 use std::sync::Arc;

@@ -2,8 +2,6 @@
 //! allocations and the printable report, and human-readable sizes.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 
 use strata_vmm::{DevicePtr, StreamHandle};
 
@@ -111,71 +109,167 @@ impl AllocatorStats {
     }
 }
 
-/// A byte figure with its peak, shared by every thread: the thread caches (`tcache.rs`) count
-/// without the allocator's lock. One ordered counter per figure keeps the peak exact: the peak
-/// is the largest value the counter ever held, whichever threads moved it.
-#[derive(Debug, Default)]
+/// A byte figure and its peak, kept under the allocator's lock.
+///
+/// With thread caches (`tcache.rs`) the bytes of the blocks a cache hands out are not in
+/// `value`: each cache counts its own ([`Headroom::live`]) and may raise them up to its
+/// [`Headroom::cap`] without the allocator's lock; `room` is the sum of the caches' caps. While
+/// `value + room <= peak`, no interleaving of the caches' fast paths can raise the total
+/// (`value` plus every cache's live bytes) past `peak`, so the peak stays exact with no shared
+/// write on the fast path. An increment that would break that bound goes through [`settle`]
+/// with every cache locked, which measures the total, raises the peak and refits the caps.
+/// Without caches `room` is 0 and this is a plain counter with its peak.
+#[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Peaked {
-    value: AtomicU64,
-    peak: AtomicU64,
+    value: u64,
+    peak: u64,
+    room: u64,
+    /// `peak - room`: the fast test of [`Peaked::add`] is one compare, as without caches.
+    bound: u64,
 }
 
 impl Peaked {
+    /// Adds `n`; true when the caches must be settled ([`settle`]) before the lock is dropped.
     #[inline]
-    pub fn add(&self, n: u64) {
-        let now = self.value.fetch_add(n, Relaxed) + n;
-        if now > self.peak.load(Relaxed) {
-            self.peak.fetch_max(now, Relaxed);
+    #[must_use]
+    pub fn add(&mut self, n: u64) -> bool {
+        self.value += n;
+        self.value > self.bound && self.raise()
+    }
+
+    /// Past the bound: a new peak without caches, else a settle.
+    #[inline]
+    fn raise(&mut self) -> bool {
+        if self.room != 0 {
+            return true;
         }
+        self.peak = self.value;
+        self.bound = self.value;
+        false
+    }
+
+    /// Sets the peak and the room, and the bound from them.
+    fn set(&mut self, peak: u64, room: u64) {
+        self.peak = peak;
+        self.room = room;
+        self.bound = peak - room;
     }
 
     #[inline]
-    pub fn sub(&self, n: u64) {
-        self.value.fetch_sub(n, Relaxed);
+    pub fn sub(&mut self, n: u64) {
+        self.value -= n;
     }
 
+    /// The bytes counted here: the total, once the caches are absorbed.
     pub fn get(&self) -> u64 {
-        self.value.load(Relaxed)
+        self.value
     }
 
     pub fn peak(&self) -> u64 {
-        self.peak.load(Relaxed)
+        self.peak
     }
 
-    /// Resets the peak to the current value (exact once no other thread moves the figure).
-    pub fn reset_peak(&self) {
-        self.peak.store(self.get(), Relaxed);
-        self.peak.fetch_max(self.get(), Relaxed);
+    /// The sum of the caches' caps.
+    pub fn room(&self) -> u64 {
+        self.room
     }
+
+    /// Resets the peak to the current value (the caches absorbed: no room is out).
+    pub fn reset_peak(&mut self) {
+        debug_assert_eq!(self.room, 0, "peak reset with thread caches out");
+        self.set(self.value, 0);
+    }
+
+    /// Moves `n` live bytes from a cache's figure `h` to this one (a block leaves the cache,
+    /// still live), its cap with them: the total and `value + room` stay as they were.
+    pub fn take_live(&mut self, h: &mut Headroom, n: u64) {
+        h.live -= n;
+        h.cap -= n;
+        self.value += n;
+        self.set(self.peak, self.room - n);
+    }
+
+    /// Takes back the cap of a cache's figure that holds no live bytes any more.
+    pub fn take_cap(&mut self, h: &mut Headroom) {
+        debug_assert_eq!(h.live, 0);
+        self.set(self.peak, self.room - h.cap);
+        h.cap = 0;
+    }
+}
+
+/// One thread cache's share of a [`Peaked`] figure: the bytes of the blocks it handed out, and
+/// how far they may rise before the cache must take the allocator's lock ([`settle`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Headroom {
+    pub live: u64,
+    pub cap: u64,
+}
+
+impl Headroom {
+    #[inline]
+    pub fn fits(&self, n: u64) -> bool {
+        self.live + n <= self.cap
+    }
+}
+
+/// Settles figure `p` with every cache's share in `shares` (all caches locked, the
+/// allocator's lock held; a share's `live` may exceed its `cap` by the increment that asked):
+/// the peak rises to the exact total, then caps are cut to the live bytes (the other caches'
+/// first) until `value + room <= peak` holds again, and the `requester` (the index of the
+/// share whose increment asked, if a cache's did) gets the slack left.
+#[cold]
+pub(super) fn settle(p: &mut Peaked, shares: &mut [&mut Headroom], requester: Option<usize>) {
+    let live: u64 = shares.iter().map(|h| h.live).sum();
+    let peak = p.peak.max(p.value + live);
+    for h in shares.iter_mut() {
+        h.cap = h.cap.max(h.live);
+    }
+    let limit = peak - p.value;
+    let mut caps: u64 = shares.iter().map(|h| h.cap).sum();
+    let others = (0..shares.len()).filter(|&i| Some(i) != requester);
+    for i in others.chain(requester) {
+        if caps <= limit {
+            break;
+        }
+        let cut = (caps - limit).min(shares[i].cap - shares[i].live);
+        shares[i].cap -= cut;
+        caps -= cut;
+    }
+    if let Some(r) = requester {
+        shares[r].cap += limit - caps;
+        caps = limit;
+    }
+    p.set(peak, caps);
 }
 
 /// The allocator's two allocated-byte figures (requested and block-rounded), side by side:
 /// an allocation or free moves both.
-#[derive(Debug, Default)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(super) struct AllocatedBytes {
     pub requested: Peaked,
     pub blocks: Peaked,
 }
 
 impl AllocatedBytes {
+    /// True when the caches must be settled (see [`Peaked::add`]).
     #[inline]
-    pub fn add(&self, requested: u64, block: u64) {
-        self.requested.add(requested);
-        self.blocks.add(block);
+    #[must_use]
+    pub fn add(&mut self, requested: u64, block: u64) -> bool {
+        self.requested.add(requested) | self.blocks.add(block)
     }
 
     #[inline]
-    pub fn sub(&self, requested: u64, block: u64) {
+    pub fn sub(&mut self, requested: u64, block: u64) {
         self.requested.sub(requested);
         self.blocks.sub(block);
     }
 }
 
-/// Running totals kept under the allocator's lock (the allocated bytes are shared atomics; the
-/// counts of the thread caches join these when the caches are absorbed, `tcache.rs`).
+/// Running totals kept under the allocator's lock (the counts of the thread caches join these
+/// when the caches are absorbed; their allocated bytes are theirs until then, `tcache.rs`).
 #[derive(Clone, Debug, Default)]
 pub(super) struct Totals {
-    pub bytes: Arc<AllocatedBytes>,
+    pub bytes: AllocatedBytes,
     pub live: u64,
     pub mapped_pages: u64,
     /// Of `mapped_pages`, pages of host memory or of a peer: not counted against the limit.
@@ -185,11 +279,13 @@ pub(super) struct Totals {
 }
 
 impl Totals {
+    /// True when the caches must be settled (see [`Peaked::add`]).
     #[inline]
-    pub fn on_alloc(&mut self, requested: u64, block: u64) {
-        self.bytes.add(requested, block);
+    #[must_use]
+    pub fn on_alloc(&mut self, requested: u64, block: u64) -> bool {
         self.live += 1;
         self.counts.allocs += 1;
+        self.bytes.add(requested, block)
     }
 
     #[inline]
@@ -211,10 +307,10 @@ impl Totals {
     }
 }
 
-/// Per-tag running totals (the requested bytes shared with the thread caches).
+/// Per-tag running totals.
 #[derive(Clone, Debug, Default)]
 pub(super) struct TagTotals {
-    pub allocated: Arc<Peaked>,
+    pub allocated: Peaked,
     pub allocated_blocks: u64,
     pub live: u64,
     pub mapped_pages: u64,
@@ -223,12 +319,14 @@ pub(super) struct TagTotals {
 }
 
 impl TagTotals {
+    /// True when the caches must be settled (see [`Peaked::add`]).
     #[inline]
-    pub fn on_alloc(&mut self, requested: u64, block: u64) {
-        self.allocated.add(requested);
+    #[must_use]
+    pub fn on_alloc(&mut self, requested: u64, block: u64) -> bool {
         self.allocated_blocks += block;
         self.live += 1;
         self.allocs += 1;
+        self.allocated.add(requested)
     }
 
     #[inline]
@@ -489,10 +587,10 @@ mod tests {
     #[test]
     fn totals_track_peaks() {
         let mut t = Totals::default();
-        t.on_alloc(100, 256);
-        t.on_alloc(300, 512);
+        assert!(!t.on_alloc(100, 256));
+        assert!(!t.on_alloc(300, 512));
         t.on_free(100, 256);
-        let b = &t.bytes;
+        let b = &mut t.bytes;
         assert_eq!((b.requested.get(), b.blocks.get(), t.live), (300, 512, 1));
         assert_eq!((b.requested.peak(), b.blocks.peak()), (400, 768));
         b.requested.reset_peak();
@@ -500,6 +598,78 @@ mod tests {
         t.add_pages(3);
         t.sub_pages(2);
         assert_eq!((t.mapped_pages, t.peak_mapped_pages), (1, 3));
+    }
+
+    /// The total a figure and its caches' shares stand for.
+    fn total(p: &Peaked, shares: &[Headroom]) -> u64 {
+        p.get() + shares.iter().map(|h| h.live).sum::<u64>()
+    }
+
+    /// Settles `p` with `shares`, then checks the bound that makes the caches' fast paths safe.
+    fn settle_all(p: &mut Peaked, shares: &mut [Headroom], requester: Option<usize>) {
+        let mut refs: Vec<&mut Headroom> = shares.iter_mut().collect();
+        settle(p, &mut refs, requester);
+        assert!(shares.iter().all(|h| h.live <= h.cap), "{shares:?}");
+        assert_eq!(p.room(), shares.iter().map(|h| h.cap).sum::<u64>());
+        assert!(p.get() + p.room() <= p.peak(), "{p:?} {shares:?}");
+    }
+
+    /// Two caches taking turns, then overlapping: each increment inside its cap is safe, each
+    /// one past it settles, and the peak is the largest total ever held.
+    #[test]
+    fn settled_caps_keep_the_peak_exact() {
+        let mut p = Peaked::default();
+        let mut shares = [Headroom::default(); 2];
+        let mut true_peak = 0;
+        // (cache, +bytes or -bytes) in program order.
+        let steps: &[(usize, i64)] = &[
+            (0, 100),
+            (0, -100),
+            (1, 100),
+            (1, -100),
+            (0, 100),
+            (1, 100),
+            (1, -100),
+            (0, -100),
+            (1, 300),
+            (0, 50),
+            (1, -300),
+            (0, -50),
+        ];
+        for &(c, d) in steps {
+            if d < 0 {
+                shares[c].live -= d.unsigned_abs();
+            } else {
+                let n = d as u64;
+                let fits = shares[c].fits(n);
+                shares[c].live += n;
+                if !fits {
+                    settle_all(&mut p, &mut shares, Some(c));
+                }
+            }
+            true_peak = true_peak.max(total(&p, &shares));
+            assert_eq!(p.peak(), true_peak, "after {c} {d}");
+        }
+        // The shared path: an increment past value + room settles without a requester.
+        let mut shares = [
+            Headroom { live: 0, cap: 0 },
+            Headroom { live: 40, cap: 400 },
+        ];
+        settle_all(&mut p, &mut shares, None);
+        assert!(p.add(400 - p.room()), "value + room passes the peak");
+        let before = p.peak();
+        settle_all(&mut p, &mut shares, None);
+        assert_eq!(p.peak(), before.max(total(&p, &shares)));
+        // A live block leaving a cache keeps the total and the bound.
+        let t = total(&p, &shares);
+        let (room, peak) = (p.room(), p.peak());
+        p.take_live(&mut shares[1], 40);
+        assert_eq!(
+            (total(&p, &shares), p.room(), p.peak()),
+            (t, room - 40, peak)
+        );
+        p.take_cap(&mut shares[1]);
+        assert_eq!(p.room(), shares[0].cap);
     }
 }
 

@@ -15,17 +15,20 @@
 //!   stream, or of a block used on other streams (`record_stream` reclaims it first), takes the
 //!   shared path with its events. Blocks reach magazines only from the shared bins of their
 //!   stream, so cross-stream reuse is ordered as before.
-//! - **Stats.** Allocated bytes (total and per tag) are shared atomics with exact peaks
-//!   ([`Peaked`]); counts (allocations, frees, live, hits) are kept per cache and join the
-//!   allocator's when it absorbs the cache.
+//! - **Stats.** Counts (allocations, frees, live, hits) are kept per cache and join the
+//!   allocator's when it absorbs the cache. The allocated bytes of the blocks a cache handed
+//!   out are its own [`Headroom`]s (requested and block bytes, and requested per tag), which
+//!   its fast path may raise up to their caps; a raise past a cap takes the allocator's lock
+//!   and settles the peaks with every cache locked ([`super::stats::settle`]). So no shared
+//!   cache line is written on the fast path, and every figure and peak stays exact.
 //! - **Absorbing.** [`State::absorb_caches`] moves every cache's blocks back to the shared
 //!   table (free ones to their bins) and folds its counts: `empty_cache`, `stats`, the
 //!   listings, a claim of a tag (sleep, offload, onload, revocation), retiring a tag and the
 //!   allocator's drop do it first, so they see every block where it was before caches existed.
 //!   A thread's exit absorbs its own cache (the thread-local's drop).
 //!
-//! Off by default: `STRATA_THREAD_CACHE=1` ([`CachingConfig::thread_cache`](super::CachingConfig))
-//! turns the caches on; off, every call takes the allocator's lock.
+//! On by default: `STRATA_THREAD_CACHE=0` ([`CachingConfig::thread_cache`](super::CachingConfig))
+//! turns the caches off; off, every call takes the allocator's lock.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -35,8 +38,15 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use strata_vmm::{process_is_exiting, DevicePtr, Error, Result, StreamHandle};
 
-use super::stats::{AllocatedBytes, Peaked};
+use super::stats::Headroom;
 use super::{BlockState, CachingAllocator, Mode, State, TagId};
+
+mod check;
+mod figures;
+
+pub(super) use check::cached_blocks;
+pub(super) use figures::{cache_deltas, cache_shares, Deltas, Shares};
+use figures::{count, uncount};
 
 /// Most free blocks one magazine (tag, class, stream) holds.
 pub(super) const MAGAZINE_BLOCKS: usize = 32;
@@ -50,7 +60,9 @@ pub(super) fn next_allocator_id() -> u64 {
     NEXT_ALLOCATOR.fetch_add(1, Relaxed)
 }
 
-/// One thread's cache for one allocator.
+/// One thread's cache for one allocator; aligned so that no two threads' caches share a cache
+/// line (or the adjacent line the prefetcher pairs with it).
+#[repr(align(128))]
 pub(super) struct ThreadCache {
     /// Its slot in [`State::caches`] (what [`BlockState::Cached`] names).
     slot: u32,
@@ -76,18 +88,6 @@ struct Magazine {
     class: u16,
     stream: StreamHandle,
     free: Vec<DevicePtr>,
-    /// The tag's allocated bytes.
-    allocated: Arc<Peaked>,
-}
-
-/// Counts not yet folded into the allocator's totals.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Deltas {
-    pub allocs: u64,
-    pub frees: u64,
-    pub live: i64,
-    /// Block bytes (per tag only; the total is shared).
-    pub blocks: i64,
 }
 
 #[derive(Default)]
@@ -95,9 +95,20 @@ pub(super) struct CacheData {
     held: FxHashMap<DevicePtr, Held>,
     mags: Vec<Magazine>,
     free_bytes: u64,
-    total: Deltas,
-    /// By tag index.
+    /// Index in `mags` of the magazine last used (checked first).
+    hot: usize,
+    /// By tag index (the totals are their sums).
     tags: Vec<Deltas>,
+    pub(super) shares: Shares,
+}
+
+/// What a pop from a magazine found.
+pub(super) enum Pop {
+    Hit(DevicePtr),
+    /// No free block of that class on that stream.
+    Empty,
+    /// A block, but handing it out would pass a cap: the caller settles (the block stays).
+    NoRoom,
 }
 
 /// What a free found in the thread's own cache.
@@ -109,6 +120,8 @@ pub(super) enum FastFree {
 }
 
 impl CacheData {
+    /// Pops a block of `class` freed on `stream` under `tag` (index `ti`), if one is there and
+    /// fits the caps (or `settling`: the caller holds every cache and settles next).
     #[inline]
     fn alloc(
         &mut self,
@@ -116,26 +129,32 @@ impl CacheData {
         class: usize,
         stream: StreamHandle,
         tag: TagId,
-        bytes: &AllocatedBytes,
-    ) -> Option<DevicePtr> {
-        let m = self
-            .mags
-            .iter_mut()
-            .find(|m| m.stream == stream && m.class as usize == class && m.tag == tag)?;
-        let ptr = m.free.pop()?;
-        let h = self.held.get_mut(&ptr)?;
+        settling: bool,
+    ) -> Pop {
+        let Some(mi) = find_magazine(&self.mags, &mut self.hot, tag, class as u16, stream) else {
+            return Pop::Empty;
+        };
+        let m = &mut self.mags[mi];
+        let Some(&ptr) = m.free.last() else {
+            return Pop::Empty;
+        };
+        let Some(h) = self.held.get_mut(&ptr) else {
+            return Pop::Empty;
+        };
+        if !settling && !self.shares.fit(size, h.size, h.ti as usize) {
+            return Pop::NoRoom;
+        }
+        m.free.pop();
         h.live = true;
         h.requested = size;
         self.free_bytes -= h.size;
-        m.allocated.add(size);
-        bytes.add(size, h.size);
-        count(&mut self.total, 1, h.size);
+        self.shares.add(size, h.size, h.ti as usize);
         count(&mut self.tags[h.ti as usize], 1, h.size);
-        Some(ptr)
+        Pop::Hit(ptr)
     }
 
     #[inline]
-    fn free(&mut self, ptr: DevicePtr, stream: StreamHandle, bytes: &AllocatedBytes) -> FastFree {
+    fn free(&mut self, ptr: DevicePtr, stream: StreamHandle) -> FastFree {
         let Some(h) = self.held.get_mut(&ptr) else {
             return FastFree::Shared;
         };
@@ -145,20 +164,17 @@ impl CacheData {
         if h.stream != stream || self.free_bytes + h.size > CACHE_FREE_BYTES {
             return FastFree::Shared;
         }
-        let Some(m) = self
-            .mags
-            .iter_mut()
-            .find(|m| m.stream == stream && m.class == h.class && m.tag == h.tag)
-            .filter(|m| m.free.len() < MAGAZINE_BLOCKS)
-        else {
+        let Some(mi) = find_magazine(&self.mags, &mut self.hot, h.tag, h.class, stream) else {
             return FastFree::Shared;
         };
+        let m = &mut self.mags[mi];
+        if m.free.len() >= MAGAZINE_BLOCKS {
+            return FastFree::Shared;
+        }
         h.live = false;
         m.free.push(ptr);
         self.free_bytes += h.size;
-        m.allocated.sub(h.requested);
-        bytes.sub(h.requested, h.size);
-        uncount(&mut self.total, h.size);
+        self.shares.sub(h.requested, h.size, h.ti as usize);
         uncount(&mut self.tags[h.ti as usize], h.size);
         FastFree::Done
     }
@@ -177,10 +193,12 @@ impl CacheData {
             class: class as u16,
             stream,
             free: Vec::with_capacity(MAGAZINE_BLOCKS),
-            allocated: Arc::clone(&st.tags[ti].totals.allocated),
         });
         if self.tags.len() <= ti {
             self.tags.resize(ti + 1, Deltas::default());
+        }
+        if self.shares.tags.len() <= ti {
+            self.shares.tags.resize(ti + 1, Headroom::default());
         }
         self.mags.len() - 1
     }
@@ -202,18 +220,22 @@ impl CacheData {
     }
 }
 
+/// The index in `mags` of the magazine of (`tag`, `class`, `stream`), `hot` (the last one
+/// found) tried first.
 #[inline]
-fn count(d: &mut Deltas, n: u64, block: u64) {
-    d.allocs += n;
-    d.live += 1;
-    d.blocks += block as i64;
-}
-
-#[inline]
-fn uncount(d: &mut Deltas, block: u64) {
-    d.frees += 1;
-    d.live -= 1;
-    d.blocks -= block as i64;
+fn find_magazine(
+    mags: &[Magazine],
+    hot: &mut usize,
+    tag: TagId,
+    class: u16,
+    stream: StreamHandle,
+) -> Option<usize> {
+    let is = |m: &Magazine| m.stream == stream && m.class == class && m.tag == tag;
+    if mags.get(*hot).is_some_and(is) {
+        return Some(*hot);
+    }
+    *hot = mags.iter().position(is)?;
+    Some(*hot)
 }
 
 /// A thread's cache for one allocator, and how to reach the allocator at thread exit.
@@ -265,46 +287,44 @@ impl State {
         let mut data = cache.data.lock();
         self.fold(&mut data);
         let mut freed = 0;
+        let data = &mut *data;
         let mags = std::mem::take(&mut data.mags);
         for m in mags {
             for ptr in m.free {
                 if let Some(h) = data.held.remove(&ptr) {
-                    self.put_back(h);
+                    self.put_back(h, &mut data.shares);
                     freed += 1;
                 }
             }
         }
         for (_, h) in data.held.drain() {
-            self.put_back(h);
+            self.put_back(h, &mut data.shares);
         }
         data.free_bytes = 0;
+        let shares = &mut data.shares;
+        self.totals.bytes.requested.take_cap(&mut shares.requested);
+        self.totals.bytes.blocks.take_cap(&mut shares.blocks);
+        for (ti, h) in shares.tags.iter_mut().enumerate() {
+            self.tags[ti].totals.allocated.take_cap(h);
+        }
         freed
     }
 
-    fn fold(&mut self, data: &mut CacheData) {
-        let t = std::mem::take(&mut data.total);
-        self.totals.counts.allocs += t.allocs;
-        self.totals.counts.small_allocs += t.allocs;
-        self.totals.counts.cache_hits += t.allocs;
-        self.totals.counts.frees += t.frees;
-        self.totals.live = self.totals.live.wrapping_add_signed(t.live);
-        for (ti, d) in data.tags.iter_mut().enumerate() {
-            let d = std::mem::take(d);
-            let tt = &mut self.tags[ti].totals;
-            tt.allocs += d.allocs;
-            tt.frees += d.frees;
-            tt.live = tt.live.wrapping_add_signed(d.live);
-            tt.allocated_blocks = tt.allocated_blocks.wrapping_add_signed(d.blocks);
-        }
-    }
-
-    /// A block out of its cache, back in the shared tables: live, or free in its bin.
-    fn put_back(&mut self, h: Held) {
+    /// A block out of its cache, back in the shared tables: live (its bytes move from the
+    /// cache's `shares` to the shared figures), or free in its bin.
+    fn put_back(&mut self, h: Held, shares: &mut Shares) {
         let b = &mut self.blocks[h.id as usize];
         b.stream = h.stream;
         if h.live {
             b.state = BlockState::Live;
             b.requested = h.requested;
+            let bytes = &mut self.totals.bytes;
+            bytes
+                .requested
+                .take_live(&mut shares.requested, h.requested);
+            bytes.blocks.take_live(&mut shares.blocks, h.size);
+            let tag = &mut self.tags[h.ti as usize].totals.allocated;
+            tag.take_live(&mut shares.tags[h.ti as usize], h.requested);
         } else {
             b.state = BlockState::Free;
             let counter = b.counter as usize;
@@ -317,10 +337,16 @@ impl State {
 
     /// If block `id` is held by a thread cache, moves it back to the shared tables (the cache's
     /// counts folded first, so the shared figures cover its allocation).
+    #[inline]
     pub(super) fn reclaim(&mut self, id: u32) {
-        let BlockState::Cached(slot) = self.blocks[id as usize].state else {
-            return;
-        };
+        if let BlockState::Cached(slot) = self.blocks[id as usize].state {
+            self.reclaim_cached(id, slot);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn reclaim_cached(&mut self, id: u32, slot: u32) {
         let Some(cache) = self.caches.get(slot as usize).cloned().flatten() else {
             return;
         };
@@ -328,8 +354,7 @@ impl State {
         self.fold(&mut data);
         let ptr = self.blocks[id as usize].ptr;
         if let Some(h) = data.take(ptr) {
-            drop(data);
-            self.put_back(h);
+            self.put_back(h, &mut data.shares);
         }
     }
 
@@ -411,7 +436,7 @@ impl State {
         for ptr in ptrs {
             if let Some(h) = data.held.remove(&ptr) {
                 data.free_bytes -= h.size;
-                self.put_back(h);
+                self.put_back(h, &mut data.shares);
             }
         }
     }
@@ -468,71 +493,6 @@ impl State {
     }
 }
 
-/// Every cache's blocks, for the invariant checker: (slot, block) pairs, each free one checked
-/// to sit in exactly one magazine of its tag, class and stream, within the bounds.
-pub(super) fn cached_blocks(
-    caches: &[(u32, MutexGuard<'_, CacheData>)],
-) -> std::result::Result<Vec<(u32, Held)>, String> {
-    let mut out = Vec::new();
-    for (slot, data) in caches {
-        let mut free_bytes = 0;
-        let mut free = 0;
-        for (&ptr, h) in &data.held {
-            let n: usize = data
-                .mags
-                .iter()
-                .filter(|m| m.stream == h.stream && m.class == h.class && m.tag == h.tag)
-                .map(|m| m.free.iter().filter(|&&p| p == ptr).count())
-                .sum();
-            if n != usize::from(!h.live) {
-                return Err(format!(
-                    "cache {slot}: block {ptr:#x} (live: {}) in {n} magazines",
-                    h.live
-                ));
-            }
-            if !h.live {
-                free_bytes += h.size;
-                free += 1;
-            }
-            out.push((*slot, *h));
-        }
-        let in_mags: usize = data.mags.iter().map(|m| m.free.len()).sum();
-        if in_mags != free {
-            return Err(format!("cache {slot}: magazines hold unknown blocks"));
-        }
-        if free_bytes != data.free_bytes
-            || free_bytes > CACHE_FREE_BYTES
-            || data.mags.iter().any(|m| m.free.len() > MAGAZINE_BLOCKS)
-        {
-            return Err(format!("cache {slot}: over its bounds or miscounted"));
-        }
-    }
-    Ok(out)
-}
-
-/// Counts the caches have not folded yet: (total, by tag index).
-pub(super) fn cache_deltas(
-    caches: &[(u32, MutexGuard<'_, CacheData>)],
-    tags: usize,
-) -> (Deltas, Vec<Deltas>) {
-    let mut total = Deltas::default();
-    let mut by_tag = vec![Deltas::default(); tags];
-    for (_, data) in caches {
-        add(&mut total, &data.total);
-        for (ti, d) in data.tags.iter().enumerate() {
-            add(&mut by_tag[ti], d);
-        }
-    }
-    (total, by_tag)
-}
-
-fn add(to: &mut Deltas, d: &Deltas) {
-    to.allocs += d.allocs;
-    to.frees += d.frees;
-    to.live += d.live;
-    to.blocks += d.blocks;
-}
-
 impl CachingAllocator {
     /// The fast path of a small allocation: a pop from this thread's magazine.
     #[inline]
@@ -543,9 +503,11 @@ impl CachingAllocator {
         stream: StreamHandle,
         tag: TagId,
     ) -> Option<DevicePtr> {
-        let bytes = &*self.bytes;
         with_cache(self.id, |c| {
-            c.data.lock().alloc(size, class, stream, tag, bytes)
+            match c.data.lock().alloc(size, class, stream, tag, false) {
+                Pop::Hit(ptr) => Some(ptr),
+                Pop::Empty | Pop::NoRoom => None,
+            }
         })
         .flatten()
     }
@@ -553,8 +515,7 @@ impl CachingAllocator {
     /// The fast path of a free: a push to this thread's magazine.
     #[inline]
     pub(super) fn cached_free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<bool> {
-        let bytes = &*self.bytes;
-        match with_cache(self.id, |c| c.data.lock().free(ptr, stream, bytes)) {
+        match with_cache(self.id, |c| c.data.lock().free(ptr, stream)) {
             Some(FastFree::Done) => Ok(true),
             Some(FastFree::DoubleFree) => Err(Error::DoubleFree(ptr)),
             Some(FastFree::Shared) | None => Ok(false),
@@ -587,10 +548,17 @@ impl CachingAllocator {
         if let Some(ti) = awake {
             let mut data = cache.data.lock();
             st.refill(&cache, &mut data, ti, class, stream);
-            if let Some(ptr) = data.alloc(size, class, stream, tag, &self.bytes) {
-                return Ok(ptr);
+            match data.alloc(size, class, stream, tag, false) {
+                Pop::Hit(ptr) => return Ok(ptr),
+                Pop::NoRoom => {
+                    drop(data);
+                    let request = (size, class, stream, tag);
+                    if let Some(ptr) = st.alloc_settling(&cache, ti, request) {
+                        return Ok(ptr);
+                    }
+                }
+                Pop::Empty => st.return_other_streams(&mut data, ti, class, stream),
             }
-            st.return_other_streams(&mut data, ti, class, stream);
         }
         let ptr = self.allocate_shared(&mut st, size, class, stream, tag)?;
         if let Some(ti) = st
