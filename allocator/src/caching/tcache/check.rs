@@ -14,12 +14,12 @@ pub(in crate::caching) fn cached_blocks(
     for (slot, data) in caches {
         let mut free_bytes = 0;
         let mut free = 0;
-        for (&ptr, h) in &data.held {
+        for (ptr, h) in data.held.iter() {
             let n: usize = data
                 .mags
                 .iter()
                 .filter(|m| m.stream == h.stream && m.class == h.class && m.tag == h.tag)
-                .map(|m| m.free.iter().filter(|&&p| p == ptr).count())
+                .map(|m| m.free.iter().filter(|&&(p, _)| p == ptr).count())
                 .sum();
             if n != usize::from(!h.live) {
                 return Err(format!(
@@ -37,7 +37,7 @@ pub(in crate::caching) fn cached_blocks(
             tags: vec![Headroom::default(); data.shares.tags.len()],
             ..Shares::default()
         };
-        for h in data.held.values().filter(|h| h.live) {
+        for (_, h) in data.held.iter().filter(|(_, h)| h.live) {
             live.requested.live += h.requested;
             live.blocks.live += h.size;
             match live.tags.get_mut(h.ti as usize) {

@@ -35,14 +35,15 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, MutexGuard};
-use rustc_hash::FxHashMap;
 use strata_vmm::{process_is_exiting, DevicePtr, Error, Result, StreamHandle};
 
 use super::stats::Headroom;
 use super::{BlockState, CachingAllocator, Mode, State, TagId};
+use held::HeldBlocks;
 
 mod check;
 mod figures;
+mod held;
 
 pub(super) use check::cached_blocks;
 pub(super) use figures::{cache_deltas, cache_shares, Deltas, Shares};
@@ -87,12 +88,13 @@ struct Magazine {
     tag: TagId,
     class: u16,
     stream: StreamHandle,
-    free: Vec<DevicePtr>,
+    /// Free blocks: address and slot in `held`, the last freed on top.
+    free: Vec<(DevicePtr, u32)>,
 }
 
 #[derive(Default)]
 pub(super) struct CacheData {
-    held: FxHashMap<DevicePtr, Held>,
+    held: HeldBlocks,
     mags: Vec<Magazine>,
     free_bytes: u64,
     /// Index in `mags` of the magazine last used (checked first).
@@ -135,12 +137,10 @@ impl CacheData {
             return Pop::Empty;
         };
         let m = &mut self.mags[mi];
-        let Some(&ptr) = m.free.last() else {
+        let Some(&(ptr, slot)) = m.free.last() else {
             return Pop::Empty;
         };
-        let Some(h) = self.held.get_mut(&ptr) else {
-            return Pop::Empty;
-        };
+        let h = self.held.at(slot);
         if !settling && !self.shares.fit(size, h.size, h.ti as usize) {
             return Pop::NoRoom;
         }
@@ -155,7 +155,7 @@ impl CacheData {
 
     #[inline]
     fn free(&mut self, ptr: DevicePtr, stream: StreamHandle) -> FastFree {
-        let Some(h) = self.held.get_mut(&ptr) else {
+        let Some((slot, h)) = self.held.get_mut(ptr) else {
             return FastFree::Shared;
         };
         if !h.live {
@@ -172,7 +172,7 @@ impl CacheData {
             return FastFree::Shared;
         }
         h.live = false;
-        m.free.push(ptr);
+        m.free.push((ptr, slot));
         self.free_bytes += h.size;
         self.shares.sub(h.requested, h.size, h.ti as usize);
         uncount(&mut self.tags[h.ti as usize], h.size);
@@ -205,7 +205,7 @@ impl CacheData {
 
     /// Removes a block (its magazine entry too, if free).
     fn take(&mut self, ptr: DevicePtr) -> Option<Held> {
-        let h = self.held.remove(&ptr)?;
+        let h = self.held.remove(ptr)?;
         if !h.live {
             self.free_bytes -= h.size;
             if let Some(m) = self
@@ -213,7 +213,7 @@ impl CacheData {
                 .iter_mut()
                 .find(|m| m.stream == h.stream && m.class == h.class && m.tag == h.tag)
             {
-                m.free.retain(|&p| p != ptr);
+                m.free.retain(|&(p, _)| p != ptr);
             }
         }
         Some(h)
@@ -290,14 +290,14 @@ impl State {
         let data = &mut *data;
         let mags = std::mem::take(&mut data.mags);
         for m in mags {
-            for ptr in m.free {
-                if let Some(h) = data.held.remove(&ptr) {
+            for (ptr, _) in m.free {
+                if let Some(h) = data.held.remove(ptr) {
                     self.put_back(h, &mut data.shares);
                     freed += 1;
                 }
             }
         }
-        for (_, h) in data.held.drain() {
+        for h in data.held.drain() {
             self.put_back(h, &mut data.shares);
         }
         data.free_bytes = 0;
@@ -401,20 +401,17 @@ impl State {
         let m = &mut data.mags[mi];
         b.state = BlockState::Cached(cache.slot);
         data.free_bytes += b.size;
-        m.free.push(b.ptr);
-        data.held.insert(
-            b.ptr,
-            Held {
-                id,
-                size: b.size,
-                requested: 0,
-                stream: m.stream,
-                ti: b.tag,
-                tag: m.tag,
-                class: b.class,
-                live: false,
-            },
-        );
+        let held = Held {
+            id,
+            size: b.size,
+            requested: 0,
+            stream: m.stream,
+            ti: b.tag,
+            tag: m.tag,
+            class: b.class,
+            live: false,
+        };
+        m.free.push((b.ptr, data.held.insert(b.ptr, held)));
     }
 
     /// Returns this cache's free blocks of (`ti`, `class`) freed on streams other than
@@ -433,8 +430,8 @@ impl State {
                 ptrs.append(&mut m.free);
             }
         }
-        for ptr in ptrs {
-            if let Some(h) = data.held.remove(&ptr) {
+        for (ptr, _) in ptrs {
+            if let Some(h) = data.held.remove(ptr) {
                 data.free_bytes -= h.size;
                 self.put_back(h, &mut data.shares);
             }
@@ -478,7 +475,7 @@ impl State {
         };
         let cache = self.caches.get(slot as usize)?.as_ref()?;
         let data = cache.data.lock();
-        let h = data.held.get(&self.blocks[id as usize].ptr)?;
+        let h = data.held.get(self.blocks[id as usize].ptr)?;
         h.live.then_some((h.requested, h.tag))
     }
 
