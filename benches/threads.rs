@@ -10,17 +10,20 @@
 //! (`thread_cache: true`, the default) and with them off (`STRATA_THREAD_CACHE=0`), where every
 //! pair takes the allocator's one lock.
 //!
+//! Also a handoff: blocks allocated on one thread and freed on another (`4KiB_handoff`).
+//!
 //! Run: `cargo bench --bench threads` (STRATA_BACKEND=cuda on a GPU machine). On a shared
 //! machine compare the lines of one run, not runs.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use strata::allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
-use strata::vmm::{self, StreamHandle};
+use strata::vmm::{self, DevicePtr, StreamHandle};
 
 const SIZE: u64 = 4 << 10;
 
@@ -78,6 +81,36 @@ impl<'a> Crew<'a> {
     }
 }
 
+/// Blocks per batch in [`handoff`].
+const HANDOFF_BATCH: usize = 64;
+
+/// Wall time for `pairs` blocks allocated on this thread and freed on another, in batches of
+/// [`HANDOFF_BATCH`] sent through a channel, both on `stream`: a pipeline whose consumer frees
+/// what its producer allocated (an autograd thread, a detokenizer). With thread caches every
+/// such free takes the shared path and reclaims the block from the producer's cache.
+fn handoff(caching: &CachingAllocator, stream: StreamHandle, pairs: u64) -> Duration {
+    let batches = pairs.div_ceil(HANDOFF_BATCH as u64);
+    let (to_consumer, batches_in) = sync_channel::<Vec<DevicePtr>>(2);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for batch in batches_in {
+                for p in batch {
+                    caching.deallocate(p, stream).expect("deallocate");
+                }
+            }
+        });
+        for _ in 0..batches {
+            let batch = (0..HANDOFF_BATCH)
+                .map(|_| caching.allocate(black_box(SIZE), stream).expect("allocate"))
+                .collect();
+            to_consumer.send(batch).expect("send");
+        }
+        drop(to_consumer);
+    });
+    start.elapsed()
+}
+
 fn bench(c: &mut Criterion) {
     let backend = vmm::from_env().expect("backend");
     let streams: Vec<StreamHandle> = (0..8)
@@ -116,6 +149,10 @@ fn bench(c: &mut Criterion) {
                 crew.dismiss();
             });
         }
+        // Threads started per round here: a round is many batches, so their start is noise.
+        group.bench_function("4KiB_handoff", |b| {
+            b.iter_custom(|pairs| handoff(&caching, streams[0], pairs))
+        });
         group.finish();
     }
     for s in streams {
