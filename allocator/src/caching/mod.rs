@@ -572,6 +572,9 @@ impl CachingAllocator {
             return Err(st.unknown_pointer(ptr));
         };
         if self.thread_cache {
+            if let Some(done) = st.free_in_owner(id, ptr, stream) {
+                return done;
+            }
             st.reclaim(id);
         }
         let b = &mut st.blocks[id as usize];

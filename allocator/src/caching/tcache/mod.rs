@@ -358,6 +358,27 @@ impl State {
         }
     }
 
+    /// A free of block `id` (at `ptr`) from a thread other than the one whose cache handed it
+    /// out: done in that cache, under its lock, as its own thread's free would be (the block
+    /// goes back to that cache's magazine of its stream). `None` when that free would take the
+    /// shared path (another stream, a full magazine) or the block is not a cache's.
+    pub(super) fn free_in_owner(
+        &mut self,
+        id: u32,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Option<Result<()>> {
+        let BlockState::Cached(slot) = self.blocks[id as usize].state else {
+            return None;
+        };
+        let cache = self.caches.get(slot as usize)?.as_ref()?;
+        match cache.data.lock().free(ptr, stream) {
+            FastFree::Done => Some(Ok(())),
+            FastFree::DoubleFree => Some(Err(Error::DoubleFree(ptr))),
+            FastFree::Shared => None,
+        }
+    }
+
     /// Moves free blocks of (`ti`, `class`) freed on `stream` from the shared bin into
     /// `cache`'s magazine, up to half a magazine (and the cache's byte bound).
     fn refill(
