@@ -8,9 +8,11 @@
 //!
 //! - **Finding blocks.** Every block a cache holds (free in a magazine, or live after the
 //!   cache handed it out) stays in the shared block table as [`BlockState::Cached`] with its
-//!   cache's slot, so a free, `size_of`, `tag_of` or `record_stream` from any thread finds it:
-//!   under the allocator's lock it *reclaims* the block from its cache (the lock order is
-//!   always the allocator's lock, then a cache's), and goes on as before.
+//!   cache's slot, so a free, `size_of`, `tag_of` or `record_stream` from any thread finds it
+//!   under the allocator's lock (the lock order is always the allocator's lock, then a
+//!   cache's). A free from another thread on the block's own stream is done in its cache, as
+//!   the owner's free would be ([`State::free_in_owner`]); anything else *reclaims* the block
+//!   from its cache and goes on as before.
 //! - **Streams.** A magazine only serves the stream its blocks were freed on; a free on another
 //!   stream, or of a block used on other streams (`record_stream` reclaims it first), takes the
 //!   shared path with its events. Blocks reach magazines only from the shared bins of their
