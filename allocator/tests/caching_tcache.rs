@@ -195,6 +195,50 @@ fn other_threads_free_and_look_up_cached_blocks() {
     }
 }
 
+/// A free from another thread, on the block's own stream, puts the block back in the cache
+/// that handed it out (reused there first, last freed first), not in the shared bins.
+#[test]
+fn a_free_from_another_thread_goes_back_to_the_owners_cache() {
+    let e = env_cache(true);
+    let s1 = e.backend.stream_create(0).unwrap();
+    // Channels, not barriers: a thread that fails drops its end and the other one stops too.
+    let (handed_tx, handed_rx) = std::sync::mpsc::channel::<u64>();
+    let (freed_tx, freed_rx) = std::sync::mpsc::channel::<()>();
+    let again = std::thread::scope(|scope| {
+        let e = &e;
+        let owner = scope.spawn(move || {
+            warm(e, s1, &[(4096, 3)]);
+            let handed = e.alloc.allocate_tagged(4096, s1, 3).unwrap();
+            let kept = e.alloc.allocate_tagged(4096, s1, 3).unwrap();
+            e.alloc.deallocate(kept, s1).unwrap(); // the top of this thread's magazine
+            handed_tx.send(handed).unwrap();
+            freed_rx.recv().unwrap();
+            let again = e.alloc.allocate_tagged(4096, s1, 3).unwrap();
+            e.alloc.deallocate(again, s1).unwrap();
+            (handed, again)
+        });
+        let handed = handed_rx.recv().unwrap();
+        e.alloc.deallocate(handed, s1).unwrap();
+        assert!(matches!(
+            e.alloc.deallocate(handed, s1),
+            Err(Error::DoubleFree(_))
+        ));
+        consistent(e, "freed into its owner's cache");
+        freed_tx.send(()).unwrap();
+        owner.join().unwrap()
+    });
+    assert_eq!(
+        again.1, again.0,
+        "the block freed elsewhere is on top of its owner's cache"
+    );
+    consistent(&e, "after");
+    let s = e.alloc.stats();
+    assert_eq!((s.live_allocations, s.allocated_bytes), (0, 0));
+    assert_eq!(s.counts.allocs, s.counts.frees);
+    assert_eq!(s.tag(3).unwrap().peak_allocated_bytes, 2 * 4096);
+    e.backend.stream_destroy(s1).unwrap();
+}
+
 #[test]
 fn record_stream_from_another_thread_holds_the_free() {
     for on in [true, false] {

@@ -126,7 +126,7 @@ pub struct CachingConfig {
     /// on, unless the environment sets `STRATA_THREAD_CACHE=0`. Threads that allocate at once
     /// then share no lock and no cache line (two threads: 0.57x one thread's time per pair in
     /// aggregate on the 2-vCPU development machine, against 1.2x with one lock); one thread
-    /// pays ~100 instructions more per pair (BENCHMARKS.md). Each thread holds up to 4 MiB of
+    /// pays ~80 instructions more per pair (BENCHMARKS.md). Each thread holds up to 4 MiB of
     /// free small blocks that other threads reach only through `empty_cache`, sleep, out of
     /// memory and the like.
     pub thread_cache: bool,
