@@ -177,6 +177,86 @@ fn out_of_memory_takes_pages_ahead_back_first() {
     ok(&space);
 }
 
+/// Writes `byte` over page `page` of `slot` in every tensor.
+fn fill_page(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, page: usize, byte: u8) {
+    for layer in 0..space.config().layers {
+        for kind in [Kind::K, Kind::V] {
+            let va = space.slot_ptr(slot, layer, kind).unwrap() + page as u64 * space.page_size();
+            backend
+                .write(va, &vec![byte; space.page_size() as usize])
+                .expect("a page below the extent is writable");
+        }
+    }
+}
+
+/// Page `page` of `slot` holds `byte` throughout, in every tensor.
+fn page_holds(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, page: usize, byte: u8) {
+    for layer in 0..space.config().layers {
+        for kind in [Kind::K, Kind::V] {
+            let va = space.slot_ptr(slot, layer, kind).unwrap() + page as u64 * space.page_size();
+            let bytes = read_bytes(backend, va, space.page_size());
+            assert!(
+                bytes.iter().all(|&b| b == byte),
+                "page {page} of layer {layer} {kind:?} holds {byte}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rows_a_grow_took_from_the_mapper_are_filed_in_place_before_the_tables_change() {
+    // A grow that ready rows cover leaves them with the mapper, owed to the tables; evict,
+    // a grow the mapper cannot cover, shrink, free and drop file them first. Filing at the
+    // wrong pages, twice or not at all breaks the layout check, the bytes or the page count.
+    let Some((backend, pool)) = rig(None) else {
+        return;
+    };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(ROW as usize).unwrap();
+    let slot = space.admit().unwrap();
+    for (page, tokens) in [(0, 4), (1, 8), (2, 12)] {
+        wait_ahead(&space, ROW);
+        space.grow(slot, tokens).unwrap();
+        ok(&space);
+        fill_page(&space, &backend, slot, page, 0x10 + page as u8);
+    }
+    assert_eq!(space.stats().pages_from_ahead, 3 * ROW);
+    space.evict_page(slot, 1).unwrap();
+    ok(&space);
+    page_holds(&space, &backend, slot, 0, 0x10);
+    page_holds(&space, &backend, slot, 2, 0x12);
+    space.restore_page(slot, 1).unwrap();
+    fill_page(&space, &backend, slot, 1, 0x11);
+    // Owed rows again, then a grow of 4 pages that one row ahead cannot cover.
+    wait_ahead(&space, ROW);
+    space.grow(slot, 16).unwrap();
+    wait_ahead(&space, ROW);
+    space.grow(slot, 32).unwrap();
+    ok(&space);
+    for page in 0..3 {
+        page_holds(&space, &backend, slot, page, 0x10 + page as u8);
+    }
+    fill_page(&space, &backend, slot, 7, 0x17);
+    space.shrink(slot, 8).unwrap();
+    ok(&space);
+    assert_eq!(space.stats().pages_mapped, 2 * ROW);
+    wait_ahead(&space, ROW);
+    space.grow(slot, 12).unwrap();
+    space.free(slot).unwrap();
+    ok(&space);
+    let again = space.admit().unwrap();
+    page_holds(&space, &backend, again, 0, 0x10);
+    page_holds(&space, &backend, again, 1, 0x11);
+    wait_ahead(&space, ROW);
+    space.grow(again, 16).unwrap();
+    drop(space);
+    assert_eq!(
+        pool.stats().in_use,
+        0,
+        "every page went back with the space"
+    );
+}
+
 #[test]
 fn a_grow_of_several_rows_is_refilled_by_one_job() {
     let Some((_, pool)) = rig(None) else { return };

@@ -174,6 +174,9 @@ struct Slot {
     mapped: usize,
     /// Admitted from the deferred list: may hold more pages than its tokens need, until a shrink.
     reused: bool,
+    /// Rows at the top of the extent (`mapped - owed..mapped`) that grows took from the
+    /// background mapper and the tables have not filed yet (see "Filing" in `kv/ahead.rs`).
+    owed: usize,
 }
 
 /// KV-cache virtual tensors for `max_slots` requests of up to `max_tokens` tokens, `layers`
@@ -321,6 +324,7 @@ impl KvSpace {
                     tokens: 0,
                     mapped: 0,
                     reused: false,
+                    owed: 0,
                 },
             )?,
             holes: try_vec(config.max_slots as usize, BTreeSet::new())?,
@@ -711,6 +715,7 @@ impl KvSpace {
             )));
         }
         let need = self.pages_for(tokens);
+        self.file_owed(index);
         // The tables give their pages up before the mapper's extent moves down to `need`: the
         // mapper claims rows from its extent on (see `kv/ahead.rs`).
         let result = self.unback_slot(index, need, current.mapped);
@@ -816,7 +821,11 @@ impl Drop for KvSpace {
             }
             return;
         }
-        // The mapper first: it stops and unmaps what it holds before the tables go.
+        // The mapper first: the tables file what they owe it, then it stops and unmaps what it
+        // holds before the tables go.
+        for index in 0..self.slots.len() {
+            self.file_owed(index);
+        }
         drop(self.ahead.take());
         let mut returned = Vec::new();
         let mut first_err = None;
