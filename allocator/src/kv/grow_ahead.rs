@@ -18,14 +18,14 @@ impl KvSpace {
     /// many rows (one page in every tensor) as the slot's recent growth rate calls for, at most
     /// `budget_pages` pages in all; a grow then publishes mapped pages with no driver call and,
     /// while growth is steady, no syscall (the mapper polls instead of being woken). See the
-    /// design in `kv/ahead.rs`: pages ahead belong to their slot (counted in
+    /// design in `kv/ahead/mod.rs`: pages ahead belong to their slot (counted in
     /// [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and the pool's `in_use`), go back
     /// first when the pool is out of memory, and no lock is held across a wait on the mapper.
     ///
     /// With a zero page, the mapper lifts it off a row before mapping fresh pages there and lays
     /// it back behind any row it gives up unpublished; a row past a slot's extent has no mapping
     /// while its job runs (the driver has no atomic remap): see "The swap window" in
-    /// `kv/ahead.rs` before turning it on for kernels that read past the extent.
+    /// `kv/ahead/mod.rs` before turning it on for kernels that read past the extent.
     ///
     /// A budget below one row (`2 × layers` pages) or a mapper already running is
     /// [`Error::InvalidArgument`].

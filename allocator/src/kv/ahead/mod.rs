@@ -120,7 +120,11 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use strata_vmm::{DevicePtr, Location, PhysicalMemory, Reservation};
 use strata_vmm::{Result, Stream};
 
-use super::ahead_zero::{ZeroCalls, ZeroPage};
+mod check;
+mod plan;
+mod zero;
+
+use zero::{ZeroCalls, ZeroPage};
 
 use crate::mapped::MappedPage;
 use crate::pool::PagePool;
@@ -166,10 +170,10 @@ pub(super) struct AheadCounters {
 
 /// Rows `row..row + rows` of a slot, claimed by the mapper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Job {
-    pub(super) slot: usize,
-    pub(super) row: usize,
-    pub(super) rows: usize,
+struct Job {
+    slot: usize,
+    row: usize,
+    rows: usize,
     epoch: u64,
 }
 
@@ -232,14 +236,14 @@ pub(super) struct Shared {
     wake: Condvar,
     /// Callers wait here for the in-flight job to land.
     landed: Condvar,
-    pub(super) pool: Arc<PagePool>,
-    pub(super) reservations: Vec<Arc<Reservation>>,
-    pub(super) location: Location,
-    pub(super) page: u64,
+    pool: Arc<PagePool>,
+    reservations: Vec<Arc<Reservation>>,
+    location: Location,
+    page: u64,
     pages_per_slot: usize,
     /// The space's zero page, lifted off a row before it is mapped and laid back when a row is
     /// given up unpublished.
-    pub(super) zero: Option<ZeroPage>,
+    zero: Option<ZeroPage>,
 }
 
 /// The mapper of one space: its thread and the state it shares with the space.
@@ -472,87 +476,6 @@ impl MapAhead {
     pub(super) fn counters(&self) -> AheadCounters {
         self.shared.state.lock().counters
     }
-
-    /// Runs `check` with the mapper idle (no job in flight, none claimed until it returns) on
-    /// the pages held ahead and the addresses they must have; `owed` gives the rows the space
-    /// counts as owed by each slot. Returns `check`'s result.
-    pub(super) fn settled<R>(
-        &self,
-        owed: impl Fn(usize) -> usize,
-        check: impl FnOnce(usize) -> R,
-    ) -> std::result::Result<R, String> {
-        let mut g = self.shared.state.lock();
-        while g.in_flight.is_some() {
-            self.shared.landed.wait(&mut g);
-        }
-        self.check_rows(&g, owed)?;
-        Ok(check(g.held))
-    }
-
-    fn check_rows(
-        &self,
-        g: &MutexGuard<'_, State>,
-        owed: impl Fn(usize) -> usize,
-    ) -> std::result::Result<(), String> {
-        if let Some(overlap) = &g.overlap {
-            return Err(format!(
-                "the mapper mapped over pages it did not own: {overlap}"
-            ));
-        }
-        for (i, s) in g.slots.iter().enumerate() {
-            if s.owed.len() != owed(i) {
-                return Err(format!(
-                    "slot {i} owes {} rows to the space, which counts {}",
-                    s.owed.len(),
-                    owed(i)
-                ));
-            }
-            if !s.active && !s.owed.is_empty() {
-                return Err(format!("slot {i} is not active but owes rows"));
-            }
-            let first = s.extent.checked_sub(s.owed.len()).ok_or_else(|| {
-                format!(
-                    "slot {i} owes {} rows below an extent of {}",
-                    s.owed.len(),
-                    s.extent
-                )
-            })?;
-            for (k, row) in s.owed.iter().enumerate() {
-                for (t, mapped) in row.iter().enumerate() {
-                    if mapped.mapping.va() != self.shared.va(t, i, first + k) {
-                        return Err(format!("slot {i}: owed row {k} of tensor {t} misplaced"));
-                    }
-                }
-            }
-        }
-        let mut ready = 0;
-        for (i, s) in g.slots.iter().enumerate() {
-            if !s.active && !s.ready.is_empty() {
-                return Err(format!("slot {i} is not active but has rows ahead"));
-            }
-            for (k, row) in s.ready.iter().enumerate() {
-                for (t, mapped) in row.iter().enumerate() {
-                    if mapped.mapping.va() != self.shared.va(t, i, s.extent + k) {
-                        return Err(format!("slot {i}: ahead row {k} of tensor {t} misplaced"));
-                    }
-                }
-                ready += row.len();
-            }
-        }
-        if ready != g.held || ready as u64 != g.counters.pages_ready {
-            return Err(format!(
-                "{ready} pages ready ahead but {} held, {} counted",
-                g.held, g.counters.pages_ready
-            ));
-        }
-        if ready > g.budget {
-            return Err(format!(
-                "{ready} pages ready ahead, over the budget of {}",
-                g.budget
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl Drop for MapAhead {
@@ -584,121 +507,8 @@ impl AheadCounters {
     }
 }
 
-impl SlotAhead {
-    /// Updates the growth rate with a grow of `rows` rows.
-    fn note_grow(&mut self, rows: usize) {
-        self.held_off = false;
-        if rows == 0 {
-            return;
-        }
-        let now = Instant::now();
-        if let Some(last) = self.last_grow {
-            let dt = now.duration_since(last).as_secs_f64().max(1e-6);
-            let sample = rows as f64 / dt;
-            self.rate = if self.rate == 0.0 {
-                sample
-            } else {
-                0.75 * self.rate + 0.25 * sample
-            };
-        }
-        self.last_grow = Some(now);
-        self.last_rows = rows;
-    }
-
-    /// Active, refilled, and grown within [`IDLE_AFTER`] (or eight of its intervals).
-    fn is_growing(&self, now: Instant) -> bool {
-        let Some(last) = self.last_grow.filter(|_| self.active && !self.held_off) else {
-            return false;
-        };
-        let idle = if self.rate > 0.0 {
-            IDLE_AFTER.max(Duration::from_secs_f64((8.0 / self.rate).min(60.0)))
-        } else {
-            IDLE_AFTER
-        };
-        now.duration_since(last) < idle
-    }
-}
-
-impl State {
-    /// Sizes every slot's rows ahead from its growth rate; returns how long the mapper may
-    /// wait before it looks again (`None`: nothing grows, it parks until woken).
-    fn plan(&mut self, now: Instant) -> Option<Duration> {
-        let (mut growing, mut fastest) = (0usize, 0.0f64);
-        for s in &self.slots {
-            if s.is_growing(now) {
-                growing += 1;
-                // A rate not measured yet (one grow so far) is taken as fast.
-                fastest = f64::max(fastest, if s.rate > 0.0 { s.rate } else { UNKNOWN_RATE });
-            }
-        }
-        let recent = self
-            .last_grow
-            .is_some_and(|t| now.duration_since(t) < IDLE_AFTER);
-        if growing == 0 && recent {
-            // Between one request and the next in its slot: as for a new one.
-            fastest = UNKNOWN_RATE;
-        }
-        let poll =
-            Duration::from_secs_f64((0.25 / fastest.max(1e-3)).min(1.0)).clamp(POLL_MIN, POLL_MAX);
-        let job_secs = if self.job_secs > 0.0 {
-            self.job_secs
-        } else {
-            JOB_SECS_GUESS
-        };
-        // Twice the time the mapper may take to notice a grow and refill every growing slot.
-        let lead = 2.0 * (poll.as_secs_f64() + growing as f64 * job_secs);
-        for s in &mut self.slots {
-            s.want = if !s.active || s.held_off {
-                0
-            } else if s.is_growing(now) {
-                let consumed = (s.rate * lead).ceil() as usize;
-                (consumed + 1).max(s.last_rows)
-            } else {
-                s.last_rows.max(1)
-            };
-        }
-        (growing > 0 || recent).then_some(poll)
-    }
-
-    /// The next job: the active slot with the fewest ready rows short of its want (round robin
-    /// among equals), up to [`MAX_BATCH`] rows, within the budget.
-    fn next_job(&mut self, tensors: usize, pages_per_slot: usize) -> Option<Job> {
-        let room = self.budget.saturating_sub(self.held) / tensors;
-        if room == 0 {
-            return None;
-        }
-        let n = self.slots.len();
-        let mut best: Option<usize> = None;
-        for k in 0..n {
-            let i = (self.cursor + k) % n;
-            let s = &self.slots[i];
-            let short = s.active
-                && !s.unmapping
-                && s.ready.len() < s.want
-                && s.extent + s.ready.len() < pages_per_slot;
-            if short && best.is_none_or(|b| s.ready.len() < self.slots[b].ready.len()) {
-                best = Some(i);
-            }
-        }
-        let i = best?;
-        self.cursor = (i + 1) % n;
-        let s = &self.slots[i];
-        let row = s.extent + s.ready.len();
-        let rows = (s.want - s.ready.len())
-            .min(MAX_BATCH)
-            .min(room)
-            .min(pages_per_slot - row);
-        Some(Job {
-            slot: i,
-            row,
-            rows,
-            epoch: s.epoch,
-        })
-    }
-}
-
 impl Shared {
-    pub(super) fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
+    fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
         self.reservations[tensor].ptr() + (slot * self.pages_per_slot + row) as u64 * self.page
     }
 
