@@ -182,6 +182,8 @@ fn peaks_are_exact_when_threads_take_turns() {
             (s.live_allocations, s.counts.allocs, s.counts.frees),
             (1, 35, 34)
         );
+        // Each new peak past the caches' headroom was settled with every cache locked.
+        assert_eq!(s.counts.thread_cache_settles > 0, on, "caches {on}");
         consistent(&e, "after the turns");
     }
 }
