@@ -5,9 +5,12 @@
 //! already mapped (recycled slots, no mapper): the same loop's floor on this machine.
 //!
 //! Run: `STRATA_HOST_LATENCY=h200 cargo bench --bench kv_append` (options: `-- --rounds N`,
-//! default 400; `--gap-us U`, the step gap, default 500; `--zero-page`, spaces with the zero page
-//! behind their tails, as `strata_kv_create` makes them). The host backend charges the profile's
-//! per-call costs (`strata-latency`); a 64 KiB granule keeps the memory small (costs are per call).
+//! default 400, 150 with `--quick`; `--gap-us U`, the step gap, default 5000; `--zero-page`, spaces with the
+//! zero page behind their tails, as `strata_kv_create` makes them). Without `--gap-us` and
+//! `--zero-page` it prints four tables: 5 ms and 2 ms gaps, each without and with the zero page
+//! (what `.ci/gpu-run`'s bench part records on a GPU in one call). The host backend charges the
+//! profile's per-call costs (`strata-latency`); a 64 KiB granule keeps the memory small (costs
+//! are per call). On the CUDA backend (`STRATA_BACKEND=cuda`) pages are the driver's granule.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,26 +107,34 @@ fn run(pool: &Arc<PagePool>, mode: Mode, rounds: usize, gap: Duration, zero_page
 }
 
 fn main() {
-    let (mut rounds, mut gap_us, mut zero_page) = (400usize, 500u64, false);
+    let (mut rounds, mut gap_us, mut zero_page, mut quick) = (None, None, false, false);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--rounds" => {
-                rounds = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("--rounds N")
+                rounds = Some(
+                    args.next()
+                        .and_then(|v| v.parse().ok())
+                        .expect("--rounds N"),
+                )
             }
             "--gap-us" => {
-                gap_us = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("--gap-us U")
+                gap_us = Some(
+                    args.next()
+                        .and_then(|v| v.parse().ok())
+                        .expect("--gap-us U"),
+                )
             }
             "--zero-page" => zero_page = true,
+            "--quick" => quick = true,
             _ => {} // cargo bench passes --bench
         }
     }
+    let rounds = rounds.unwrap_or(if quick { 150 } else { 400 });
+    let cases: Vec<(u64, bool)> = match gap_us {
+        None if !zero_page => vec![(5000, false), (5000, true), (2000, false), (2000, true)],
+        gap => vec![(gap.unwrap_or(5000), zero_page)],
+    };
     let backend = vmm::host_or_cuda(HostConfig {
         devices: vec![4 << 30],
         granularity: 64 << 10,
@@ -147,45 +158,48 @@ fn main() {
         },
     )
     .expect("pool");
-    let row = 2 * LAYERS as usize;
-    println!(
-        "backend {}, latency profile {profile}; {LAYERS} layers ({row} pages a row), {SLOTS} \
-         requests, one fresh row per append, {rounds} rounds, {gap_us} µs between rounds, zero \
-         page {}",
-        backend.kind(),
-        if zero_page { "on" } else { "off" }
-    );
-    println!(
-        "| mapper | appends | mean µs | p50 µs | p95 µs | p99 µs | max µs | over 5 µs | pages \
-         from ahead | mapper wake-ups | run s |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    let modes = [
-        ("off", Mode::Off),
-        ("on", Mode::On(4 * SLOTS as usize * row)),
-        ("recycled (floor)", Mode::Recycled),
-    ];
-    for (name, mode) in modes {
-        let r = run(
-            &pool,
-            mode,
-            rounds,
-            Duration::from_micros(gap_us),
-            zero_page,
-        );
-        let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
+    for (gap_us, zero_page) in cases {
+        let row = 2 * LAYERS as usize;
         println!(
-            "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {} | {:.3} |",
-            r.grows.len(),
-            quantile(&r.grows, 0.5),
-            quantile(&r.grows, 0.95),
-            quantile(&r.grows, 0.99),
-            quantile(&r.grows, 1.0),
-            r.grows.iter().filter(|d| d.as_micros() > 5).count(),
-            r.from_ahead,
-            r.pages,
-            r.wakeups,
-            r.wall.as_secs_f64()
+            "backend {}, latency profile {profile}; {LAYERS} layers ({row} pages a row), {SLOTS} \
+             requests, one fresh row per append, {rounds} rounds, {gap_us} µs between rounds, zero \
+             page {}",
+            backend.kind(),
+            if zero_page { "on" } else { "off" }
         );
+        println!(
+            "| mapper | appends | mean µs | p50 µs | p95 µs | p99 µs | max µs | over 5 µs | pages \
+             from ahead | mapper wake-ups | run s |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        let modes = [
+            ("off", Mode::Off),
+            ("on", Mode::On(4 * SLOTS as usize * row)),
+            ("recycled (floor)", Mode::Recycled),
+        ];
+        for (name, mode) in modes {
+            let r = run(
+                &pool,
+                mode,
+                rounds,
+                Duration::from_micros(gap_us),
+                zero_page,
+            );
+            let mean = r.grows.iter().sum::<Duration>().as_secs_f64() * 1e6 / r.grows.len() as f64;
+            println!(
+                "| {name} | {} | {mean:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} of {} | {} | {:.3} |",
+                r.grows.len(),
+                quantile(&r.grows, 0.5),
+                quantile(&r.grows, 0.95),
+                quantile(&r.grows, 0.99),
+                quantile(&r.grows, 1.0),
+                r.grows.iter().filter(|d| d.as_micros() > 5).count(),
+                r.from_ahead,
+                r.pages,
+                r.wakeups,
+                r.wall.as_secs_f64()
+            );
+        }
+        println!();
     }
 }

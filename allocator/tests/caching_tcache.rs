@@ -1,22 +1,68 @@
-//! The per-thread caches of small blocks (`caching/tcache.rs`): exact peaks when threads take
+//! The per-thread caches of small blocks (`caching/tcache/`): exact peaks when threads take
 //! turns, frees, `size_of`, `tag_of` and `record_stream` from other threads, stream-ordered
 //! reuse, `empty_cache` reclaiming other threads' cached blocks, a thread's exit returning its
 //! cache, and a random walk with cross-thread frees, `record_stream` and a flush at each
-//! barrier, its stats exact against a model. Each runs with the caches on and off
-//! (`CachingConfig::thread_cache`, `STRATA_THREAD_CACHE`): the figures must not differ.
+//! barrier, its stats exact against a model. A thread whose check fails ends the test: the
+//! others fail at the next barrier ([`Meet`]) or turn instead of waiting forever. Each runs
+//! with the caches on and off (`CachingConfig::thread_cache`, `STRATA_THREAD_CACHE`): the
+//! figures must not differ.
 
 mod common;
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Barrier, Mutex};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use strata_allocator::{CachingConfig, TagId};
 use strata_vmm::{Error, StreamHandle};
+
+/// How long a thread waits for the others at a [`Meet`] or for its turn before the test fails:
+/// far beyond any step here, so only a thread that failed (or a deadlock) reaches it.
+const STUCK_AFTER: Duration = Duration::from_secs(60);
+
+/// A barrier that fails the test instead of hanging it when a thread never arrives (its check
+/// failed, so it panicked before the barrier).
+struct Meet {
+    n: usize,
+    /// Threads arrived in this round, and the round.
+    state: Mutex<(usize, u64)>,
+    all_here: Condvar,
+}
+
+impl Meet {
+    fn new(n: usize) -> Self {
+        Meet {
+            n,
+            state: Mutex::new((0, 0)),
+            all_here: Condvar::new(),
+        }
+    }
+
+    fn wait(&self) {
+        let mut g = self.state.lock().unwrap();
+        let round = g.1;
+        g.0 += 1;
+        if g.0 == self.n {
+            *g = (0, round + 1);
+            self.all_here.notify_all();
+            return;
+        }
+        let deadline = Instant::now() + STUCK_AFTER;
+        while g.1 == round {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "a thread never reached the barrier (it failed?)"
+            );
+            g = self.all_here.wait_timeout(g, left).unwrap().0;
+        }
+    }
+}
 
 /// A thread's first panic, kept so that a failed check ends the test instead of leaving the
 /// other threads waiting at a barrier.
@@ -87,7 +133,7 @@ fn peaks_are_exact_when_threads_take_turns() {
         e.alloc.reset_peak_stats();
         let slots = Mutex::new([0u64; 5]);
         let turn = AtomicUsize::new(0);
-        let warmed = Barrier::new(3);
+        let warmed = Meet::new(3);
         std::thread::scope(|scope| {
             for (t, stream) in [(0, S0), (1, S0)] {
                 let (e, slots, turn, warmed) = (&e, &slots, &turn, &warmed);
@@ -99,7 +145,9 @@ fn peaks_are_exact_when_threads_take_turns() {
                         if who != t {
                             continue;
                         }
+                        let deadline = Instant::now() + STUCK_AFTER;
                         while turn.load(Ordering::Acquire) != i {
+                            assert!(Instant::now() < deadline, "turn {i} never came");
                             std::thread::yield_now();
                         }
                         match op {
@@ -134,6 +182,8 @@ fn peaks_are_exact_when_threads_take_turns() {
             (s.live_allocations, s.counts.allocs, s.counts.frees),
             (1, 35, 34)
         );
+        // Each new peak past the caches' headroom was settled with every cache locked.
+        assert_eq!(s.counts.thread_cache_settles > 0, on, "caches {on}");
         consistent(&e, "after the turns");
     }
 }
@@ -144,7 +194,7 @@ fn other_threads_free_and_look_up_cached_blocks() {
         let e = env_cache(on);
         let s1 = e.backend.stream_create(0).unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<(u64, u64)>();
-        let owner_done = Barrier::new(2);
+        let owner_done = Meet::new(2);
         std::thread::scope(|scope| {
             let (e, owner_done) = (&e, &owner_done);
             scope.spawn(move || {
@@ -302,7 +352,7 @@ fn a_block_cached_on_one_stream_reaches_another_only_ordered() {
 fn empty_cache_and_sleep_reclaim_other_threads_cached_blocks() {
     let e = env_cache(true);
     let s1 = e.backend.stream_create(0).unwrap();
-    let parked = Barrier::new(2);
+    let parked = Meet::new(2);
     let failure: Failure = Mutex::new(None);
     std::thread::scope(|scope| {
         let (e, parked, failure) = (&e, &parked, &failure);
@@ -346,7 +396,7 @@ fn empty_cache_and_sleep_reclaim_other_threads_cached_blocks() {
 fn a_threads_exit_returns_its_cache() {
     let e = env_cache(true);
     let s1 = e.backend.stream_create(0).unwrap();
-    let warmed = Barrier::new(2);
+    let warmed = Meet::new(2);
     let mut misses = 0;
     // The 4 KiB class carves 16 blocks per run: the exiting thread's cache ends up holding
     // every free one.
@@ -410,7 +460,7 @@ fn walks_with_cross_thread_frees_keep_exact_stats() {
             .collect();
         let mailbox: Mutex<Vec<Block>> = Mutex::new(Vec::new());
         let models = Mutex::new(vec![Counts::default(); WALKERS]);
-        let paused = Barrier::new(WALKERS + 1);
+        let paused = Meet::new(WALKERS + 1);
         let failure: Failure = Mutex::new(None);
         std::thread::scope(|scope| {
             for (w, &stream) in streams.iter().enumerate() {

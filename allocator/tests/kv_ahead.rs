@@ -1,50 +1,18 @@
 //! KvSpace map-ahead (`KvSpace::start_map_ahead`): grows publish rows the background mapper
 //! mapped; pages ahead belong to their slot and go back first when the pool runs out. The
-//! random walks with the mapper on are in `kv_space.rs`; timings are in `benches/kv_ahead.rs`.
+//! random walks with the mapper on are in `kv_space_walk.rs`; timings are in
+//! `benches/kv_ahead.rs`. The host rig is shared with the other KV tests (`kv_common/`).
 //! With a zero page, the tail of every slot reads zeros (rows ahead included) and writes there
 //! fault, whatever the mapper holds.
+
+mod kv_common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use strata_allocator::{Kind, SlotId};
-use strata_allocator::{KvConfig, KvSpace, PagePool, PoolConfig};
-use strata_vmm::{Backend, DevicePtr, Error, HostConfig};
-
-const PAGE: u64 = 64 << 10;
-
-/// A strict host backend and a pool of at most `limit_pages` pages; `None` without one.
-fn rig(limit_pages: Option<u64>) -> Option<(Arc<dyn Backend>, Arc<PagePool>)> {
-    let backend = match strata_vmm::host_or_cuda(HostConfig {
-        devices: vec![256 << 20],
-        granularity: PAGE,
-        strict: true,
-        link: None,
-    }) {
-        Ok(b) => b,
-        Err(Error::Unsupported(why)) => {
-            eprintln!("host backend unavailable ({why})");
-            return None;
-        }
-        Err(e) => panic!("host backend: {e}"),
-    };
-    let page = backend
-        .granularity(strata_vmm::Location::Device(0))
-        .unwrap();
-    let pool = PagePool::new(
-        Arc::clone(&backend),
-        0,
-        PoolConfig {
-            low_watermark: 0,
-            high_watermark: 1 << 20,
-            limit: limit_pages.map(|n| n * page),
-            idle_trim_after: None,
-            background: false,
-        },
-    )
-    .expect("pool");
-    Some((backend, pool))
-}
+use kv_common::{host_rig, kinds, ok, read_bytes, Rig, HOST_SMALL_PAGE};
+use strata_allocator::{Kind, KvConfig, KvSpace, SlotId};
+use strata_vmm::{Backend, Error};
 
 /// 2 layers (4 tensors, so a row is 4 pages), 4 slots of 8 pages, 1/4 page per token.
 fn config(page: u64, zero_page: bool) -> KvConfig {
@@ -71,15 +39,11 @@ fn wait_ahead(space: &KvSpace, pages: u64) {
     }
 }
 
-fn ok(space: &KvSpace) {
-    if let Err(e) = space.check_invariants() {
-        panic!("invariant: {e}");
-    }
-}
-
 #[test]
 fn start_is_validated() {
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     let page = pool.page_size();
     let mut space = KvSpace::new(Arc::clone(&pool), config(page, false)).unwrap();
     assert!(matches!(
@@ -96,7 +60,9 @@ fn start_is_validated() {
 
 #[test]
 fn grows_publish_rows_mapped_ahead() {
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
     space.start_map_ahead(16).unwrap();
     let slot = space.admit().unwrap();
@@ -124,7 +90,9 @@ fn grows_publish_rows_mapped_ahead() {
 
 #[test]
 fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
     space.start_map_ahead(8).unwrap();
     let slot = space.admit().unwrap();
@@ -155,7 +123,7 @@ fn shrink_gives_rows_back_and_free_keeps_them_with_the_deferred_slot() {
 fn out_of_memory_takes_pages_ahead_back_first() {
     // 12 pages: slot a's row and the two rows ahead (a's second, b's first: the budget) fill
     // the pool; b's second row fits only once a's row ahead goes back.
-    let Some((_, pool)) = rig(Some(12)) else {
+    let Some(Rig { pool, .. }) = host_rig(Some(12), HOST_SMALL_PAGE) else {
         return;
     };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
@@ -177,9 +145,91 @@ fn out_of_memory_takes_pages_ahead_back_first() {
     ok(&space);
 }
 
+/// Writes `byte` over page `page` of `slot` in every tensor.
+fn fill_page(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, page: usize, byte: u8) {
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let va = space.slot_ptr(slot, layer, kind).unwrap() + page as u64 * space.page_size();
+            backend
+                .write(va, &vec![byte; space.page_size() as usize])
+                .expect("a page below the extent is writable");
+        }
+    }
+}
+
+/// Page `page` of `slot` holds `byte` throughout, in every tensor.
+fn page_holds(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, page: usize, byte: u8) {
+    for layer in 0..space.config().layers {
+        for kind in kinds() {
+            let va = space.slot_ptr(slot, layer, kind).unwrap() + page as u64 * space.page_size();
+            let bytes = read_bytes(backend, va, space.page_size());
+            assert!(
+                bytes.iter().all(|&b| b == byte),
+                "page {page} of layer {layer} {kind:?} holds {byte}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rows_a_grow_took_from_the_mapper_are_filed_in_place_before_the_tables_change() {
+    // A grow that ready rows cover leaves them with the mapper, owed to the tables; evict,
+    // a grow the mapper cannot cover, shrink, free and drop file them first. Filing at the
+    // wrong pages, twice or not at all breaks the layout check, the bytes or the page count.
+    let Some(Rig { backend, pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
+    let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
+    space.start_map_ahead(ROW as usize).unwrap();
+    let slot = space.admit().unwrap();
+    for (page, tokens) in [(0, 4), (1, 8), (2, 12)] {
+        wait_ahead(&space, ROW);
+        space.grow(slot, tokens).unwrap();
+        ok(&space);
+        fill_page(&space, &backend, slot, page, 0x10 + page as u8);
+    }
+    assert_eq!(space.stats().pages_from_ahead, 3 * ROW);
+    space.evict_page(slot, 1).unwrap();
+    ok(&space);
+    page_holds(&space, &backend, slot, 0, 0x10);
+    page_holds(&space, &backend, slot, 2, 0x12);
+    space.restore_page(slot, 1).unwrap();
+    fill_page(&space, &backend, slot, 1, 0x11);
+    // Owed rows again, then a grow of 4 pages that one row ahead cannot cover.
+    wait_ahead(&space, ROW);
+    space.grow(slot, 16).unwrap();
+    wait_ahead(&space, ROW);
+    space.grow(slot, 32).unwrap();
+    ok(&space);
+    for page in 0..3 {
+        page_holds(&space, &backend, slot, page, 0x10 + page as u8);
+    }
+    fill_page(&space, &backend, slot, 7, 0x17);
+    space.shrink(slot, 8).unwrap();
+    ok(&space);
+    assert_eq!(space.stats().pages_mapped, 2 * ROW);
+    wait_ahead(&space, ROW);
+    space.grow(slot, 12).unwrap();
+    space.free(slot).unwrap();
+    ok(&space);
+    let again = space.admit().unwrap();
+    page_holds(&space, &backend, again, 0, 0x10);
+    page_holds(&space, &backend, again, 1, 0x11);
+    wait_ahead(&space, ROW);
+    space.grow(again, 16).unwrap();
+    drop(space);
+    assert_eq!(
+        pool.stats().in_use,
+        0,
+        "every page went back with the space"
+    );
+}
+
 #[test]
 fn a_grow_of_several_rows_is_refilled_by_one_job() {
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), false)).unwrap();
     space.start_map_ahead(16).unwrap();
     let slot = space.admit().unwrap();
@@ -205,7 +255,9 @@ fn a_grow_of_several_rows_is_refilled_by_one_job() {
 
 #[test]
 fn steady_growth_does_not_wake_the_mapper() {
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     let page = pool.page_size();
     let mut space = KvSpace::new(
         Arc::clone(&pool),
@@ -246,7 +298,9 @@ fn shrinking_a_growing_slot_never_lets_the_mapper_map_over_its_pages() {
     // (refused by the driver as already mapped, found by the invariant check).
     // With a zero page too: the mapper lifts it off rows past the extent while the shrinks lay
     // it back behind the pages they cut.
-    let Some((_, pool)) = rig(None) else { return };
+    let Some(Rig { pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
+        return;
+    };
     for zero_page in [false, true] {
         let mut space =
             KvSpace::new(Arc::clone(&pool), config(pool.page_size(), zero_page)).unwrap();
@@ -263,12 +317,6 @@ fn shrinking_a_growing_slot_never_lets_the_mapper_map_over_its_pages() {
     }
 }
 
-fn read_bytes(backend: &Arc<dyn Backend>, va: DevicePtr, len: u64) -> Vec<u8> {
-    let mut buf = vec![0u8; len as usize];
-    backend.read(va, &mut buf).expect("read");
-    buf
-}
-
 /// Slot `slot`'s pages from `from` on, in every tensor, read zeros (strict host backend: an
 /// unmapped page fails the read). Call it with the mapper's budget full (one row), so that no
 /// job swaps a row meanwhile.
@@ -276,7 +324,7 @@ fn tail_reads_zeros(space: &KvSpace, backend: &Arc<dyn Backend>, slot: SlotId, f
     let page = space.page_size();
     let stride = space.slot_stride();
     for layer in 0..space.config().layers {
-        for kind in [Kind::K, Kind::V] {
+        for kind in kinds() {
             let base = space.slot_ptr(slot, layer, kind).unwrap();
             let tail = read_bytes(
                 backend,
@@ -303,7 +351,7 @@ fn last_page_is_read_only(space: &KvSpace, backend: &Arc<dyn Backend>, slot: Slo
 
 #[test]
 fn zero_page_space_grows_from_rows_ahead_and_its_tail_reads_zeros() {
-    let Some((backend, pool)) = rig(None) else {
+    let Some(Rig { backend, pool, .. }) = host_rig(None, HOST_SMALL_PAGE) else {
         return;
     };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), true)).unwrap();
@@ -340,7 +388,7 @@ fn zero_page_space_grows_from_rows_ahead_and_its_tail_reads_zeros() {
 fn zero_page_comes_back_on_shrink_free_and_release() {
     // 16 pages: the slot's 3 rows and the row ahead; every page the mapper maps after the
     // shrink is one of them again.
-    let Some((backend, pool)) = rig(Some(16)) else {
+    let Some(Rig { backend, pool, .. }) = host_rig(Some(16), HOST_SMALL_PAGE) else {
         return;
     };
     let page = pool.page_size();
@@ -351,7 +399,7 @@ fn zero_page_comes_back_on_shrink_free_and_release() {
     wait_ahead(&space, ROW);
     // Nines in every page, the row ahead's included (mapped read-write, unpublished).
     for layer in 0..2 {
-        for kind in [Kind::K, Kind::V] {
+        for kind in kinds() {
             let base = space.slot_ptr(slot, layer, kind).unwrap();
             backend.write(base, &vec![9u8; 4 * page as usize]).unwrap();
         }
@@ -395,7 +443,7 @@ fn zero_page_comes_back_on_shrink_free_and_release() {
 
 #[test]
 fn zero_page_rows_ahead_go_back_when_the_pool_runs_out() {
-    let Some((backend, pool)) = rig(Some(12)) else {
+    let Some(Rig { backend, pool, .. }) = host_rig(Some(12), HOST_SMALL_PAGE) else {
         return;
     };
     let mut space = KvSpace::new(Arc::clone(&pool), config(pool.page_size(), true)).unwrap();

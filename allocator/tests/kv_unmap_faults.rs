@@ -3,9 +3,12 @@
 //! (not on a shrink, not when the space is dropped). Apart from `kv_space.rs` because the
 //! failure of a drop is recorded process-wide for the next fallible call.
 
+mod kv_common;
+
 use std::sync::{Arc, Mutex};
 
-use strata_allocator::{KvConfig, KvSpace, PagePool, PoolConfig};
+use kv_common::pool_config;
+use strata_allocator::{KvConfig, KvSpace, PagePool};
 use strata_vmm::host::FaultOp;
 use strata_vmm::{Backend, Error, HostBackend, HostConfig};
 
@@ -23,14 +26,7 @@ fn setup() -> (Arc<dyn Backend>, Arc<PagePool>, KvSpace) {
         link: None,
     })
     .unwrap();
-    let config = PoolConfig {
-        low_watermark: 0,
-        high_watermark: 1 << 20,
-        limit: None,
-        idle_trim_after: None,
-        background: false,
-    };
-    let pool = PagePool::new(Arc::clone(&b), 0, config).unwrap();
+    let pool = PagePool::new(Arc::clone(&b), 0, pool_config(None, PAGE)).unwrap();
     let kv = KvConfig {
         layers: 1,
         max_slots: 2,

@@ -24,7 +24,7 @@ mod vatable;
 mod work;
 
 pub use backend::{device_work, Backend};
-pub use cuda::CudaBackend;
+pub use cuda::{CudaBackend, MallocAsync};
 pub use devbuf::DeviceBuffer;
 pub use error::{Error, Result};
 pub use faulty::FaultyBackend;

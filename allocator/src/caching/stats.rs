@@ -42,6 +42,10 @@ pub struct AllocatorCounts {
     pub pending_frees: u64,
     pub sleeps: u64,
     pub wakes: u64,
+    /// Times the per-thread caches' shares of the allocated-byte figures were settled with
+    /// every cache locked (a cache's block passing its headroom, or a shared-path allocation
+    /// passing the bound): the slow path that keeps the peaks exact with the caches on.
+    pub thread_cache_settles: u64,
 }
 
 /// Per-tag figures.
@@ -550,7 +554,8 @@ pub(super) fn write_summary(out: &mut String, s: &AllocatorStats) {
     let _ = writeln!(
         out,
         "  {} allocs, {} frees, {} hits, {} misses, {} ooms; {} segments (+{} -{}), {} runs mapped; \
-         {} map, {} unmap, {} set_access calls; {} pages recycled; {} stream waits, {} syncs, {} pending",
+         {} map, {} unmap, {} set_access calls; {} pages recycled; {} stream waits, {} syncs, {} pending; \
+         {} thread-cache settles",
         c.allocs,
         c.frees,
         c.cache_hits,
@@ -566,7 +571,8 @@ pub(super) fn write_summary(out: &mut String, s: &AllocatorStats) {
         c.pages_recycled,
         c.stream_waits,
         c.stream_syncs,
-        s.pending_blocks
+        s.pending_blocks,
+        c.thread_cache_settles
     );
 }
 

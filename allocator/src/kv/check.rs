@@ -21,9 +21,10 @@ impl KvSpace {
     /// - in every tensor, page `p` of slot `s` is a pool page exactly when `p < mapped(s)` and
     ///   `p` is not a hole of `s`;
     ///   every other page is the zero page (with [`KvConfig::zero_page`](super::KvConfig::zero_page)) or unmapped;
-    ///   with the mapper on, that includes the rows it holds ahead: their zero mapping stays in
-    ///   the tables, lent to the mapper (which checks that each row ahead sits at the slot's
-    ///   extent onwards);
+    ///   with the mapper on, that includes the rows it holds ahead and the rows grows took from
+    ///   it that the tables have not filed yet (owed: the top `owed` pages of the extent, counted
+    ///   mapped): their zero mapping stays in the tables, lent to the mapper (which checks that
+    ///   each row sits at its place: owed rows just below the extent, ready rows from it on);
     /// - every mapping is one page at its own address inside its tensor's reservation; pool pages
     ///   are page-sized; no pool page is mapped twice and none is the zero page;
     /// - the pages counted as mapped equal the pool pages found, and equal the growth of the
@@ -70,6 +71,9 @@ impl KvSpace {
             let index = i as u32;
             let (on_free, on_deferred) = (free.contains(&index), deferred.contains(&index));
             let need = self.pages_for(slot.tokens);
+            if slot.owed > slot.mapped || (slot.owed > 0 && slot.state != SlotState::Active) {
+                return Err(format!("slot {i} ({slot:?}) owes rows it cannot"));
+            }
             let ok = match slot.state {
                 SlotState::Free => slot.tokens == 0 && slot.mapped == 0 && on_free && !on_deferred,
                 SlotState::Deferred => {
@@ -108,8 +112,9 @@ impl KvSpace {
             }
             for (p, backing) in tensor.pages.iter().enumerate() {
                 let (s, in_slot) = (p / self.pages_per_slot, p % self.pages_per_slot);
-                let should_be_real =
-                    in_slot < self.slots[s].mapped && !self.holes[s].contains(&in_slot);
+                // Owed rows are counted mapped but still with the mapper (checked there).
+                let filed = self.slots[s].mapped - self.slots[s].owed;
+                let should_be_real = in_slot < filed && !self.holes[s].contains(&in_slot);
                 let va = tensor.va(p, self.page);
                 let where_ = || format!("tensor {t} page {p} ({va:#x})");
                 let check_mapping = |m: &Mapping| -> Result<(), String> {
@@ -154,9 +159,12 @@ impl KvSpace {
                 }
             }
         }
-        if real != self.counters.pages_mapped {
+        let owed: usize = self.slots.iter().map(|s| s.owed).sum();
+        let owed = (owed * self.tensors.len()) as u64;
+        if real + owed != self.counters.pages_mapped {
             return Err(format!(
-                "{real} pool pages mapped but {} counted",
+                "{real} pool pages in the tables and {owed} owed by the mapper, but {} counted \
+                 mapped",
                 self.counters.pages_mapped
             ));
         }

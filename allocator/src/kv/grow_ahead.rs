@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use strata_vmm::{Error, Result};
 
-use super::ahead::{AheadSetup, MapAhead, Row};
+use super::ahead::{AheadSetup, MapAhead, Row, Taken};
 use super::tensor::Backing;
 use super::{invalid, KvSpace, SlotState};
 
@@ -13,22 +13,19 @@ use super::{invalid, KvSpace, SlotState};
 /// [`KvSpace::start_map_ahead`] had been called at creation; `0` or unset: off.
 pub const MAP_AHEAD_ENV: &str = "STRATA_KV_MAP_AHEAD";
 
-/// Rows of a grow whose table entries are read early (a decode step grows by one).
-const WARM_ROWS: usize = 4;
-
 impl KvSpace {
     /// Starts the background mapper: it keeps pool pages mapped ahead of every active slot, as
     /// many rows (one page in every tensor) as the slot's recent growth rate calls for, at most
     /// `budget_pages` pages in all; a grow then publishes mapped pages with no driver call and,
     /// while growth is steady, no syscall (the mapper polls instead of being woken). See the
-    /// design in `kv/ahead.rs`: pages ahead belong to their slot (counted in
+    /// design in `kv/ahead/mod.rs`: pages ahead belong to their slot (counted in
     /// [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and the pool's `in_use`), go back
     /// first when the pool is out of memory, and no lock is held across a wait on the mapper.
     ///
     /// With a zero page, the mapper lifts it off a row before mapping fresh pages there and lays
     /// it back behind any row it gives up unpublished; a row past a slot's extent has no mapping
     /// while its job runs (the driver has no atomic remap): see "The swap window" in
-    /// `kv/ahead.rs` before turning it on for kernels that read past the extent.
+    /// `kv/ahead/mod.rs` before turning it on for kernels that read past the extent.
     ///
     /// A budget below one row (`2 × layers` pages) or a mapper already running is
     /// [`Error::InvalidArgument`].
@@ -84,43 +81,58 @@ impl KvSpace {
         self.start_map_ahead(budget.max(self.tensors.len()))
     }
 
-    /// Backs pages `mapped..need` of slot `index`: the mapper's ready rows first (published,
-    /// no driver call), the rest mapped here. All or nothing, like [`KvSpace::back_slot`].
+    /// Backs pages `mapped..need` of slot `index`: the mapper's ready rows first (no driver
+    /// call), the rest mapped here. All or nothing, like [`KvSpace::back_slot`]. Ready rows that
+    /// cover the whole grow stay with the mapper, owed to the tables ([`KvSpace::file_owed`]).
     pub(super) fn grow_ahead(&mut self, index: usize, mapped: usize, need: usize) -> Result<()> {
-        let (tensors, base) = (&self.tensors, index * self.pages_per_slot);
-        let ahead = self.ahead.as_mut().expect("grow_ahead with a mapper");
-        // After an idle step (a decode step's gap) every line a grow touches is likely cold, each
-        // miss costing ~0.5 µs on the bench VM: the table entries the first rows go to are read
-        // right after the lock, so their misses overlap those of the mapper's state.
-        let warm_to = need.min(mapped + WARM_ROWS);
-        let mut rows = ahead.take_rows(index, mapped, need, || {
-            for tensor in tensors {
-                for entry in &tensor.pages[base + mapped..base + warm_to] {
-                    std::hint::black_box(matches!(entry, Backing::Unmapped));
-                }
+        let ahead = self.ahead.as_ref().expect("grow_ahead with a mapper");
+        let pages_per_row = self.tensors.len() as u64;
+        let rows = match ahead.take_rows(index, mapped, need) {
+            Taken::Owed(k) => {
+                self.slots[index].owed += k;
+                self.counters.pages_mapped += k as u64 * pages_per_row;
+                self.counters.pages_from_ahead += k as u64 * pages_per_row;
+                return Ok(());
             }
-        });
+            Taken::Rows(rows) => rows,
+        };
+        self.file_owed(index);
         let from = mapped + rows.len();
-        if from < need {
-            if let Err(e) = self.back_slot(index, from, need) {
-                let ahead = self.ahead.as_ref().expect("mapper");
-                let stale = ahead.put_back(index, mapped, rows);
-                ahead.release(stale);
-                ahead.resume(index);
-                return Err(e);
-            }
+        if let Err(e) = self.back_slot(index, from, need) {
+            let ahead = self.ahead.as_ref().expect("mapper");
+            let stale = ahead.put_back(index, mapped, rows);
+            ahead.release(stale);
+            ahead.resume(index);
+            return Err(e);
         }
-        self.counters.pages_from_ahead += (rows.len() * self.tensors.len()) as u64;
-        self.publish_rows(index, mapped, rows.drain(..));
-        if let Some(ahead) = &mut self.ahead {
-            ahead.recycle(rows);
-        }
+        self.counters.pages_from_ahead += rows.len() as u64 * pages_per_row;
+        self.file_rows(index, mapped, rows);
         Ok(())
     }
 
-    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables. A zero mapping
-    /// there was lent to the mapper, which unmapped it: it goes without a driver call.
-    fn publish_rows(&mut self, index: usize, at: usize, rows: impl IntoIterator<Item = Row>) {
+    /// Files the rows grows of slot `index` took from the mapper into the tables (they are
+    /// already counted as mapped); a no-op without any.
+    pub(super) fn file_owed(&mut self, index: usize) {
+        let owed = self.slots[index].owed;
+        if owed == 0 {
+            return;
+        }
+        let rows = self
+            .ahead
+            .as_ref()
+            .expect("owed rows come from a mapper")
+            .take_owed(index);
+        debug_assert_eq!(rows.len(), owed);
+        self.slots[index].owed = 0;
+        let at = self.slots[index].mapped - owed;
+        self.counters.pages_mapped -= (owed * self.tensors.len()) as u64;
+        self.file_rows(index, at, rows);
+    }
+
+    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables and counts them
+    /// mapped. A zero mapping there was lent to the mapper, which unmapped it: it goes without
+    /// a driver call.
+    fn file_rows(&mut self, index: usize, at: usize, rows: impl IntoIterator<Item = Row>) {
         let base = index * self.pages_per_slot + at;
         for (k, row) in rows.into_iter().enumerate() {
             for (tensor, mapped) in self.tensors.iter_mut().zip(row) {
@@ -133,18 +145,20 @@ impl KvSpace {
         }
     }
 
-    /// A slot is being freed: its ready rows become part of its extent (kept mapped for the next
-    /// admit, like the rest of a deferred slot), unless it has holes (it is truncated to its
-    /// first hole, so they are unmapped).
+    /// A slot is being freed: its owed rows are filed, and its ready rows become part of its
+    /// extent (kept mapped for the next admit, like the rest of a deferred slot), unless it has
+    /// holes (it is truncated to its first hole, so they are unmapped).
     pub(super) fn retire_ahead(&mut self, index: usize) {
         let Some(ahead) = &self.ahead else {
             return;
         };
         let mapped = self.slots[index].mapped;
         let rows = ahead.retire(index, 0, false);
+        self.file_owed(index);
+        let ahead = self.ahead.as_ref().expect("mapper");
         if self.holes[index].is_empty() {
             let n = rows.len();
-            self.publish_rows(index, mapped, rows);
+            self.file_rows(index, mapped, rows);
             self.slots[index].mapped += n;
         } else {
             ahead.release(rows);
@@ -169,7 +183,7 @@ impl KvSpace {
         check: impl FnOnce(u64) -> R,
     ) -> std::result::Result<R, String> {
         match &self.ahead {
-            Some(ahead) => ahead.settled(|held| check(held as u64)),
+            Some(ahead) => ahead.settled(|i| self.slots[i].owed, |held| check(held as u64)),
             None => Ok(check(0)),
         }
     }

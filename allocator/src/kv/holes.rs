@@ -40,6 +40,7 @@ impl KvSpace {
     /// quarantined: never reused, never released).
     pub fn evict_pages(&mut self, slot: SlotId, pages: Range<usize>) -> Result<()> {
         let index = self.check_run(slot, &pages, false)?;
+        self.file_owed(index);
         let result = self.unback_slot(index, pages.start, pages.end);
         self.holes[index].extend(pages);
         result.map(drop).map_err(|(_, e)| e)

@@ -58,16 +58,18 @@ use strata_vmm::{
 };
 
 use crate::mapped::unmap_pages;
-use crate::pool::{Page, PagePool};
+use crate::pool::PagePool;
 
 mod ahead;
-mod ahead_zero;
 mod check;
 mod grow_ahead;
 mod holes;
+mod reclaim;
+mod stats;
 mod tensor;
 
 pub use grow_ahead::MAP_AHEAD_ENV;
+pub use stats::KvStats;
 use tensor::{Backing, Counters, Env, Tensor};
 
 /// Which of a layer's two tensors.
@@ -123,41 +125,6 @@ impl SlotId {
     }
 }
 
-/// Counters of a [`KvSpace`]. "Pages" are pool pages (one per tensor per slot page).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KvStats {
-    /// Slots admitted and not freed.
-    pub slots_active: u32,
-    /// Freed slots that still hold mapped pages (deferred reclamation).
-    pub slots_deferred: u32,
-    /// Pool pages mapped now (active and deferred slots together).
-    pub pages_mapped: u64,
-    /// Pool pages unmapped since creation.
-    pub pages_unmapped_total: u64,
-    /// Pool pages mapped since creation.
-    pub pages_mapped_total: u64,
-    /// Backend `map` calls since creation (pool pages and zero-page mappings).
-    pub map_calls: u64,
-    /// Backend `unmap` calls since creation (pool pages and zero-page mappings).
-    pub unmap_calls: u64,
-    /// Backend `set_access` calls since creation.
-    pub set_access_calls: u64,
-    /// Tokens of all active slots together.
-    pub tokens: u64,
-    /// Slot pages (each one page in every tensor) evicted by [`KvSpace::evict_pages`] and not
-    /// restored: the holes of all active slots together.
-    pub pages_evicted: u64,
-    /// Pool pages the background mapper holds mapped ahead of active slots, not yet published
-    /// by a grow ([`KvSpace::start_map_ahead`]); not in `pages_mapped`, in the pool's `in_use`.
-    pub pages_ahead: u64,
-    /// Pool pages that grows published from the mapper's rows since creation (no driver call
-    /// on the caller's path).
-    pub pages_from_ahead: u64,
-    /// Grows and admits that had to wake the parked background mapper (a syscall on the
-    /// caller's path); while slots grow steadily it polls, and grows wake it not at all.
-    pub mapper_wakeups: u64,
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SlotState {
     Free,
@@ -174,6 +141,9 @@ struct Slot {
     mapped: usize,
     /// Admitted from the deferred list: may hold more pages than its tokens need, until a shrink.
     reused: bool,
+    /// Rows at the top of the extent (`mapped - owed..mapped`) that grows took from the
+    /// background mapper and the tables have not filed yet (see "Filing" in `kv/ahead/mod.rs`).
+    owed: usize,
 }
 
 /// KV-cache virtual tensors for `max_slots` requests of up to `max_tokens` tokens, `layers`
@@ -321,6 +291,7 @@ impl KvSpace {
                     tokens: 0,
                     mapped: 0,
                     reused: false,
+                    owed: 0,
                 },
             )?,
             holes: try_vec(config.max_slots as usize, BTreeSet::new())?,
@@ -604,100 +575,6 @@ impl KvSpace {
         Err(error)
     }
 
-    /// Takes `n` pages. When the pool is out of memory, gives back the pages mapped ahead and
-    /// retries, then reclaims deferred slots and retries once more.
-    fn take_pages(&mut self, n: usize) -> Result<Vec<Page>> {
-        match self.pool.take(n) {
-            Err(e) if e.is_out_of_memory() => {
-                if self.release_ahead() {
-                    if let Ok(pages) = self.pool.take(n) {
-                        return Ok(pages);
-                    }
-                }
-                if self.deferred.is_empty() {
-                    return Err(e);
-                }
-                self.reclaim_pages(n);
-                self.pool.take(n)
-            }
-            other => other,
-        }
-    }
-
-    /// Reclaims whole deferred slots, longest parked first, until at least `target` pages went
-    /// back to the pool or none is left. Returns the pages given back.
-    fn reclaim_pages(&mut self, target: usize) -> usize {
-        let mut given = 0;
-        while given < target {
-            let Some(index) = self.deferred.pop_front() else {
-                break;
-            };
-            given += self.reclaim_slot(index as usize);
-        }
-        given
-    }
-
-    /// Unbacks a deferred slot entirely and makes it free. Errors are recorded (surfaced by the
-    /// next fallible vmm call) since the caller cannot act on them.
-    fn reclaim_slot(&mut self, index: usize) -> usize {
-        let mapped = self.slots[index].mapped;
-        let given = match self.unback_slot(index, 0, mapped) {
-            Ok(n) => n,
-            Err((n, e)) => {
-                record_deferred(e);
-                n
-            }
-        };
-        let slot = &mut self.slots[index];
-        slot.mapped = 0;
-        slot.state = SlotState::Free;
-        self.free.push(index as u32);
-        given
-    }
-
-    /// Unbacks pages `from..to` of slot `index` in every tensor and hands them to the pool (a
-    /// page whose unmap failed is quarantined instead). Returns the number of pages given back
-    /// (with the first error, if any).
-    fn unback_slot(
-        &mut self,
-        index: usize,
-        from: usize,
-        to: usize,
-    ) -> std::result::Result<usize, (usize, Error)> {
-        if to <= from {
-            return Ok(0);
-        }
-        let base = index * self.pages_per_slot;
-        let env = Env {
-            pool: &self.pool,
-            backend: &self.backend,
-            location: self.location,
-            page: self.page,
-            zero: self.zero.as_ref(),
-        };
-        let mut returned = Vec::new();
-        let mut first_err = None;
-        for tensor in &mut self.tensors {
-            if let Err(e) = tensor.unback(
-                base + from,
-                base + to,
-                &mut returned,
-                &env,
-                &mut self.counters,
-            ) {
-                first_err.get_or_insert(e);
-            }
-        }
-        let given = returned.len();
-        if !returned.is_empty() {
-            self.pool.give(returned);
-        }
-        match first_err {
-            None => Ok(given),
-            Some(e) => Err((given, e)),
-        }
-    }
-
     /// Shrinks `slot` to `tokens` tokens in total: pages no longer needed (reused surplus
     /// included) are unmapped, given back to the pool and, with a zero page, backed by it again.
     /// `tokens` above the current length is [`Error::InvalidArgument`].
@@ -711,8 +588,9 @@ impl KvSpace {
             )));
         }
         let need = self.pages_for(tokens);
+        self.file_owed(index);
         // The tables give their pages up before the mapper's extent moves down to `need`: the
-        // mapper claims rows from its extent on (see `kv/ahead.rs`).
+        // mapper claims rows from its extent on (see `kv/ahead/mod.rs`).
         let result = self.unback_slot(index, need, current.mapped);
         if let Some(ahead) = self.ahead.as_ref().filter(|_| need < current.mapped) {
             let rows = ahead.retire(index, need, true);
@@ -760,48 +638,6 @@ impl KvSpace {
         }
         result
     }
-
-    /// Unmaps the pages of every deferred slot and gives them back to the pool; returns how many.
-    /// Errors are recorded and surfaced by the next fallible vmm call.
-    pub fn reclaim_deferred(&mut self) -> usize {
-        self.reclaim_pages(usize::MAX)
-    }
-
-    /// Counters and current totals.
-    pub fn stats(&self) -> KvStats {
-        let mut stats = KvStats {
-            pages_mapped: self.counters.pages_mapped,
-            pages_unmapped_total: self.counters.pages_unmapped_total,
-            pages_mapped_total: self.counters.pages_mapped_total,
-            map_calls: self.counters.map_calls,
-            unmap_calls: self.counters.unmap_calls,
-            set_access_calls: self.counters.set_access_calls,
-            pages_from_ahead: self.counters.pages_from_ahead,
-            ..KvStats::default()
-        };
-        stats.pages_evicted = self.holes.iter().map(|h| h.len() as u64).sum();
-        if let Some(ahead) = &self.ahead {
-            let c = ahead.counters();
-            stats.pages_ahead = c.pages_ready;
-            stats.pages_mapped_total += c.pages_mapped_total;
-            stats.pages_unmapped_total += c.pages_unmapped_total;
-            stats.map_calls += c.map_calls;
-            stats.unmap_calls += c.unmap_calls;
-            stats.set_access_calls += c.set_access_calls;
-            stats.mapper_wakeups = c.wakeups;
-        }
-        for slot in &self.slots {
-            match slot.state {
-                SlotState::Active => {
-                    stats.slots_active += 1;
-                    stats.tokens += u64::from(slot.tokens);
-                }
-                SlotState::Deferred => stats.slots_deferred += 1,
-                SlotState::Free => {}
-            }
-        }
-        stats
-    }
 }
 
 impl Drop for KvSpace {
@@ -816,7 +652,11 @@ impl Drop for KvSpace {
             }
             return;
         }
-        // The mapper first: it stops and unmaps what it holds before the tables go.
+        // The mapper first: the tables file what they owe it, then it stops and unmaps what it
+        // holds before the tables go.
+        for index in 0..self.slots.len() {
+            self.file_owed(index);
+        }
         drop(self.ahead.take());
         let mut returned = Vec::new();
         let mut first_err = None;

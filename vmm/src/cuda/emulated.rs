@@ -406,3 +406,33 @@ fn emulated_driver_charges_the_latency_profile() {
     assert!(create > 2 * map, "create {create:?} vs map {map:?}");
     b.free_va(va, g).unwrap();
 }
+
+#[test]
+fn emulated_malloc_async_frees_only_its_own_pointers() {
+    if !in_child("emulated_malloc_async_frees_only_its_own_pointers") {
+        return;
+    }
+    let b = open();
+    let free_before = b.mem_info(0).unwrap().free;
+    let mut pool = super::MallocAsync::new(&b, 0).unwrap();
+    let small = pool.allocate(4096).unwrap();
+    let large = pool.allocate(3 << 20).unwrap();
+    assert!(small != 0 && large != 0 && small != large);
+    pool.free(small).unwrap();
+    assert!(matches!(pool.free(small), Err(Error::UnknownPointer(p)) if p == small));
+    assert!(matches!(
+        pool.free(large + 256),
+        Err(Error::UnknownPointer(_))
+    ));
+    pool.synchronize().unwrap();
+    let mut other = super::MallocAsync::new(&b, 1).unwrap();
+    assert!(matches!(other.free(large), Err(Error::UnknownPointer(_))));
+    drop(other);
+    // Dropping it frees the live block and waits for its stream.
+    drop(pool);
+    let free_after = b.mem_info(0).unwrap().free;
+    assert_eq!(
+        free_after, free_before,
+        "the dropped allocator gave its block back"
+    );
+}

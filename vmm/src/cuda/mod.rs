@@ -32,6 +32,7 @@ mod copies;
 #[cfg(test)]
 mod emulated;
 mod launch;
+mod malloc_async;
 pub mod nvrtc;
 #[cfg(test)]
 mod real_libs;
@@ -58,6 +59,8 @@ use crate::types::{
 };
 use crate::vatable::VaTable;
 use crate::work::DeviceWork;
+
+pub use malloc_async::MallocAsync;
 use result::CUcontext;
 
 /// A retained primary context.

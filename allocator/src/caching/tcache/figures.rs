@@ -129,6 +129,7 @@ impl State {
         ti: usize,
         requester: Option<usize>,
     ) {
+        self.totals.counts.thread_cache_settles += 1;
         let mut shares: Vec<&mut Shares> = guards.iter_mut().map(|g| &mut g.shares).collect();
         for s in shares.iter_mut() {
             if s.tags.len() <= ti {

@@ -10,6 +10,14 @@
 //!   they are counted in [`KvStats::pages_ahead`](super::KvStats::pages_ahead) and in the pool's
 //!   `in_use`, and go with the slot (a free makes them part of the deferred slot's extent; a
 //!   shrink, a reclaim or the space's drop unmaps them).
+//! - **Filing.** A grow that ready rows cover entirely moves no page: it moves the rows from the
+//!   slot's ready queue to its *owed* queue (row headers, under the lock) and its extent up, and
+//!   touches none of the space's tables. After a decode step's idle gap every line a grow
+//!   touches is cold (~0.5 µs a miss on the bench VM), and writing a row's pages into
+//!   `2 × layers` tables made the first append of a step cost 5–10 µs. Owed rows are the
+//!   space's pages below the extent; the space files them into its tables before any other
+//!   operation on the slot reads or changes its tables (a grow that maps pages itself, shrink,
+//!   free, evict, restore, the drop) and its invariant check counts them.
 //! - The mapper maps one *job* at a time: up to [`MAX_BATCH`] consecutive rows of one slot, one
 //!   map call per page and one `set_access` per tensor over the job's run (the access call costs
 //!   per call: 20 µs on the H200). It claims the job and later publishes its rows under
@@ -43,8 +51,8 @@
 //!   (outside the lock, like its maps) just before it maps the fresh pages, and whenever it gives
 //!   a row up unpublished (a shrink, free with holes, out of memory, a stale job, the space's
 //!   drop) it unmaps the fresh pages and lays the zero page back (read-only, one `set_access`
-//!   per run) before the row leaves its hands; a grow that publishes the row consumes the
-//!   tables' zero mapping without a driver call (`Mapping::disown`: the address is the fresh
+//!   per run) before the row leaves its hands; filing a grown row into the tables consumes
+//!   their zero mapping without a driver call (`Mapping::disown`: the address is the fresh
 //!   page's now). The mapper zero-fills a job's fresh pages (a memset on its own stream, waited
 //!   for) before it publishes the job, so outside a job every address past a slot's extent
 //!   reads zeros as before (masked attention never meets stale bytes there), and a row grown
@@ -65,11 +73,14 @@
 //!
 //! - Every page address of a slot has at most one owner at a time, and only its owner maps or
 //!   unmaps it: the space's tables (pages below `extent`: grows, shrinks, evictions, restores,
-//!   reclaims and the drop touch only these, under the space's `&mut self`), the slot's ready
-//!   queue (`extent..extent + ready.len()`), the in-flight job (its claimed rows), or nobody.
+//!   reclaims and the drop touch only these, under the space's `&mut self`; the slot's owed
+//!   rows, `extent - owed.len()..extent`, are the tables' too, waiting to be filed), the slot's
+//!   ready queue (`extent..extent + ready.len()`), the in-flight job (its claimed rows), or
+//!   nobody.
 //! - The mapper claims rows only at `extent + ready.len()` and beyond, under the lock, so never
-//!   an address the tables or the ready queue own. Ready rows move to the tables only in
-//!   [`MapAhead::take_rows`] (or back to the tables on free), under the lock, front first.
+//!   an address the tables or the ready queue own. Ready rows move to the tables (or to the owed
+//!   queue) only in [`MapAhead::take_rows`] (or back to the tables on free), under the lock,
+//!   front first.
 //! - `extent` moves past a claimed row only in [`MapAhead::take_rows`], which first waits, under
 //!   the lock, until no job in flight overlaps the pages the grow will own; a job that lands for
 //!   an old epoch or a moved extent stays in flight until the mapper has unmapped it, so the
@@ -79,10 +90,11 @@
 //!   the slot inactive, so nothing is claimed until the next admit sets the extent again).
 //! - With a zero page, a row's zero mappings follow the row: the tables own them (as
 //!   `Backing::Zero`) at every address, but while the row is claimed or ready the mapper holds
-//!   the address (zero page lifted, fresh page mapped) and the tables touch neither; the mapper
+//!   the address (zero page lifted, fresh page mapped) and the tables touch neither (nor while
+//!   it is owed); the mapper
 //!   lays the zero page back before a row it gives up leaves the in-flight job or the ready
 //!   queue (under the rules above, before the tables or a later job may own the address again),
-//!   and a publish (a grow, or a free that keeps the ready rows) disowns the tables' zero
+//!   and filing a row (owed by a grow, or ready when a free keeps it) disowns the tables' zero
 //!   mapping, whose address the fresh page now holds. Shrinks, truncating frees, reclaims and
 //!   evictions lay the zero page behind the tables' own pages as without a mapper.
 //! - Rows the caller takes back to unmap (a shrink's ready rows, a failed grow's stale ones) are
@@ -108,13 +120,25 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use strata_vmm::{DevicePtr, Location, PhysicalMemory, Reservation};
 use strata_vmm::{Result, Stream};
 
-use super::ahead_zero::{ZeroCalls, ZeroPage};
+mod check;
+mod plan;
+mod zero;
+
+use zero::{ZeroCalls, ZeroPage};
 
 use crate::mapped::MappedPage;
 use crate::pool::PagePool;
 
 /// One row: a mapped pool page per tensor, in tensor order.
 pub(super) type Row = Vec<MappedPage>;
+
+/// The ready rows a grow took ([`MapAhead::take_rows`]).
+pub(super) enum Taken {
+    /// They covered the grow and stay with the mapper, owed to the space: this many rows.
+    Owed(usize),
+    /// They covered part of it (maybe none): the caller files them and maps the rest.
+    Rows(Vec<Row>),
+}
 
 /// Most rows one job maps (one `set_access` per tensor over all of them).
 const MAX_BATCH: usize = 4;
@@ -146,10 +170,10 @@ pub(super) struct AheadCounters {
 
 /// Rows `row..row + rows` of a slot, claimed by the mapper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Job {
-    pub(super) slot: usize,
-    pub(super) row: usize,
-    pub(super) rows: usize,
+struct Job {
+    slot: usize,
+    row: usize,
+    rows: usize,
     epoch: u64,
 }
 
@@ -165,6 +189,10 @@ struct SlotAhead {
     epoch: u64,
     extent: usize,
     ready: VecDeque<Row>,
+    /// Rows below the extent that grows took from `ready` and the space's tables have not filed
+    /// yet (`extent - owed.len()..extent`): the space's pages, kept here so that a grow moves
+    /// no page (see "Filing" above); the mapper never touches them.
+    owed: VecDeque<Row>,
     /// Rows to keep ready (set by [`State::plan`]).
     want: usize,
     /// Out of memory: no refill until the next grow.
@@ -208,23 +236,20 @@ pub(super) struct Shared {
     wake: Condvar,
     /// Callers wait here for the in-flight job to land.
     landed: Condvar,
-    pub(super) pool: Arc<PagePool>,
-    pub(super) reservations: Vec<Arc<Reservation>>,
-    pub(super) location: Location,
-    pub(super) page: u64,
+    pool: Arc<PagePool>,
+    reservations: Vec<Arc<Reservation>>,
+    location: Location,
+    page: u64,
     pages_per_slot: usize,
     /// The space's zero page, lifted off a row before it is mapped and laid back when a row is
     /// given up unpublished.
-    pub(super) zero: Option<ZeroPage>,
+    zero: Option<ZeroPage>,
 }
 
 /// The mapper of one space: its thread and the state it shares with the space.
 pub(super) struct MapAhead {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-    /// The buffer [`MapAhead::take_rows`] returns rows in, back from [`MapAhead::recycle`]: no
-    /// allocation on the append path.
-    taken: Vec<Row>,
 }
 
 /// Where the mapper of a space starts: what it maps and its budget.
@@ -287,7 +312,6 @@ impl MapAhead {
         Ok(MapAhead {
             shared,
             thread: Some(thread),
-            taken: Vec::new(),
         })
     }
 
@@ -327,45 +351,46 @@ impl MapAhead {
     }
 
     /// A grow of slot `index` from `mapped` to `need` pages: waits for an in-flight job inside
-    /// that run, then takes the ready rows that cover it (front first). The slot's extent is
-    /// `need` from now on; the caller maps the rest itself, and calls [`MapAhead::put_back`] if
+    /// that run, then takes the ready rows that cover it (front first); the slot's extent is
+    /// `need` from now on. When they cover the whole grow they stay here, owed to the space
+    /// ([`Taken::Owed`]: the grow moves no page and touches none of the space's tables); else
+    /// they come to the caller, who maps the rest itself and calls [`MapAhead::put_back`] if
     /// that fails. No syscall unless the mapper is parked (it polls while slots grow), and no
-    /// allocation (the rows come in the buffer [`MapAhead::recycle`] gave back). `warm` runs
-    /// first under the lock: loads the caller issues there overlap the misses on this state,
-    /// which after an idle step are most of a grow's cost (BENCHMARKS.md, kv_append).
-    pub(super) fn take_rows(
-        &mut self,
-        index: usize,
-        mapped: usize,
-        need: usize,
-        warm: impl FnOnce(),
-    ) -> Vec<Row> {
-        let mut rows = std::mem::take(&mut self.taken);
+    /// allocation once the slot's queues have grown (BENCHMARKS.md, kv_append).
+    pub(super) fn take_rows(&self, index: usize, mapped: usize, need: usize) -> Taken {
         let mut g = self.shared.state.lock();
-        warm();
         while g.in_flight.is_some_and(|j| j.overlaps(index, mapped, need)) {
             self.shared.landed.wait(&mut g);
         }
         let tensors = self.tensors();
         let s = &mut g.slots[index];
         let k = s.ready.len().min(need - mapped);
-        rows.extend(s.ready.drain(..k));
-        if k < need - mapped {
+        let taken = if k == need - mapped {
+            for _ in 0..k {
+                let row = s.ready.pop_front().expect("k ready rows");
+                s.owed.push_back(row);
+            }
+            Taken::Owed(k)
+        } else {
             s.epoch += 1;
-        }
+            Taken::Rows(s.ready.drain(..k).collect())
+        };
         s.extent = need;
         s.note_grow(need - mapped);
         g.last_grow = s.last_grow.or(g.last_grow);
         g.held -= k * tensors;
         g.counters.pages_ready -= (k * tensors) as u64;
         self.wake_if_parked(g);
-        rows
+        taken
     }
 
-    /// Gives back the (emptied) buffer [`MapAhead::take_rows`] returned, for the next grow.
-    pub(super) fn recycle(&mut self, mut rows: Vec<Row>) {
-        rows.clear();
-        self.taken = rows;
+    /// The rows grows of slot `index` took and the space has not filed (oldest first: they
+    /// sit at `extent - n..extent`), for its tables.
+    pub(super) fn take_owed(&self, index: usize) -> Vec<Row> {
+        self.shared.state.lock().slots[index]
+            .owed
+            .drain(..)
+            .collect()
     }
 
     /// Undoes a [`MapAhead::take_rows`] whose grow failed: the slot's extent is `mapped` again
@@ -451,55 +476,6 @@ impl MapAhead {
     pub(super) fn counters(&self) -> AheadCounters {
         self.shared.state.lock().counters
     }
-
-    /// Runs `check` with the mapper idle (no job in flight, none claimed until it returns) on
-    /// the pages held ahead and the addresses they must have; returns its result.
-    pub(super) fn settled<R>(
-        &self,
-        check: impl FnOnce(usize) -> R,
-    ) -> std::result::Result<R, String> {
-        let mut g = self.shared.state.lock();
-        while g.in_flight.is_some() {
-            self.shared.landed.wait(&mut g);
-        }
-        self.check_rows(&g)?;
-        Ok(check(g.held))
-    }
-
-    fn check_rows(&self, g: &MutexGuard<'_, State>) -> std::result::Result<(), String> {
-        if let Some(overlap) = &g.overlap {
-            return Err(format!(
-                "the mapper mapped over pages it did not own: {overlap}"
-            ));
-        }
-        let mut ready = 0;
-        for (i, s) in g.slots.iter().enumerate() {
-            if !s.active && !s.ready.is_empty() {
-                return Err(format!("slot {i} is not active but has rows ahead"));
-            }
-            for (k, row) in s.ready.iter().enumerate() {
-                for (t, mapped) in row.iter().enumerate() {
-                    if mapped.mapping.va() != self.shared.va(t, i, s.extent + k) {
-                        return Err(format!("slot {i}: ahead row {k} of tensor {t} misplaced"));
-                    }
-                }
-                ready += row.len();
-            }
-        }
-        if ready != g.held || ready as u64 != g.counters.pages_ready {
-            return Err(format!(
-                "{ready} pages ready ahead but {} held, {} counted",
-                g.held, g.counters.pages_ready
-            ));
-        }
-        if ready > g.budget {
-            return Err(format!(
-                "{ready} pages ready ahead, over the budget of {}",
-                g.budget
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl Drop for MapAhead {
@@ -512,9 +488,10 @@ impl Drop for MapAhead {
         }
         let rows = {
             let mut g = self.shared.state.lock();
+            // Owed rows are none here: the space files them before it drops its mapper.
             g.slots
                 .iter_mut()
-                .flat_map(|s| s.ready.drain(..))
+                .flat_map(|s| s.ready.drain(..).chain(s.owed.drain(..)))
                 .collect::<Vec<_>>()
         };
         self.shared.release(rows);
@@ -530,121 +507,8 @@ impl AheadCounters {
     }
 }
 
-impl SlotAhead {
-    /// Updates the growth rate with a grow of `rows` rows.
-    fn note_grow(&mut self, rows: usize) {
-        self.held_off = false;
-        if rows == 0 {
-            return;
-        }
-        let now = Instant::now();
-        if let Some(last) = self.last_grow {
-            let dt = now.duration_since(last).as_secs_f64().max(1e-6);
-            let sample = rows as f64 / dt;
-            self.rate = if self.rate == 0.0 {
-                sample
-            } else {
-                0.75 * self.rate + 0.25 * sample
-            };
-        }
-        self.last_grow = Some(now);
-        self.last_rows = rows;
-    }
-
-    /// Active, refilled, and grown within [`IDLE_AFTER`] (or eight of its intervals).
-    fn is_growing(&self, now: Instant) -> bool {
-        let Some(last) = self.last_grow.filter(|_| self.active && !self.held_off) else {
-            return false;
-        };
-        let idle = if self.rate > 0.0 {
-            IDLE_AFTER.max(Duration::from_secs_f64((8.0 / self.rate).min(60.0)))
-        } else {
-            IDLE_AFTER
-        };
-        now.duration_since(last) < idle
-    }
-}
-
-impl State {
-    /// Sizes every slot's rows ahead from its growth rate; returns how long the mapper may
-    /// wait before it looks again (`None`: nothing grows, it parks until woken).
-    fn plan(&mut self, now: Instant) -> Option<Duration> {
-        let (mut growing, mut fastest) = (0usize, 0.0f64);
-        for s in &self.slots {
-            if s.is_growing(now) {
-                growing += 1;
-                // A rate not measured yet (one grow so far) is taken as fast.
-                fastest = f64::max(fastest, if s.rate > 0.0 { s.rate } else { UNKNOWN_RATE });
-            }
-        }
-        let recent = self
-            .last_grow
-            .is_some_and(|t| now.duration_since(t) < IDLE_AFTER);
-        if growing == 0 && recent {
-            // Between one request and the next in its slot: as for a new one.
-            fastest = UNKNOWN_RATE;
-        }
-        let poll =
-            Duration::from_secs_f64((0.25 / fastest.max(1e-3)).min(1.0)).clamp(POLL_MIN, POLL_MAX);
-        let job_secs = if self.job_secs > 0.0 {
-            self.job_secs
-        } else {
-            JOB_SECS_GUESS
-        };
-        // Twice the time the mapper may take to notice a grow and refill every growing slot.
-        let lead = 2.0 * (poll.as_secs_f64() + growing as f64 * job_secs);
-        for s in &mut self.slots {
-            s.want = if !s.active || s.held_off {
-                0
-            } else if s.is_growing(now) {
-                let consumed = (s.rate * lead).ceil() as usize;
-                (consumed + 1).max(s.last_rows)
-            } else {
-                s.last_rows.max(1)
-            };
-        }
-        (growing > 0 || recent).then_some(poll)
-    }
-
-    /// The next job: the active slot with the fewest ready rows short of its want (round robin
-    /// among equals), up to [`MAX_BATCH`] rows, within the budget.
-    fn next_job(&mut self, tensors: usize, pages_per_slot: usize) -> Option<Job> {
-        let room = self.budget.saturating_sub(self.held) / tensors;
-        if room == 0 {
-            return None;
-        }
-        let n = self.slots.len();
-        let mut best: Option<usize> = None;
-        for k in 0..n {
-            let i = (self.cursor + k) % n;
-            let s = &self.slots[i];
-            let short = s.active
-                && !s.unmapping
-                && s.ready.len() < s.want
-                && s.extent + s.ready.len() < pages_per_slot;
-            if short && best.is_none_or(|b| s.ready.len() < self.slots[b].ready.len()) {
-                best = Some(i);
-            }
-        }
-        let i = best?;
-        self.cursor = (i + 1) % n;
-        let s = &self.slots[i];
-        let row = s.extent + s.ready.len();
-        let rows = (s.want - s.ready.len())
-            .min(MAX_BATCH)
-            .min(room)
-            .min(pages_per_slot - row);
-        Some(Job {
-            slot: i,
-            row,
-            rows,
-            epoch: s.epoch,
-        })
-    }
-}
-
 impl Shared {
-    pub(super) fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
+    fn va(&self, tensor: usize, slot: usize, row: usize) -> DevicePtr {
         self.reservations[tensor].ptr() + (slot * self.pages_per_slot + row) as u64 * self.page
     }
 

@@ -1,18 +1,18 @@
-//! The mapper's driver work ([`super::ahead`]): mapping a job's rows and unmapping rows it gives
+//! The mapper's driver work ([`super`]): mapping a job's rows and unmapping rows it gives
 //! up, and the zero-page swaps around both.
 //!
 //! Rows ahead in a zero-page space: the mapper lifts the zero page off a row's addresses before
 //! it maps fresh pages there, and lays it back when it gives a row up unpublished. The zero
 //! mappings stay the tables' (`Backing::Zero`): lent to the mapper while it holds the row, given
 //! back by laying the zero page again, or consumed ([`Mapping::disown`]) when a grow publishes
-//! the row. See "Zero page" in `kv/ahead.rs`.
+//! the row. See "Zero page" in `kv/ahead`.
 
 use std::sync::Arc;
 
 use strata_vmm::{record_deferred, Access, DevicePtr, Location, Mapping, PhysicalMemory};
 use strata_vmm::{Backend, Reservation, Result, Stream};
 
-use super::ahead::{Job, Row, Shared};
+use super::{Job, Row, Shared};
 use crate::mapped::{unmap_pages, MappedRun, PageLease};
 use crate::pool::Page;
 
