@@ -26,6 +26,11 @@
 //!
 //! Also a handoff: blocks allocated on one thread and freed on another (`4KiB_handoff`).
 //!
+//! On the CUDA backend, `cuda_malloc_async/4KiB_aggregate`: the same crew and pairs through the
+//! driver's stream-ordered allocator (`cuMemAllocAsync`/`cuMemFreeAsync`, what PyTorch's
+//! `cudaMallocAsync` backend calls; `vmm::MallocAsync`, a stream of its own per thread), the
+//! baseline issue 30 compares the 8-thread figure with.
+//!
 //! Run: `cargo bench --bench threads` (STRATA_BACKEND=cuda on a GPU machine). On a shared
 //! machine compare the lines of one run, not runs.
 
@@ -38,7 +43,7 @@ use std::time::{Duration, Instant};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion};
 use strata::allocator::{CachingAllocator, CachingConfig, PagePool, PoolConfig};
-use strata::vmm::{self, DevicePtr, StreamHandle};
+use strata::vmm::{self, DevicePtr, MallocAsync, StreamHandle};
 
 const SIZE: u64 = 4 << 10;
 
@@ -217,6 +222,7 @@ fn bench(c: &mut Criterion) {
     for s in streams {
         backend.stream_destroy(s).expect("stream");
     }
+    cuda_malloc_async(c, &backend);
     let locks: Vec<OwnLock> = (0..8).map(|_| OwnLock::default()).collect();
     let mut group = c.benchmark_group("pair_per_thread/own_locks");
     group.measurement_time(Duration::from_secs(3));
@@ -225,6 +231,29 @@ fn bench(c: &mut Criterion) {
         for _ in 0..n {
             *black_box(lock).lock().expect("lock") += 1;
             *black_box(lock).lock().expect("lock") -= 1;
+        }
+    });
+    group.finish();
+}
+
+/// The crew's pairs through `cudaMallocAsync`'s driver calls, on the CUDA backend only.
+fn cuda_malloc_async(c: &mut Criterion, backend: &Arc<dyn vmm::Backend>) {
+    let pools: Vec<Mutex<MallocAsync>> = match (0..8)
+        .map(|_| MallocAsync::new(backend, 0).map(Mutex::new))
+        .collect()
+    {
+        Ok(pools) => pools,
+        Err(vmm::Error::Unsupported(_)) => return,
+        Err(e) => panic!("cudaMallocAsync: {e}"),
+    };
+    let mut group = c.benchmark_group("pair_per_thread/cuda_malloc_async");
+    group.measurement_time(Duration::from_secs(3));
+    crew_figures(&mut group, "4KiB_aggregate", &|i, n| {
+        // Locked once per chunk, by worker `i` only: uncontended.
+        let mut pool = pools[i].lock().expect("pool");
+        for _ in 0..n {
+            let p = pool.allocate(black_box(SIZE)).expect("cuMemAllocAsync");
+            pool.free(black_box(p)).expect("cuMemFreeAsync");
         }
     });
     group.finish();
