@@ -516,8 +516,9 @@ impl Shared {
         let tensors = self.reservations.len();
         let mut g = self.state.lock();
         while !g.stop {
-            let poll = g.plan(Instant::now());
-            if let Some(job) = g.next_job(tensors, self.pages_per_slot) {
+            let now = Instant::now();
+            let poll = g.plan(now);
+            if let Some(job) = g.next_job(tensors, self.pages_per_slot, now) {
                 g = self.work(g, job, tensors);
                 continue;
             }
