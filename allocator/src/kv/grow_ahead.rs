@@ -105,7 +105,9 @@ impl KvSpace {
             ahead.resume(index);
             return Err(e);
         }
-        self.counters.pages_from_ahead += rows.len() as u64 * pages_per_row;
+        let pages = rows.len() as u64 * pages_per_row;
+        self.counters.pages_from_ahead += pages;
+        self.counters.pages_mapped += pages;
         self.file_rows(index, mapped, rows);
         Ok(())
     }
@@ -125,13 +127,12 @@ impl KvSpace {
         debug_assert_eq!(rows.len(), owed);
         self.slots[index].owed = 0;
         let at = self.slots[index].mapped - owed;
-        self.counters.pages_mapped -= (owed * self.tensors.len()) as u64;
         self.file_rows(index, at, rows);
     }
 
-    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables and counts them
-    /// mapped. A zero mapping there was lent to the mapper, which unmapped it: it goes without
-    /// a driver call.
+    /// Puts `rows` (mapped at pages `at..` of slot `index`) into the tables; the callers count
+    /// them mapped. A zero mapping there was lent to the mapper, which unmapped it: it goes
+    /// without a driver call.
     fn file_rows(&mut self, index: usize, at: usize, rows: impl IntoIterator<Item = Row>) {
         let base = index * self.pages_per_slot + at;
         for (k, row) in rows.into_iter().enumerate() {
@@ -140,7 +141,6 @@ impl KvSpace {
                 if let Backing::Zero(zero) = lent {
                     zero.disown();
                 }
-                self.counters.pages_mapped += 1;
             }
         }
     }
@@ -158,6 +158,7 @@ impl KvSpace {
         let ahead = self.ahead.as_ref().expect("mapper");
         if self.holes[index].is_empty() {
             let n = rows.len();
+            self.counters.pages_mapped += (n * self.tensors.len()) as u64;
             self.file_rows(index, mapped, rows);
             self.slots[index].mapped += n;
         } else {
